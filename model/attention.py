@@ -1,0 +1,106 @@
+"""Multi-head attention: one block for self- and cross-attention, masks, dropout and a KV cache.
+
+Mask conventions (each argument follows the PyTorch function it is named after):
+- attn_mask: bool, broadcastable to (B, n_head, T_q, T_k), True where a query may attend a key,
+  as in F.scaled_dot_product_attention.
+- key_padding_mask: bool (B, T_k), True where a key is padding, as in nn.MultiheadAttention.
+- is_causal: query i may attend key j when j <= i + (T_k - T_q), i.e. aligned bottom-right, so
+  that the last query sees every key. That is what new queries appended after earlier keys need.
+All given masks are combined with AND. A query whose keys are all masked gets zeros, never NaN.
+"""
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def causal_mask(t_q: int, t_k: int, device=None) -> torch.Tensor:
+    """(t_q, t_k) bool, True where query i may attend key j, aligned bottom-right.
+
+    F.scaled_dot_product_attention's is_causal aligns top-left instead, which is only the same
+    when t_q == t_k.
+    """
+    return torch.ones(t_q, t_k, dtype=torch.bool, device=device).tril(diagonal=t_k - t_q)
+
+
+class MultiHeadAttention(nn.Module):
+    """Scaled dot-product attention over n_head heads with a fused Q/K/V projection.
+
+    Widths: inputs are embed_dim wide; queries and keys qk_dim in all, values v_dim in all (split
+    evenly over the heads); the output projection maps v_dim to out_dim. Each defaults to embed_dim.
+    """
+
+    def __init__(self, embed_dim: int, n_head: int, *, qk_dim: int | None = None, v_dim: int | None = None,
+                 out_dim: int | None = None, bias: bool = True, out_proj: bool = True, dropout: float = 0.0):
+        super().__init__()
+        qk_dim = qk_dim or embed_dim
+        v_dim = v_dim or embed_dim
+        for name, width in (("query/key width", qk_dim), ("value width", v_dim)):
+            if width % n_head:
+                raise ValueError(f"{name} {width} is not divisible by n_head {n_head}")
+        if not out_proj and out_dim not in (None, v_dim):
+            raise ValueError(f"without an output projection the output width is the value width {v_dim}, "
+                             f"not out_dim {out_dim}")
+        self.n_head, self.qk_dim, self.v_dim = n_head, qk_dim, v_dim
+        self.qkv = nn.Linear(embed_dim, 2 * qk_dim + v_dim, bias=bias)  # rows: Q, then K, then V
+        self.out_proj = nn.Linear(v_dim, out_dim or embed_dim, bias=bias) if out_proj else nn.Identity()
+        self.attn_dropout = dropout
+        self.out_dropout = nn.Dropout(dropout)
+
+    def forward(self, x, context=None, *, attn_mask=None, key_padding_mask=None, is_causal=False,
+                need_weights=False, cache=None):
+        """Attend from x (B, T_q, embed_dim) to itself, or to context (B, T_k, embed_dim) if given.
+
+        cache: a LayerKV. The new keys and values are written into it and the queries attend to
+        all of its slots; attn_mask must then say which slots each query may see.
+        need_weights: take the explicit path and also return the attention weights.
+        Returns (out (B, T_q, out_dim), weights (B, n_head, T_q, T_k) or None).
+        """
+        B, T_q, _ = x.shape
+        q, k, v = self.project(x, context)
+        q = q.view(B, T_q, self.n_head, -1).transpose(1, 2)  # (B, nh, T_q, hs)
+        k = k.view(B, k.size(1), self.n_head, -1).transpose(1, 2)  # (B, nh, T_k, hs)
+        v = v.view(B, v.size(1), self.n_head, -1).transpose(1, 2)  # (B, nh, T_k, hs_v)
+        if cache is not None:
+            k, v = cache.update(k, v)  # (B, nh, max_len, hs): every slot of this layer's cache
+        T_k = k.size(2)
+
+        mask = causal_mask(T_q, T_k, x.device) if is_causal else None
+        if key_padding_mask is not None:
+            keys_present = ~key_padding_mask[:, None, None, :]  # (B, 1, 1, T_k)
+            mask = keys_present if mask is None else mask & keys_present
+        if attn_mask is not None:
+            mask = attn_mask if mask is None else mask & attn_mask
+
+        dropout_p = self.attn_dropout if self.training else 0.0
+        weights = None
+        if need_weights:
+            scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))  # (B, nh, T_q, T_k)
+            if mask is not None:
+                scores = scores.masked_fill(~mask, float("-inf"))
+            weights = scores.softmax(dim=-1)
+            if mask is not None:  # a row with every key masked is all NaN after softmax
+                weights = weights.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
+            y = F.dropout(weights, dropout_p, self.training) @ v  # (B, nh, T_q, hs_v)
+        elif mask is None or (is_causal and T_q == T_k and attn_mask is None and key_padding_mask is None):
+            # no mask tensor at all: lets SDPA pick its fastest kernel
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+            # kernels differ on rows with every key masked (zeros on some, NaN on others): make them zeros
+            y = y.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
+
+        y = y.transpose(1, 2).reshape(B, T_q, self.v_dim)  # re-assemble the heads side by side
+        return self.out_dropout(self.out_proj(y)), weights
+
+    def project(self, x, context=None):
+        """Queries from x; keys and values from x (self-attention) or from context (cross-attention)."""
+        if context is None:  # one fused matmul for Q, K and V
+            return self.qkv(x).split([self.qk_dim, self.qk_dim, self.v_dim], dim=-1)
+        # the same weights, split: queries from x, keys and values from context
+        w_q, w_kv = self.qkv.weight.split([self.qk_dim, self.qk_dim + self.v_dim])
+        b_q, b_kv = (None, None) if self.qkv.bias is None else self.qkv.bias.split([self.qk_dim, self.qk_dim + self.v_dim])
+        k, v = F.linear(context, w_kv, b_kv).split([self.qk_dim, self.v_dim], dim=-1)
+        return F.linear(x, w_q, b_q), k, v

@@ -1,0 +1,83 @@
+"""The KV cache: every layer's keys and values for a batch of sequences, in preallocated buffers."""
+
+from typing import NamedTuple
+
+import torch
+import torch.nn as nn
+
+
+class LayerKV(NamedTuple):
+    """One layer's view of the cache, and the slots that this forward pass writes."""
+
+    k: torch.Tensor  # (B, nh, max_len, hs)
+    v: torch.Tensor  # (B, nh, max_len, hs)
+    slots: torch.Tensor  # (T,) where the T new keys and values go
+
+    def update(self, k_new, v_new):
+        """Write the new keys/values (B, nh, T, hs) in place; return every slot of this layer."""
+        self.k.index_copy_(2, self.slots, k_new.to(self.k.dtype))
+        self.v.index_copy_(2, self.slots, v_new.to(self.v.dtype))
+        return self.k, self.v
+
+
+class KVCache(nn.Module):
+    """Keys and values of all layers, (n_layer, B, n_head, max_len, head_dim), written in place.
+
+    Slot s holds the s-th token fed since reset(). One counter, `pos` (the number of filled slots),
+    decides where new keys and values are written, which slots a query may attend (its own and
+    those before it: causal, aligned bottom-right, whether one token or a chunk is fed) and each
+    token's position. `pos` is a 0-d tensor, so that a compiled one-token step has static shapes
+    and does not recompile as it advances; queries attend to all max_len slots, masked.
+
+    Left-padded batches: row b's first pad[b] slots hold padding, which no query attends, and its
+    tokens' positions count from its first real token.
+    """
+
+    def __init__(self, n_layer: int, batch_size: int, n_head: int, max_len: int, head_dim: int,
+                 dtype=torch.float32, device=None):
+        super().__init__()
+        shape = (n_layer, batch_size, n_head, max_len, head_dim)
+        # persistent=False: a cache is scratch space, never part of a checkpoint
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("pos", torch.zeros((), dtype=torch.long, device=device), persistent=False)
+        self.register_buffer("pad", torch.zeros(batch_size, dtype=torch.long, device=device), persistent=False)
+        self.register_buffer("slot_ids", torch.arange(max_len, device=device), persistent=False)
+
+    @property
+    def max_len(self) -> int:
+        return self.k.size(3)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by keys and values: 2 * n_layer * B * max_len * n_embd * itemsize."""
+        return self.k.nbytes + self.v.nbytes
+
+    def __len__(self) -> int:
+        """Filled slots. Reads the counter back to the host (a sync on GPU): for tests and reports."""
+        return int(self.pos)
+
+    def reset(self, pad=None) -> None:
+        """Empty the cache; pad (B,) gives how many left-padding tokens each row will start with."""
+        self.pos.zero_()
+        self.pad.zero_() if pad is None else self.pad.copy_(pad)
+
+    def layer(self, i: int, slots) -> LayerKV:
+        return LayerKV(self.k[i], self.v[i], slots)
+
+    def next_slots(self, t: int):
+        """(t,) the slots the next t tokens go to."""
+        return self.pos + self.slot_ids[:t]
+
+    def positions(self, slots):
+        """(B, t) position of each new token in its row, counted from the row's first real token."""
+        return (slots[None, :] - self.pad[:, None]).clamp(min=0)
+
+    def attn_mask(self, slots):
+        """(B, 1, t, max_len) bool, True where a new token may attend a slot."""
+        causal = self.slot_ids[None, :] <= slots[:, None]  # (t, max_len); also hides unfilled slots
+        not_pad = self.slot_ids[None, :] >= self.pad[:, None]  # (B, max_len)
+        return causal[None, None, :, :] & not_pad[:, None, None, :]
+
+    def advance(self, t: int) -> None:
+        self.pos += t
