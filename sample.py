@@ -1,0 +1,205 @@
+"""Sample text from a trained kvgpt checkpoint, decoding one token at a time with a KV cache.
+
+    python sample.py                                   # newest run's best.pt, prompt "\\n"
+    python sample.py --prompt "ROMEO:" --max-new-tokens 300 --temperature 0.7 --top-k 40
+    python sample.py --checkpoint runs/2024-05-01_12-00-00 --num-samples 3 --seed 1
+    python sample.py --temperature 0 --no-kv-cache     # greedy, recomputing everything at every step
+
+Text streams to the terminal as it is generated; piped or redirected, each sample is written whole at
+the end. A one-line summary (tokens, seconds, tokens/s, cache size) goes to stderr. Every mistake in
+the command line or its inputs is reported as one line on stderr with exit status 2.
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from checkpoint import CheckpointError, find_latest_checkpoint, load_checkpoint, resolve_checkpoint
+from data import CharVocab, DataError, UnknownCharacterError
+from model import GPT, GPTConfig
+
+SAMPLE_SEPARATOR = "---------------\n"
+
+
+class UsageError(Exception):
+    """A mistake in the command line or its inputs; main() reports it as one line, exit status 2."""
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    def error(self, message):
+        # argparse would print the whole usage block first; one line reads the same as our own errors.
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineErrorParser(description="Sample text from a trained kvgpt checkpoint.")
+    prompt = parser.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", metavar="TEXT", default="\n", help="text to continue (default: a newline)")
+    prompt.add_argument("--prompt-file", metavar="PATH", type=Path, help="read the prompt from this UTF-8 file")
+    parser.add_argument("--checkpoint", metavar="PATH", type=Path,
+                        help="checkpoint file or run directory (default: the newest best.pt under ./runs)")
+    parser.add_argument("--max-new-tokens", metavar="N", type=int, default=500,
+                        help="characters to generate (default: %(default)s)")
+    parser.add_argument("--temperature", metavar="T", type=float, default=0.8,
+                        help="0 means greedy (default: %(default)s)")
+    parser.add_argument("--top-k", metavar="K", type=int, help="sample only from the K likeliest characters")
+    parser.add_argument("--top-p", metavar="P", type=float,
+                        help="sample only from the fewest likeliest characters whose probabilities reach P")
+    parser.add_argument("--num-samples", metavar="N", type=int, default=1,
+                        help="samples, generated together as one batch (default: %(default)s)")
+    parser.add_argument("--seed", metavar="S", type=int, help="random seed, for reproducible samples")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda", "mps"), default="auto",
+                        help="auto: cuda, else mps, else cpu (default: %(default)s)")
+    parser.add_argument("--no-kv-cache", action="store_true",
+                        help="recompute the whole context at every step (slow; for comparison)")
+    parser.add_argument("--window", metavar="N", type=int,
+                        help="context tokens kept when it grows past block_size, 1..block_size "
+                             "(default: the model's, block_size // 2; block_size is the classic crop)")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the one-token decode step (the first steps pay for compiling)")
+    return parser
+
+
+def check_args(args) -> None:
+    if not args.temperature >= 0:  # rather than `< 0`, so that NaN is refused too
+        raise UsageError(f"--temperature must be >= 0 (0 means greedy), got {args.temperature}")
+    if args.top_k is not None and args.top_k < 1:
+        raise UsageError(f"--top-k must be >= 1, got {args.top_k}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.max_new_tokens < 0:
+        raise UsageError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if args.num_samples < 1:
+        raise UsageError(f"--num-samples must be >= 1, got {args.num_samples}")
+    if args.compile and args.no_kv_cache:
+        raise UsageError("--compile compiles the cached one-token step, which --no-kv-cache does not use; "
+                         "drop one of them")
+
+
+def choose_device(name: str) -> torch.device:
+    available = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available(), "cpu": True}
+    if name == "auto":
+        return torch.device(next(device for device, ok in available.items() if ok))
+    if not available[name]:
+        usable = ", ".join(device for device, ok in available.items() if ok)
+        raise UsageError(f"--device {name} is not available on this machine (available: {usable}, or auto)")
+    return torch.device(name)
+
+
+def read_prompt(args) -> str:
+    if args.prompt_file is None:
+        if not args.prompt:
+            raise UsageError("--prompt is empty; give at least one character to continue from")
+        return args.prompt
+    try:
+        prompt = args.prompt_file.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"--prompt-file {args.prompt_file} is not UTF-8 text") from None
+    except OSError as e:
+        raise UsageError(f"cannot read --prompt-file {args.prompt_file}: {e.strerror or e}") from None
+    if not prompt:
+        raise UsageError(f"--prompt-file {args.prompt_file} is empty; give at least one character")
+    return prompt
+
+
+def load_model(checkpoint_path: Path, device: torch.device) -> tuple[GPT, CharVocab]:
+    ckpt = load_checkpoint(checkpoint_path, map_location="cpu")
+    try:
+        model = GPT(GPTConfig(**ckpt["model_config"]))
+        model.load_state_dict(ckpt["model"])
+        vocab = CharVocab(ckpt["vocab"])
+        if len(vocab) > model.config.vocab_size:
+            raise ValueError(f"{len(vocab)} characters for vocab_size {model.config.vocab_size}")
+    except (TypeError, ValueError, RuntimeError, DataError) as e:
+        # A kvgpt checkpoint, but one this version of the code cannot rebuild a model from.
+        reason = " ".join(str(e).split())[:200] or type(e).__name__  # load_state_dict's lists span lines
+        raise CheckpointError(f"{checkpoint_path} does not fit this version of the model ({reason})") from None
+    return model.to(device).eval(), vocab
+
+
+def encode_prompt(vocab: CharVocab, prompt: str) -> list[int]:
+    try:
+        return vocab.encode(prompt)
+    except UnknownCharacterError as e:
+        unknown = ", ".join(repr(c) for c in e.chars)
+        raise UsageError(f"the prompt has characters not in the checkpoint's vocabulary: {unknown}; "
+                         f"the vocabulary is {vocab.chars!r}") from None
+
+
+def stream_sample(steps, prompt: str, vocab: CharVocab, out) -> None:
+    """Write one sample as it is generated; reading each token back is the one sync that printing needs."""
+    out.write(prompt)
+    out.flush()
+    for next_ids in steps:
+        out.write(vocab.decode([next_ids.item()]))
+        out.flush()
+    out.write("\n")
+
+
+def collect_samples(steps, prompt: str, vocab: CharVocab, num_samples: int) -> list[str]:
+    """Every sample's text; the tokens stay on the device until the end, so no step waits for a sync."""
+    new_ids = list(steps)
+    rows = torch.stack(new_ids, dim=1).tolist() if new_ids else [[]] * num_samples
+    return [prompt + vocab.decode(row) for row in rows]
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        check_args(args)
+        device = choose_device(args.device)
+        prompt = read_prompt(args)
+        if args.checkpoint is None:
+            checkpoint_path = find_latest_checkpoint("runs")  # under the working directory, where train.py writes
+        else:
+            checkpoint_path = resolve_checkpoint(args.checkpoint)
+        model, vocab = load_model(checkpoint_path, device)
+        prompt_ids = encode_prompt(vocab, prompt)
+        block_size = model.config.block_size
+        if args.window is not None and not 1 <= args.window <= block_size:
+            raise UsageError(f"--window must be in [1, {block_size}] (the model's block_size), got {args.window}")
+    except (UsageError, CheckpointError) as e:
+        parser.error(str(e))
+
+    generator = torch.Generator(device)
+    if args.seed is None:
+        generator.seed()  # a new generator starts from the same fixed seed every time; draw a random one
+    else:
+        generator.manual_seed(args.seed)
+    use_cache = not args.no_kv_cache
+    cache = model.new_kv_cache(args.num_samples) if use_cache else None
+    idx = torch.tensor([prompt_ids] * args.num_samples, dtype=torch.long, device=device)
+    steps = model.generate_tokens(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                                  top_p=args.top_p, use_cache=use_cache, generator=generator,
+                                  window=args.window, cache=cache, compile_step=args.compile)
+
+    # The samples of a batch grow side by side, so only a lone sample can stream legibly.
+    stream = args.num_samples == 1 and sys.stdout.isatty()
+    start = time.perf_counter()
+    try:
+        if stream:
+            stream_sample(steps, prompt, vocab, sys.stdout)
+        else:
+            samples = collect_samples(steps, prompt, vocab, args.num_samples)
+    except KeyboardInterrupt:  # Ctrl-C ends a long sample early, without a traceback
+        if stream:
+            print()
+        return 130
+    seconds = time.perf_counter() - start
+    if not stream:
+        sys.stdout.write(SAMPLE_SEPARATOR.join(sample + "\n" for sample in samples))
+    sys.stdout.flush()
+
+    tokens = args.num_samples * args.max_new_tokens
+    cache_size = f"KV cache {cache.nbytes / 2**20:.2f} MiB" if use_cache else "no cache"
+    print(f"{tokens} tokens in {seconds:.2f} s, {tokens / max(seconds, 1e-9):.1f} tokens/s, {cache_size} "
+          f"({device.type}, {checkpoint_path})", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,301 @@
+"""End-to-end tests of sample.py: the real command in a subprocess, on a tiny checkpoint trained here."""
+
+import builtins
+import os
+import pty
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoint import FORMAT, save_checkpoint
+from data import CharVocab
+from model import GPT, GPTConfig
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLE = REPO / "sample.py"
+SEPARATOR = "---------------\n"
+
+TEXT = """First Citizen:
+Before we proceed any further, hear me speak.
+
+All:
+Speak, speak.
+
+First Citizen:
+You are all resolved rather to die than to famish?
+
+All:
+Resolved. resolved.
+
+First Citizen:
+First, you know Caius Marcius is chief enemy to the people.
+"""
+VOCAB = CharVocab.from_text(TEXT)
+BLOCK_SIZE = 16
+NEW_TOKENS = 3 * BLOCK_SIZE + 5  # well past 2 * block_size, so the context is cut back more than once
+PROMPT = "First Citizen:\n"
+LONG_PROMPT = "All:\nSpeak, speak.\n\nFirst Citizen:\nYou are all"  # longer than BLOCK_SIZE
+# One thread per process: the model is tiny, and several torch processes on a few shared cores slow
+# each other down many times over when each spins up a thread per core.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def tiny_model(seed: int, train_steps: int) -> GPT:
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(vocab_size=len(VOCAB), block_size=BLOCK_SIZE, n_layer=2, n_head=2, n_embd=32))
+    # A little training makes the output depend on the context, so that a broken cache changes it.
+    data = torch.tensor(VOCAB.encode(TEXT))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(train_steps):
+        starts = torch.randint(len(data) - BLOCK_SIZE - 1, (16,))
+        x = torch.stack([data[s:s + BLOCK_SIZE] for s in starts])
+        y = torch.stack([data[s + 1:s + BLOCK_SIZE + 1] for s in starts])
+        _, loss = model(x, y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return model
+
+
+def checkpoint_state(model: GPT) -> dict:
+    return {"model_config": vars(model.config), "vocab": VOCAB.chars, "model": model.state_dict()}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in ENV; put back afterwards for the other tests in this process
+    try:
+        model = tiny_model(seed=0, train_steps=120)
+    finally:
+        torch.set_num_threads(threads)
+    return save_checkpoint(checkpoint_state(model), tmp_path_factory.mktemp("run") / "best.pt")
+
+
+def run_sample(*args, cwd=REPO) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SAMPLE), *map(str, args)], cwd=cwd, env=ENV,
+                          capture_output=True, text=True, timeout=300)
+
+
+def sample_ok(*args, cwd=REPO) -> subprocess.CompletedProcess:
+    result = run_sample(*args, cwd=cwd)
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+@pytest.fixture(scope="module")
+def greedy(checkpoint) -> subprocess.CompletedProcess:
+    return sample_ok("--checkpoint", checkpoint, "--prompt", PROMPT, "--temperature", 0,
+                     "--max-new-tokens", NEW_TOKENS)
+
+
+def test_greedy_output_and_summary(greedy):
+    assert greedy.stdout.startswith(PROMPT) and greedy.stdout.endswith("\n")
+    generated = greedy.stdout[len(PROMPT):-1]
+    assert len(generated) == NEW_TOKENS
+    assert len(set(generated)) >= 5, f"degenerate output {generated!r} would hide a broken cache"
+    assert re.fullmatch(rf"{NEW_TOKENS} tokens in [\d.]+ s, [\d.]+ tokens/s, KV cache [\d.]+ MiB \(cpu, .*best\.pt\)\n",
+                        greedy.stderr), greedy.stderr
+
+
+def test_greedy_without_cache_is_identical(checkpoint, greedy):
+    result = sample_ok("--checkpoint", checkpoint, "--prompt", PROMPT, "--temperature", 0,
+                       "--max-new-tokens", NEW_TOKENS, "--no-kv-cache")
+    assert result.stdout == greedy.stdout
+    assert "no cache" in result.stderr
+
+
+def test_classic_window_and_long_prompt_identical_without_cache(checkpoint, greedy):
+    common = ("--checkpoint", checkpoint, "--prompt", LONG_PROMPT, "--temperature", 0,
+              "--max-new-tokens", NEW_TOKENS, "--window", BLOCK_SIZE)
+    cached, uncached = sample_ok(*common).stdout, sample_ok(*common, "--no-kv-cache").stdout
+    assert cached.startswith(LONG_PROMPT) and len(cached) == len(LONG_PROMPT) + NEW_TOKENS + 1
+    assert cached == uncached
+
+
+def test_seeded_sampling_is_reproducible_with_and_without_cache(checkpoint):
+    common = ("--checkpoint", checkpoint, "--prompt", PROMPT, "--max-new-tokens", NEW_TOKENS,
+              "--temperature", 1.0, "--top-k", 10, "--top-p", 0.95)
+    first = sample_ok(*common, "--seed", 7).stdout
+    assert sample_ok(*common, "--seed", 7).stdout == first
+    assert sample_ok(*common, "--seed", 7, "--no-kv-cache").stdout == first
+    assert sample_ok(*common, "--seed", 8).stdout != first
+
+
+@pytest.mark.parametrize("narrowing", [["--top-k", 1], ["--top-p", 1e-6]])
+def test_top_k_1_and_a_tiny_top_p_sample_greedily(checkpoint, greedy, narrowing):
+    result = sample_ok("--checkpoint", checkpoint, "--prompt", PROMPT, "--max-new-tokens", NEW_TOKENS,
+                       "--temperature", 1.0, *narrowing)
+    assert result.stdout == greedy.stdout
+
+
+def test_unseeded_sampling_differs_between_runs(checkpoint):
+    common = ("--checkpoint", checkpoint, "--prompt", PROMPT, "--max-new-tokens", NEW_TOKENS, "--temperature", 1.0)
+    assert sample_ok(*common).stdout != sample_ok(*common).stdout
+
+
+def test_num_samples_gives_separate_samples(checkpoint):
+    result = sample_ok("--checkpoint", checkpoint, "--prompt", PROMPT, "--max-new-tokens", NEW_TOKENS,
+                       "--temperature", 1.0, "--num-samples", 3, "--seed", 1)
+    samples = result.stdout.split(SEPARATOR)
+    assert len(samples) == 3
+    for sample in samples:
+        assert sample.startswith(PROMPT) and len(sample) == len(PROMPT) + NEW_TOKENS + 1
+    assert len(set(samples)) == 3
+    assert result.stderr.startswith(f"{3 * NEW_TOKENS} tokens in ")
+
+
+def test_zero_new_tokens_prints_the_prompt_alone(checkpoint):
+    result = sample_ok("--checkpoint", checkpoint, "--prompt", PROMPT, "--max-new-tokens", 0)
+    assert result.stdout == PROMPT + "\n"
+
+
+def test_terminal_output_streams_the_same_text(checkpoint, greedy):
+    # A pseudo-terminal as stdout takes the streaming path; its line discipline turns "\n" into "\r\n".
+    controller, terminal = pty.openpty()
+    process = subprocess.Popen([sys.executable, str(SAMPLE), "--checkpoint", str(checkpoint), "--prompt", PROMPT,
+                                "--temperature", "0", "--max-new-tokens", str(NEW_TOKENS)],
+                               cwd=REPO, env=ENV, stdout=terminal, stderr=subprocess.PIPE)
+    os.close(terminal)
+    output = b""
+    while True:
+        try:
+            chunk = os.read(controller, 4096)
+        except OSError:  # EIO once the process has closed the terminal
+            break
+        if not chunk:
+            break
+        output += chunk
+    os.close(controller)
+    assert process.wait(timeout=300) == 0, process.stderr.read()
+    assert output.decode().replace("\r\n", "\n") == greedy.stdout
+
+
+def test_newest_run_is_found_under_runs(checkpoint, greedy, tmp_path):
+    # The older run is copied last and sorts last by name: only the write time may decide.
+    newer = tmp_path / "runs/2024-06-01/10-00-00/best.pt"
+    newer.parent.mkdir(parents=True)
+    newer.write_bytes(checkpoint.read_bytes())
+    older = save_checkpoint(checkpoint_state(tiny_model(seed=1, train_steps=0)),
+                            tmp_path / "runs/multirun/2024-06-02/10-00-00/0/best.pt")
+    os.utime(older, ns=(1_700_000_000 * 10**9,) * 2)
+    os.utime(newer, ns=(1_700_000_100 * 10**9,) * 2)
+    result = sample_ok("--prompt", PROMPT, "--temperature", 0, "--max-new-tokens", NEW_TOKENS, cwd=tmp_path)
+    assert result.stdout == greedy.stdout
+    assert "runs/2024-06-01/10-00-00/best.pt" in result.stderr
+
+
+# --- bad input: one line on stderr, exit status 2, no traceback ---------------------------------------------------
+
+def assert_usage_error(result: subprocess.CompletedProcess, *fragments: str) -> str:
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("sample.py: error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+    assert result.stdout == ""
+    return lines[0]
+
+
+def unavailable_device() -> str:
+    if not torch.cuda.is_available():
+        return "cuda"
+    if not torch.backends.mps.is_available():
+        return "mps"
+    pytest.skip("every device is available here")
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["--temperature", -0.5], ["--temperature", "-0.5"]),
+    (["--top-k", 0], ["--top-k", ">= 1"]),
+    (["--top-p", 1.5], ["--top-p", "1.5"]),
+    (["--max-new-tokens", -1], ["--max-new-tokens", "-1"]),
+    (["--num-samples", 0], ["--num-samples", "0"]),
+    (["--window", BLOCK_SIZE + 1], ["--window", f"[1, {BLOCK_SIZE}]"]),
+    (["--top-k", "many"], ["--top-k", "'many'"]),
+    (["--prompt", ""], ["--prompt", "empty"]),
+    (["--compile", "--no-kv-cache"], ["--compile", "--no-kv-cache"]),
+])
+def test_bad_option_values(checkpoint, args, fragments):
+    assert_usage_error(run_sample("--checkpoint", checkpoint, *args), *fragments)
+
+
+def test_unavailable_device(checkpoint):
+    device = unavailable_device()
+    result = run_sample("--checkpoint", checkpoint, "--device", device)
+    assert_usage_error(result, f"--device {device}", "not available")
+
+
+def test_unknown_prompt_characters_are_named_with_the_vocabulary(checkpoint):
+    line = assert_usage_error(run_sample("--checkpoint", checkpoint, "--prompt", "Fïrst €itizen"), "'ï'", "'€'")
+    assert repr(VOCAB.chars) in line
+
+
+@pytest.mark.parametrize("content, fragments", [
+    (b"", ["empty"]),
+    (None, ["cannot read", "No such file"]),
+    (b"\xff\xfe bad", ["not UTF-8"]),
+])
+def test_bad_prompt_file(checkpoint, tmp_path, content, fragments):
+    path = tmp_path / "prompt.txt"
+    if content is not None:
+        path.write_bytes(content)
+    assert_usage_error(run_sample("--checkpoint", checkpoint, "--prompt-file", path), str(path), *fragments)
+
+
+def test_prompt_file_is_used(checkpoint, greedy, tmp_path):
+    path = tmp_path / "prompt.txt"
+    path.write_text(PROMPT)
+    result = sample_ok("--checkpoint", checkpoint, "--prompt-file", path, "--temperature", 0,
+                       "--max-new-tokens", NEW_TOKENS)
+    assert result.stdout == greedy.stdout
+
+
+def test_no_checkpoint_found(tmp_path):
+    line = assert_usage_error(run_sample(cwd=tmp_path), "python train.py")
+    assert str(tmp_path.resolve() / "runs") in line
+    assert_usage_error(run_sample("--checkpoint", tmp_path / "missing.pt"), str(tmp_path / "missing.pt"))
+
+
+@pytest.mark.parametrize("make_bad_file, fragments", [
+    (lambda good, path: path.write_bytes(good.read_bytes()[: good.stat().st_size // 2]), ["truncated"]),
+    (lambda good, path: path.write_bytes(b"these are not the weights you are looking for"), ["corrupt"]),
+    (lambda good, path: torch.save({"weights": torch.zeros(3)}, path), ["not a kvgpt checkpoint"]),
+    (lambda good, path: save_checkpoint({"model_config": {"n_wings": 2}, "vocab": "ab", "model": {}}, path),
+     ["does not fit this version of the model"]),
+])
+def test_bad_checkpoint(checkpoint, tmp_path, make_bad_file, fragments):
+    path = tmp_path / "bad.pt"
+    make_bad_file(checkpoint, path)
+    assert_usage_error(run_sample("--checkpoint", path), str(path), *fragments)
+
+
+class OpensMarkerFile:
+    """Unpickling this object runs open(marker, "w"): a stand-in for any code a malicious pickle would run."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return builtins.open, (str(self.marker), "w")
+
+
+def test_checkpoint_that_would_run_code_is_refused_as_unsafe(tmp_path):
+    marker, path = tmp_path / "code-ran", tmp_path / "evil.pt"
+    torch.save({"format": FORMAT, "model_config": {}, "vocab": "ab", "model": OpensMarkerFile(marker)}, path)
+    assert_usage_error(run_sample("--checkpoint", path), str(path), "unsafe")
+    assert not marker.exists()
+    torch.load(path, weights_only=False)  # the test's own check that loading it unsafely does run the code
+    assert marker.exists()
+
+
+@pytest.mark.slow
+def test_compiled_step_gives_the_same_text(checkpoint, greedy):
+    result = sample_ok("--checkpoint", checkpoint, "--prompt", PROMPT, "--temperature", 0,
+                       "--max-new-tokens", NEW_TOKENS, "--compile")
+    assert result.stdout == greedy.stdout
