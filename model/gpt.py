@@ -165,7 +165,9 @@ class GPT(nn.Module):
         window = block_size rebuilds every step, which is exactly the classic crop to the last
         block_size tokens. use_cache=False runs a full forward over the very same context.
 
-        padding_mask: (B, T) bool, True at left padding, for prompts of different lengths.
+        padding_mask: (B, T) bool, True at left padding, for prompts of different lengths. Each row's
+        context, and when its window moves, is the one it would have alone; a batch whose rows fill up
+        at different steps rebuilds the cache (for all rows) whenever one of them does.
         cache: a KVCache to reuse (from new_kv_cache); compile_step: torch.compile the one-token step.
         """
         block_size = self.config.block_size
@@ -173,32 +175,37 @@ class GPT(nn.Module):
         _check_sampling(temperature, top_k, top_p)
         if not 1 <= window <= block_size:
             raise ValueError(f"window must be in [1, block_size={block_size}], got {window}")
-        if padding_mask is not None and (padding_mask[:, 1:] < padding_mask[:, :-1]).any():
+        if padding_mask is not None and (padding_mask[:, 1:] > padding_mask[:, :-1]).any():
             raise ValueError("padding_mask must mark left padding: True only before a row's first token")
         if use_cache:
             cache = cache if cache is not None else self.new_kv_cache(idx.size(0))
             if compile_step:
                 self._compiled_step = self._compiled_step or torch.compile(self._step, fullgraph=True)
-        seq, pad = idx, padding_mask
-        start = 0  # the context is seq[:, start:]
-        n_cached = 0  # how many of the context's tokens the cache holds
+        seq = idx
+        # row b's context is seq[b, start[b]:]: it starts after the row's left padding, and each row's
+        # window moves on its own schedule, exactly as if the row were generated alone
+        start = [0] * idx.size(0) if padding_mask is None else padding_mask.sum(dim=1).tolist()
+        n_cached = 0  # how many of the (padded) context's tokens the cache holds
         for _ in range(max_new_tokens):
-            if seq.size(1) - start > block_size:
-                start, n_cached = seq.size(1) - window, 0
-            context_pad = None if pad is None else pad[:, start:]
+            if seq.size(1) - min(start) > block_size:  # some row's context would pass block_size
+                start = [s if seq.size(1) - s <= block_size else seq.size(1) - window for s in start]
+                n_cached = 0
+            first = min(start)  # the batch's context is seq[:, first:], each row left-padded to it
+            context_pad = None
+            if max(start) > first:
+                row_start = torch.tensor(start, device=seq.device)[:, None]
+                context_pad = torch.arange(first, seq.size(1), device=seq.device)[None, :] < row_start
             if not use_cache:
-                logits = self(seq[:, start:], padding_mask=context_pad)[0][:, -1]
+                logits = self(seq[:, first:], padding_mask=context_pad)[0][:, -1]
             else:
                 if n_cached == 0:
                     cache.reset(None if context_pad is None else context_pad.sum(dim=1))
-                new_tokens = seq[:, start + n_cached:]
+                new_tokens = seq[:, first + n_cached:]
                 step = self._compiled_step if compile_step and new_tokens.size(1) == 1 else self._step
                 logits = step(new_tokens, cache)
                 n_cached += new_tokens.size(1)
             next_ids = sample_next(logits, temperature, top_k, top_p, generator)  # (B,)
             seq = torch.cat([seq, next_ids[:, None]], dim=1)
-            if pad is not None:
-                pad = F.pad(pad, (0, 1), value=False)
             yield next_ids
 
 

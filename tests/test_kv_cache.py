@@ -1,0 +1,323 @@
+"""The KV cache: decoding through it gives the logits of a full forward over the same context, at every step.
+
+Also: prefill in one go, in chunks, or prefill-then-continue agree; the cache is really used (one new token
+per row and step goes through the blocks); its shapes, reset() and size in bytes; left-padded rows.
+"""
+
+import functools
+
+import pytest
+import torch
+
+from model import GPT, GPTConfig, KVCache, MultiHeadAttention
+
+
+BLOCK_SIZE, VOCAB = 16, 13
+# n_embd 24 is not a power of two, and 1, 3 and 4 heads divide it (head widths 24, 8, 6)
+CONFIGS = {
+    "1head-bias": dict(n_head=1, bias=True),
+    "3heads-no_bias": dict(n_head=3, bias=False),
+    "4heads-bias-dropout0.2": dict(n_head=4, bias=True, dropout=0.2),  # dropout 0.2, used in eval mode
+    "4heads-no_bias": dict(n_head=4, bias=False),
+}
+ATOL = 1e-5
+
+
+def tiny_config(**overrides) -> GPTConfig:
+    return GPTConfig(**{"vocab_size": VOCAB, "block_size": BLOCK_SIZE, "n_layer": 2, "n_head": 3, "n_embd": 24,
+                        **overrides})
+
+
+def random_model(seed=0, **overrides) -> GPT:
+    """A tiny GPT in eval mode with weights well above GPT-2's 0.02 init, so that attention is far from
+    uniform and every token of the context moves the logits (at 0.02 it mostly echoes the last token)."""
+    torch.manual_seed(seed)
+    model = GPT(tiny_config(**overrides))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+    return model.eval()
+
+
+def random_tokens(*shape, seed=0) -> torch.Tensor:
+    return torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
+
+
+# --- a briefly trained model -----------------------------------------------------------------------------
+
+PATTERN = random_tokens(11, seed=123)  # the "text": 11 tokens over and over
+TEXT = PATTERN.repeat(40)
+
+
+@functools.cache
+def trained_model(config_name: str):
+    """(model in eval mode, training losses) after 30 Adam steps on TEXT, from GPT-2's own init."""
+    torch.manual_seed(0)
+    model = GPT(tiny_config(**CONFIGS[config_name])).train()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(30):
+        starts = torch.randint(0, len(TEXT) - BLOCK_SIZE - 1, (8,), generator=gen)
+        x = torch.stack([TEXT[s:s + BLOCK_SIZE] for s in starts])
+        y = torch.stack([TEXT[s + 1:s + BLOCK_SIZE + 1] for s in starts])
+        _, loss = model(x, y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return model.eval(), losses
+
+
+@pytest.fixture(scope="module")
+def trained():
+    yield trained_model
+    trained_model.cache_clear()
+
+
+@pytest.mark.parametrize("config_name", CONFIGS)
+def test_brief_training_lowers_the_loss(trained, config_name):
+    _, losses = trained(config_name)
+    assert losses[-1] < 0.6 * losses[0]
+
+
+# --- every decode step equals a full forward -------------------------------------------------------------
+
+def assert_every_step_matches_full_forward(model, prompt):
+    """Prefill prompt, then decode greedily until the cache is full. At every step the cached logits must
+    equal those of a full forward over exactly the same context."""
+    cache = model.new_kv_cache(prompt.size(0))
+    logits, _ = model(prompt, cache=cache)
+    torch.testing.assert_close(logits, model(prompt)[0], atol=ATOL, rtol=0)  # every prompt position
+    assert len(cache) == prompt.size(1)
+    seq, last = prompt, logits[:, -1]
+    for step in range(BLOCK_SIZE - prompt.size(1)):
+        new = last.argmax(dim=-1, keepdim=True)  # (B, 1)
+        seq = torch.cat([seq, new], dim=1)
+        # both ways into the cache: the generation step, and the public forward
+        last = model._step(new, cache) if step % 2 == 0 else model(new, cache=cache)[0][:, -1]
+        assert len(cache) == seq.size(1)
+        torch.testing.assert_close(last, model(seq)[0][:, -1], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("prompt_len", [1, 7, BLOCK_SIZE])
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("config_name", CONFIGS)
+def test_cached_logits_equal_full_forward_at_every_step_random_model(config_name, batch, prompt_len):
+    model = random_model(**CONFIGS[config_name])
+    assert_every_step_matches_full_forward(model, random_tokens(batch, prompt_len))
+
+
+@pytest.mark.parametrize("prompt_len", [1, 7, BLOCK_SIZE])
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("config_name", CONFIGS)
+def test_cached_logits_equal_full_forward_at_every_step_trained_model(trained, config_name, batch, prompt_len):
+    model, _ = trained(config_name)
+    starts = torch.randint(0, len(TEXT) - BLOCK_SIZE, (batch,), generator=torch.Generator().manual_seed(prompt_len))
+    prompt = torch.stack([TEXT[s:s + prompt_len] for s in starts])  # prompts cut from the training text
+    assert_every_step_matches_full_forward(model, prompt)
+
+
+def test_dropout_config_in_eval_mode_is_deterministic():
+    """The dropout 0.2 model of the grid really is deterministic in eval, with and without the cache."""
+    model = random_model(**CONFIGS["4heads-bias-dropout0.2"])
+    prompt = random_tokens(2, 7)
+    assert torch.equal(model(prompt)[0], model(prompt)[0])
+    assert torch.equal(model.generate(prompt, 12, temperature=0), model.generate(prompt, 12, temperature=0))
+    assert not torch.equal(model.train()(prompt)[0], model(prompt)[0])  # ...and does drop out in training
+
+
+@pytest.mark.parametrize("need_weights", [False, True], ids=["sdpa", "explicit"])
+def test_attention_block_with_a_layer_cache_equals_full_causal_attention(need_weights):
+    """The bare block: a 4-token prefill, then one token at a time, then a 3-token chunk, all through one
+    layer's cache with the cache's own mask, equal full causal self-attention over the sequence."""
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(12, 3).eval()
+    x = torch.randn(2, 10, 12)
+    expected, _ = mha(x, is_causal=True)
+    cache = KVCache(n_layer=1, batch_size=2, n_head=3, max_len=10, head_dim=4)
+    outs, t = [], 0
+    for n in (4, 1, 1, 1, 3):
+        slots = cache.next_slots(n)
+        out, _ = mha(x[:, t:t + n], attn_mask=cache.attn_mask(slots), cache=cache.layer(0, slots),
+                     need_weights=need_weights)
+        cache.advance(n)
+        outs.append(out)
+        t += n
+    torch.testing.assert_close(torch.cat(outs, dim=1), expected, atol=1e-6, rtol=1e-5)
+
+
+# --- prefill: one shot, continued, chunked ---------------------------------------------------------------
+
+def prefill_in_chunks(model, tokens, chunks):
+    """Feed tokens through a fresh cache in chunks of the given sizes: (logits (B, T, V), cache)."""
+    cache = model.new_kv_cache(tokens.size(0))
+    logits, t = [], 0
+    for n in chunks:
+        logits.append(model(tokens[:, t:t + n], cache=cache)[0])
+        t += n
+    assert t == tokens.size(1) and len(cache) == t
+    return torch.cat(logits, dim=1), cache
+
+
+def assert_same_cache(cache, expected, n_filled):
+    assert len(cache) == len(expected) == n_filled
+    torch.testing.assert_close(cache.k[:, :, :, :n_filled], expected.k[:, :, :, :n_filled], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(cache.v[:, :, :, :n_filled], expected.v[:, :, :, :n_filled], atol=1e-6, rtol=1e-5)
+
+
+def test_prefill_then_continue_equals_one_shot_prefill():
+    model = random_model()
+    tokens = random_tokens(2, 10)
+    whole_logits, whole = prefill_in_chunks(model, tokens, [10])
+    logits, continued = prefill_in_chunks(model, tokens, [6, 4])
+    torch.testing.assert_close(logits, whole_logits, atol=ATOL, rtol=0)
+    assert_same_cache(continued, whole, 10)
+    nxt = random_tokens(2, 1, seed=1)  # and both caches go on identically
+    torch.testing.assert_close(model._step(nxt, continued), model._step(nxt, whole), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("chunks", [[3, 4, BLOCK_SIZE - 7], [1] * 5 + [BLOCK_SIZE - 5]], ids=["3+4+rest", "1x5+rest"])
+def test_chunked_prefill_equals_whole_prefill(chunks):
+    model = random_model()
+    tokens = random_tokens(3, BLOCK_SIZE)
+    whole_logits, whole = prefill_in_chunks(model, tokens, [BLOCK_SIZE])
+    logits, chunked = prefill_in_chunks(model, tokens, chunks)
+    torch.testing.assert_close(logits, whole_logits, atol=ATOL, rtol=0)
+    torch.testing.assert_close(whole_logits, model(tokens)[0], atol=ATOL, rtol=0)
+    assert_same_cache(chunked, whole, BLOCK_SIZE)
+
+
+# --- the cache is really used ----------------------------------------------------------------------------
+
+def count_tokens_into_blocks(model):
+    """Record the (B, T) of every forward through the first block: a list, and the hook handle."""
+    shapes = []
+    handle = model.blocks[0].register_forward_pre_hook(lambda module, args: shapes.append(tuple(args[0].shape[:2])))
+    return shapes, handle
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_each_decode_step_sends_one_token_per_row_and_the_position_advances_by_one(batch):
+    model = random_model()
+    prompt = random_tokens(batch, 5)
+    cache = model.new_kv_cache(batch)
+    shapes, handle = count_tokens_into_blocks(model)
+    try:
+        for i, _ in enumerate(model.generate_tokens(prompt, 9, temperature=0, cache=cache)):
+            # the token just yielded is fed on the next step: the cache holds the prompt and i earlier tokens
+            assert len(cache) == 5 + i
+            assert shapes[-1] == ((batch, 5) if i == 0 else (batch, 1))
+    finally:
+        handle.remove()
+    assert shapes == [(batch, 5)] + [(batch, 1)] * 8  # the prompt once, then one token per row and step
+
+
+def test_without_the_cache_every_step_recomputes_the_whole_context():
+    """The hook's control: use_cache=False sends the full, growing context each step."""
+    model = random_model()
+    shapes, handle = count_tokens_into_blocks(model)
+    try:
+        model.generate(random_tokens(2, 5), 4, temperature=0, use_cache=False)
+    finally:
+        handle.remove()
+    assert shapes == [(2, 5), (2, 6), (2, 7), (2, 8)]
+
+
+@pytest.mark.parametrize("window", [None, 5, BLOCK_SIZE], ids=["default_window", "window=5", "window=block_size"])
+def test_past_block_size_the_cache_is_rebuilt_with_one_prefill_of_window_tokens(window):
+    """Prompt 4, block 16, window W: 4, then 1 per step up to a full context of 16, then W (the rebuild),
+    then 1 per step up to 16 again, and so on: a rebuild every 16 - W + 1 tokens."""
+    model = random_model()
+    w = BLOCK_SIZE // 2 if window is None else window
+    shapes, handle = count_tokens_into_blocks(model)
+    try:
+        model.generate(random_tokens(1, 4), 50, temperature=0, window=window)
+    finally:
+        handle.remove()
+    cycle = [w] + [1] * (BLOCK_SIZE - w)
+    expected = ([4] + [1] * (BLOCK_SIZE - 4) + cycle * 50)[:50]
+    assert [t for _, t in shapes] == expected
+
+
+# --- the cache object ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("config_name", ["1head-bias", "4heads-no_bias"])
+@pytest.mark.parametrize("max_len", [None, 20])
+def test_cache_buffers_have_shape_b_heads_max_len_head_dim_per_layer(config_name, max_len):
+    model = random_model(**CONFIGS[config_name])
+    c = model.config
+    cache = model.new_kv_cache(3, max_len)
+    length = max_len or c.block_size
+    assert cache.max_len == length and len(cache) == 0
+    for i in range(c.n_layer):
+        assert cache.k[i].shape == cache.v[i].shape == (3, c.n_head, length, c.n_embd // c.n_head)
+    assert cache.k.dtype == cache.v.dtype == model.wte.weight.dtype
+
+
+def test_layer_view_writes_in_place_into_the_cache_buffers():
+    cache = KVCache(n_layer=2, batch_size=1, n_head=2, max_len=6, head_dim=3)
+    slots = cache.next_slots(2)
+    k_new, v_new = torch.randn(1, 2, 2, 3), torch.randn(1, 2, 2, 3)
+    k, v = cache.layer(1, slots).update(k_new, v_new)
+    assert k.data_ptr() == cache.k[1].data_ptr()  # the whole layer buffer, not a copy
+    assert torch.equal(cache.k[1, :, :, :2], k_new) and torch.equal(cache.v[1, :, :, :2], v_new)
+    assert (cache.k[0] == 0).all() and (cache.k[1, :, :, 2:] == 0).all()
+
+
+def test_reset_empties_the_cache_and_a_fresh_prefill_equals_a_brand_new_cache():
+    model = random_model()
+    cache = model.new_kv_cache(2)
+    model(random_tokens(2, 12, seed=5), cache=cache)  # fill it with something else first
+    assert len(cache) == 12
+    cache.reset()
+    assert len(cache) == 0
+    prompt = random_tokens(2, 7)
+    new = model.new_kv_cache(2)
+    torch.testing.assert_close(model(prompt, cache=cache)[0], model(prompt, cache=new)[0], atol=0, rtol=0)
+    assert_same_cache(cache, new, 7)
+    torch.testing.assert_close(model._step(prompt[:, :1], cache), model._step(prompt[:, :1], new), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+def test_size_in_bytes_is_two_layers_batch_max_len_width_itemsize(dtype):
+    model = random_model(n_head=4).to(dtype)
+    c = model.config
+    cache = model.new_kv_cache(3, max_len=20)
+    assert cache.k.dtype == dtype
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    assert cache.nbytes == 2 * c.n_layer * 3 * 20 * c.n_embd * itemsize
+
+
+def test_the_cache_is_scratch_space_not_part_of_any_checkpoint():
+    model = random_model()
+    keys = set(model.state_dict())
+    cache = model.new_kv_cache(2)
+    model(random_tokens(2, 4), cache=cache)
+    assert cache.state_dict() == {}
+    assert set(model.state_dict()) == keys
+
+
+# --- left-padded rows ------------------------------------------------------------------------------------
+
+def test_a_left_padded_row_gets_the_logits_it_gets_alone_with_and_without_the_cache():
+    model = random_model()
+    lengths = [3, 7, 5]
+    prompts = [random_tokens(1, n, seed=n) for n in lengths]
+    t = max(lengths)
+    batch = torch.full((3, t), VOCAB - 1)  # padding with a real token id: it must be masked, not ignored
+    padding = torch.ones(3, t, dtype=torch.bool)
+    for b, p in enumerate(prompts):
+        batch[b, t - p.size(1):], padding[b, t - p.size(1):] = p[0], False
+    cache = model.new_kv_cache(3)
+    cache.reset(padding.sum(dim=1))
+    cached, _ = model(batch, cache=cache)
+    uncached, _ = model(batch, padding_mask=padding)
+    nxt = random_tokens(3, 1, seed=9)
+    step = model._step(nxt, cache)
+    for b, p in enumerate(prompts):
+        alone, _ = model(p)
+        torch.testing.assert_close(cached[b, t - p.size(1):], alone[0], atol=ATOL, rtol=0)
+        torch.testing.assert_close(uncached[b, t - p.size(1):], alone[0], atol=ATOL, rtol=0)
+        torch.testing.assert_close(step[b], model(torch.cat([p, nxt[b:b + 1]], dim=1))[0][0, -1], atol=ATOL, rtol=0)

@@ -1,0 +1,166 @@
+"""Generation through the KV cache equals generation without it, token for token, also past block_size
+(where the cache is rebuilt over the last `window` tokens), for ragged batches and for seeded sampling."""
+
+import pytest
+import torch
+
+from model import GPT, GPTConfig
+
+
+BLOCK_SIZE, VOCAB = 16, 13
+N_NEW = 40  # 2.5 x block_size: crosses the window more than once
+
+
+def random_model(seed=0, **overrides) -> GPT:
+    """A tiny GPT in eval mode with weights well above GPT-2's 0.02 init, so that attention is far from
+    uniform and every token of the context moves the logits (at 0.02 it mostly echoes the last token)."""
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(**{"vocab_size": VOCAB, "block_size": BLOCK_SIZE, "n_layer": 2, "n_head": 3,
+                             "n_embd": 24, **overrides}))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+    return model.eval()
+
+
+def random_tokens(*shape, seed=0) -> torch.Tensor:
+    return torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model()
+
+
+def test_generate_returns_the_prompt_followed_by_the_new_tokens(model):
+    prompt = random_tokens(2, 5)
+    out = model.generate(prompt, 7, temperature=0)
+    assert out.shape == (2, 12) and out.dtype == prompt.dtype
+    assert torch.equal(out[:, :5], prompt)
+    assert torch.equal(model.generate(prompt, 0), prompt)
+
+
+@pytest.mark.parametrize("window", [None, BLOCK_SIZE, 3], ids=["default_window", "window=block_size", "window=3"])
+@pytest.mark.parametrize("prompt_len", [5, BLOCK_SIZE + 4])
+def test_greedy_generation_with_cache_equals_without_token_for_token(model, window, prompt_len):
+    prompt = random_tokens(2, prompt_len)
+    cached = model.generate(prompt, N_NEW, temperature=0, window=window)
+    uncached = model.generate(prompt, N_NEW, temperature=0, window=window, use_cache=False)
+    assert torch.equal(cached, uncached)
+
+
+def crop_and_recompute(model, prompt, n_new):
+    """The classic loop: each step, a full forward over the last block_size tokens. (tokens, logits)."""
+    seq, logits = prompt, []
+    for _ in range(n_new):
+        last = model(seq[:, -model.config.block_size:])[0][:, -1]
+        logits.append(last)
+        seq = torch.cat([seq, last.argmax(dim=-1, keepdim=True)], dim=1)
+    return seq, logits
+
+
+def test_window_block_size_equals_crop_and_recompute_at_every_step(model, monkeypatch):
+    prompt = random_tokens(2, 5)
+    expected, expected_logits = crop_and_recompute(model, prompt, N_NEW)
+    step_logits = []  # what every step of the cached generation computed
+
+    def recording_step(idx, cache):
+        step_logits.append(GPT._step(model, idx, cache))
+        return step_logits[-1]
+
+    monkeypatch.setattr(model, "_step", recording_step)
+    cached = model.generate(prompt, N_NEW, temperature=0, window=BLOCK_SIZE)
+    monkeypatch.undo()
+    assert torch.equal(cached, expected)
+    assert len(step_logits) == N_NEW
+    for got, want in zip(step_logits, expected_logits):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert torch.equal(model.generate(prompt, N_NEW, temperature=0, window=BLOCK_SIZE, use_cache=False), expected)
+
+
+def test_a_smaller_window_does_see_less_context_than_crop_and_recompute(model):
+    """The control for the test above: the window does matter, so its equality there is not vacuous."""
+    prompt = random_tokens(2, 5)
+    expected, _ = crop_and_recompute(model, prompt, N_NEW)
+    assert not torch.equal(model.generate(prompt, N_NEW, temperature=0, window=3), expected)
+
+
+def test_a_cache_passed_in_is_reset_and_reused(model):
+    prompt = random_tokens(2, 5)
+    cache = model.new_kv_cache(2)
+    first = model.generate(prompt, 20, temperature=0, cache=cache)
+    assert len(cache) > 0
+    assert torch.equal(model.generate(prompt, 20, temperature=0, cache=cache), first)
+    assert torch.equal(model.generate(prompt, 20, temperature=0), first)
+
+
+# --- ragged batches --------------------------------------------------------------------------------------
+
+def left_pad(prompts, pad_id):
+    """Prompts (1, T_b) -> (batch (B, T), padding_mask (B, T), True at the left padding)."""
+    t = max(p.size(1) for p in prompts)
+    batch = torch.full((len(prompts), t), pad_id)
+    padding = torch.ones(len(prompts), t, dtype=torch.bool)
+    for b, p in enumerate(prompts):
+        batch[b, t - p.size(1):], padding[b, t - p.size(1):] = p[0], False
+    return batch, padding
+
+
+@pytest.mark.parametrize("window", [None, BLOCK_SIZE, 5], ids=["default_window", "window=block_size", "window=5"])
+@pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "no_cache"])
+def test_ragged_batch_rows_equal_each_prompt_generated_alone(model, window, use_cache):
+    """Prompts of lengths 3, 7, 5 left-padded into one batch; N_NEW > block_size, so every row's context
+    passes block_size and is rebuilt over its last `window` tokens, as it would be alone."""
+    prompts = [random_tokens(1, n, seed=n) for n in (3, 7, 5)]
+    batch, padding = left_pad(prompts, pad_id=VOCAB - 1)  # a real token id: it must be masked, not ignored
+    out = model.generate(batch, N_NEW, temperature=0, window=window, padding_mask=padding, use_cache=use_cache)
+    for b, p in enumerate(prompts):
+        alone = model.generate(p, N_NEW, temperature=0, window=window, use_cache=use_cache)
+        assert torch.equal(out[b, batch.size(1):], alone[0, p.size(1):]), f"row {b} (prompt length {p.size(1)})"
+
+
+def test_padding_mask_must_mark_left_padding(model):
+    prompt = random_tokens(2, 4)
+    left = torch.tensor([[True, True, False, False], [False] * 4])
+    assert model.generate(prompt, 2, temperature=0, padding_mask=left).shape == (2, 6)
+    right = torch.tensor([[False, False, True, True], [False] * 4])
+    with pytest.raises(ValueError, match="left padding"):
+        model.generate(prompt, 2, temperature=0, padding_mask=right)
+
+
+# --- sampling --------------------------------------------------------------------------------------------
+
+SAMPLING = [dict(temperature=0.8), dict(temperature=0.8, top_k=4), dict(temperature=0.8, top_p=0.7),
+            dict(temperature=1.0, top_k=6, top_p=0.9)]
+
+
+@pytest.mark.parametrize("sampling", SAMPLING, ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()))
+def test_seeded_sampling_is_reproducible_and_equal_with_and_without_cache(model, sampling):
+    prompt = random_tokens(2, 5)
+
+    def sample(seed, use_cache):
+        return model.generate(prompt, N_NEW, use_cache=use_cache, generator=torch.Generator().manual_seed(seed),
+                              **sampling)
+
+    first = sample(0, use_cache=True)
+    assert torch.equal(sample(0, use_cache=True), first)
+    assert torch.equal(sample(0, use_cache=False), first)
+    assert not torch.equal(sample(1, use_cache=True), first)  # the seed does matter
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=-0.1), dict(top_k=0), dict(top_p=0.0), dict(top_p=1.5),
+                                    dict(window=0), dict(window=BLOCK_SIZE + 1)],
+                         ids=lambda k: "-".join(f"{a}={v}" for a, v in k.items()))
+def test_invalid_sampling_or_window_arguments_are_value_errors(model, kwargs):
+    with pytest.raises(ValueError):
+        model.generate(random_tokens(1, 3), 2, **kwargs)
+
+
+# --- torch.compile ---------------------------------------------------------------------------------------
+
+def test_compiled_one_token_step_equals_eager_greedy_generation(model):
+    prompt = random_tokens(2, 5)
+    compiled = model.generate(prompt, N_NEW, temperature=0, compile_step=True)
+    assert model._compiled_step is not None
+    assert torch.equal(compiled, model.generate(prompt, N_NEW, temperature=0))

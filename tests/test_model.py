@@ -1,0 +1,150 @@
+"""GPT without the cache: configuration, shapes and loss, tied head, GPT-2 initialisation, causality,
+attention weights, and sample_next's temperature / top-k / top-p."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import GPT, GPTConfig, sample_next
+
+
+def tiny_model(seed=0, **overrides) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(**{"vocab_size": 13, "block_size": 16, "n_layer": 2, "n_head": 3, "n_embd": 24,
+                            **overrides})).eval()
+
+
+# --- configuration ---------------------------------------------------------------------------------------
+
+def test_config_with_width_not_divisible_by_n_head_is_a_value_error_naming_both():
+    with pytest.raises(ValueError, match=r"\b10\b.*\b3\b"):
+        GPTConfig(n_embd=10, n_head=3)
+
+
+@pytest.mark.parametrize("kwargs", [dict(vocab_size=0), dict(block_size=0), dict(n_layer=0), dict(n_head=0),
+                                    dict(dropout=1.0), dict(dropout=-0.1)],
+                         ids=lambda k: "-".join(f"{a}={v}" for a, v in k.items()))
+def test_config_rejects_sizes_below_one_and_dropout_outside_0_1(kwargs):
+    with pytest.raises(ValueError):
+        GPTConfig(**kwargs)
+
+
+# --- forward ---------------------------------------------------------------------------------------------
+
+def test_forward_gives_logits_per_position_and_the_mean_cross_entropy():
+    model = tiny_model()
+    idx = torch.randint(0, 13, (3, 7))
+    targets = torch.randint(0, 13, (3, 7))
+    logits, loss = model(idx, targets)
+    assert logits.shape == (3, 7, 13)
+    assert model(idx)[1] is None
+    torch.testing.assert_close(loss, F.cross_entropy(logits.reshape(-1, 13), targets.reshape(-1)))
+    assert abs(loss.item() - math.log(13)) < 0.1  # GPT-2 init: close to uniform predictions
+
+
+def test_lm_head_is_tied_to_the_token_embedding():
+    model = tiny_model()
+    assert model.lm_head.weight is model.wte.weight
+    assert model.num_params() == sum(p.numel() for p in model.parameters())  # counted once
+
+
+def test_gpt2_initialisation_scales_residual_projections_by_depth():
+    model = tiny_model(n_layer=4, n_embd=48, n_head=4)
+    residual = 0.02 / math.sqrt(2 * 4)
+    for block in model.blocks:
+        for proj, std in ((block.attn.out_proj, residual), (block.mlp.proj, residual),
+                          (block.attn.qkv, 0.02), (block.mlp.fc, 0.02)):
+            assert abs(proj.weight.std().item() - std) < 0.1 * std
+            assert (proj.bias == 0).all()
+    assert abs(model.wte.weight.std().item() - 0.02) < 0.002
+    assert abs(model.wpe.weight.std().item() - 0.02) < 0.002
+
+
+def test_changing_token_j_never_changes_logits_at_earlier_positions():
+    model = tiny_model()
+    idx = torch.randint(0, 13, (2, 10))
+    logits, _ = model(idx)
+    for j in (0, 4, 9):
+        changed = idx.clone()
+        changed[:, j] = (changed[:, j] + 1) % 13
+        changed_logits, _ = model(changed)
+        torch.testing.assert_close(changed_logits[:, :j], logits[:, :j], atol=1e-6, rtol=0)
+        assert not torch.allclose(changed_logits[:, j], logits[:, j])
+
+
+def test_attention_weights_are_causal_rows_summing_to_one_per_layer():
+    model = tiny_model()
+    weights = model.attention_weights(torch.randint(0, 13, (2, 6)))
+    assert len(weights) == 2
+    for w in weights:
+        assert w.shape == (2, 3, 6, 6)
+        torch.testing.assert_close(w.sum(dim=-1), torch.ones(2, 3, 6))
+        assert (w.triu(diagonal=1) == 0).all()
+
+
+def test_the_weights_path_gives_the_same_logits():
+    """attention_weights runs the explicit path: its hidden states must be those of the SDPA forward."""
+    model = tiny_model()
+    idx = torch.randint(0, 13, (2, 6))
+    hidden, _ = model._trunk(idx, need_weights=True)
+    torch.testing.assert_close(model.lm_head(hidden), model(idx)[0], atol=1e-6, rtol=0)
+
+
+# --- sample_next -----------------------------------------------------------------------------------------
+
+PROBS = torch.tensor([0.10, 0.50, 0.15, 0.25])  # best to worst: 1, 3, 2, 0
+
+
+def sampled_set(n=4000, seed=0, **kwargs):
+    """The tokens sample_next draws from PROBS over n rows, and how often each (a dict)."""
+    logits = PROBS.log().expand(n, -1)
+    ids = sample_next(logits, generator=torch.Generator().manual_seed(seed), **kwargs)
+    counts = torch.bincount(ids, minlength=4) / n
+    return {i for i in range(4) if counts[i] > 0}, counts
+
+
+def test_temperature_zero_is_argmax():
+    logits = torch.tensor([[0.1, 2.0, -1.0], [3.0, 0.0, 2.9]])
+    assert sample_next(logits, temperature=0).tolist() == [1, 0]
+
+
+@pytest.mark.parametrize("top_k, kept", [(1, {1}), (2, {1, 3}), (3, {1, 3, 2}), (4, {0, 1, 2, 3}),
+                                         (10, {0, 1, 2, 3})])
+def test_top_k_keeps_exactly_the_k_likeliest_tokens(top_k, kept):
+    tokens, counts = sampled_set(top_k=top_k)
+    assert tokens == kept
+    expected = torch.zeros(4)
+    expected[list(kept)] = PROBS[list(kept)] / PROBS[list(kept)].sum()  # renormalised over the kept ones
+    torch.testing.assert_close(counts, expected, atol=0.03, rtol=0)
+
+
+@pytest.mark.parametrize("top_p, kept", [(0.01, {1}), (0.45, {1}), (0.7, {1, 3}), (0.8, {1, 3, 2}),
+                                         (0.95, {0, 1, 2, 3}), (1.0, {0, 1, 2, 3})])
+def test_top_p_keeps_the_fewest_likeliest_tokens_reaching_p(top_p, kept):
+    tokens, counts = sampled_set(top_p=top_p)
+    assert tokens == kept
+    expected = torch.zeros(4)
+    expected[list(kept)] = PROBS[list(kept)] / PROBS[list(kept)].sum()
+    torch.testing.assert_close(counts, expected, atol=0.03, rtol=0)
+
+
+def test_top_k_and_top_p_combine():
+    assert sampled_set(top_k=3, top_p=0.7)[0] == {1, 3}
+    assert sampled_set(top_k=2, top_p=0.95)[0] == {1, 3}
+
+
+def test_temperature_sharpens_and_flattens_the_distribution():
+    _, cold = sampled_set(temperature=0.5)
+    _, hot = sampled_set(temperature=2.0)
+    sharpened = PROBS ** 2 / (PROBS ** 2).sum()
+    flattened = PROBS.sqrt() / PROBS.sqrt().sum()
+    torch.testing.assert_close(cold, sharpened, atol=0.03, rtol=0)
+    torch.testing.assert_close(hot, flattened, atol=0.03, rtol=0)
+
+
+def test_a_seeded_generator_makes_sampling_reproducible():
+    first = sampled_set(seed=3)[1]
+    assert torch.equal(sampled_set(seed=3)[1], first)
+    assert not torch.equal(sampled_set(seed=4)[1], first)
