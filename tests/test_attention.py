@@ -319,3 +319,24 @@ def test_dropout_is_active_in_train(need_weights, where):
     evaluated, _ = mha.eval()(x, is_causal=True, need_weights=need_weights)
     assert not torch.allclose(first, second)
     assert not torch.allclose(first, evaluated)
+
+
+def test_fully_masked_row_gives_zeros_even_where_the_sdpa_kernel_gives_nan(monkeypatch):
+    """CPU SDPA returns zeros for a query with no visible key; the textbook softmax (and some GPU kernels)
+    give NaN. Simulate such a kernel: the output must still be zeros there."""
+    import model.attention
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def nan_on_dead_rows(q, k, v, attn_mask=None, **kwargs):
+        out = sdpa(q, k, v, attn_mask=attn_mask, **kwargs)
+        if attn_mask is None:
+            return out
+        return out.masked_fill(~attn_mask.any(dim=-1, keepdim=True), float("nan"))
+
+    monkeypatch.setattr(model.attention.F, "scaled_dot_product_attention", nan_on_dead_rows)
+    mha = make_mha(E, N_HEAD, out_proj=False)
+    padding = torch.tensor([[True] * T, [False] * T])  # row 0: every key is padding
+    out, _ = mha(torch.randn(B, T, E), key_padding_mask=padding)
+    assert not out.isnan().any()
+    assert (out[0] == 0).all() and (out[1].abs().sum(dim=-1) > 0).all()
