@@ -1,0 +1,303 @@
+"""train.py: tiny runs in-process (loss, TensorBoard events, checkpoints, resume, divergence), the presets, the
+command line's errors and SIGTERM in a subprocess, and DDP with two gloo processes."""
+
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from hydra import compose, initialize_config_dir
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.hparams import plugin_data_pb2
+
+import train
+from model import GPT, GPTConfig
+
+REPO = Path(__file__).resolve().parents[1]
+# CI points KVGPT_DATA_URL at the shared copy of tiny_shakespeare beside the repository; so do we without it
+DATA_URL = os.environ.get("KVGPT_DATA_URL") or (REPO.parent / "shared/data/tiny_shakespeare/input.txt").as_uri()
+TINY = ["preset=cpu", "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16",
+        "model.dropout=0.1", "train.batch_size=8", "train.max_iters=40", "train.eval_interval=20",
+        "train.eval_iters=4", "train.log_interval=5", "train.sample_tokens=20", "optim.lr=1e-2",
+        "optim.warmup_iters=5"]
+SCALARS = ["train/loss", "val/loss", "train/lr", "train/grad_norm", "perf/tokens_per_sec"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # A tiny model trains fastest on one thread, all the more on a busy machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory) -> Path:
+    """One prepared copy of tiny_shakespeare for every run of this module."""
+    return tmp_path_factory.mktemp("data")
+
+
+def config(tmp_path: Path, data_root: Path, *overrides: str):
+    with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
+        return compose("config", overrides=[*TINY, f"data.url={DATA_URL}", f"data.root={data_root}",
+                                            f"runs_dir={tmp_path / 'runs'}", *overrides])
+
+
+def events(run_dir: Path) -> EventAccumulator:
+    accumulator = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "tensors": 0, "images": 0})
+    accumulator.Reload()
+    return accumulator
+
+
+def scalars(run_dir: Path, tag: str) -> dict[int, float]:
+    return {event.step: event.value for event in events(run_dir).Scalars(tag)}
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, data_root):
+    tmp_path = tmp_path_factory.mktemp("tiny")
+    run_dir = tmp_path / "runs" / "tiny"
+    val_loss = train.main(config(tmp_path, data_root), run_dir)
+    return run_dir, val_loss
+
+
+# --- a tiny run ---------------------------------------------------------------------------------------------------
+
+def test_tiny_run_loss_decreases(tiny_run):
+    run_dir, val_loss = tiny_run
+    losses = scalars(run_dir, "train/loss")
+    assert sorted(losses) == list(range(40))  # every step logged
+    assert losses[0] == pytest.approx(math.log(65), abs=0.15)  # uniform over the 65 characters at first
+    first = sum(losses[s] for s in range(5)) / 5
+    last = sum(losses[s] for s in range(30, 40)) / 10
+    assert last < first - 0.4
+    val = scalars(run_dir, "val/loss")
+    assert sorted(val) == [20, 40] and val[40] < val[20] < math.log(65) - 0.5
+    assert val_loss == pytest.approx(val[40])
+
+
+def test_events_hold_every_tag(tiny_run):
+    run_dir, val_loss = tiny_run
+    accumulator = events(run_dir)
+    tags = accumulator.Tags()
+    assert set(SCALARS) <= set(tags["scalars"])
+    lrs = scalars(run_dir, "train/lr")
+    assert lrs[0] == pytest.approx(1e-2 / 5) and lrs[4] < lrs[5] == pytest.approx(1e-2) and lrs[39] < 2e-3
+
+    text = accumulator.PluginTagToContent("text")
+    assert {"sample/text_summary", "config/text_summary"} <= set(text)
+    samples = accumulator.Tensors("sample/text_summary")
+    assert [s.step for s in samples] == [20, 40]
+    sample = "\n".join(line[4:] for line in samples[-1].tensor_proto.string_val[0].decode().split("\n"))
+    prompt = "JULIET:\nO Romeo, Romeo! wherefore art thou Romeo?\n"
+    assert sample.startswith(prompt) and len(sample) > len(prompt)  # indented 4: Markdown's verbatim text
+
+    assert set(tags["images"]) == {"attention/layer_0", "attention/layer_1"}
+    image = accumulator.Images("attention/layer_0")[-1]
+    assert (image.height, image.width) == (16, 2 * 17)  # the last block_size prompt tokens; 2 heads, 1-pixel gaps
+
+    hparams = accumulator.PluginTagToContent("hparams")
+    session = plugin_data_pb2.HParamsPluginData.FromString(hparams["_hparams_/session_start_info"])
+    assert session.session_start_info.hparams["model.n_layer"].number_value == 2
+    assert session.session_start_info.hparams["train.resume"].string_value == "None"
+    assert scalars(run_dir, "hparam/val_loss") == {0: pytest.approx(val_loss)}
+
+
+def test_checkpoints_load_with_weights_only(tiny_run):
+    run_dir, val_loss = tiny_run
+    last = torch.load(run_dir / "last.pt", weights_only=True)
+    best = torch.load(run_dir / "best.pt", weights_only=True)
+    assert last["step"] == 40 and best["step"] in (20, 40)
+    assert last["best_val_loss"] == best["best_val_loss"] == pytest.approx(min(scalars(run_dir, "val/loss").values()))
+    assert last["config"]["model"]["n_layer"] == 2 and last["config"]["data"]["url"] == DATA_URL
+    assert set(last["rng"][0]) == {"torch", "batches"}
+    model = GPT(GPTConfig(**last["model_config"]))
+    model.load_state_dict(last["model"])  # strict: same keys, no wrapper prefixes
+    decayed, not_decayed = last["optimizer"]["param_groups"]  # weight decay on matrices and embeddings only
+    assert (decayed["weight_decay"], not_decayed["weight_decay"]) == (0.1, 0.0)
+    assert len(not_decayed["params"]) == sum(p.dim() == 1 for p in model.parameters()) == 2 * 2 + 1  # LayerNorms
+    assert len(last["vocab"]) == model.config.vocab_size == 65
+    assert (run_dir.parent / "latest").resolve() == run_dir.resolve()
+
+
+# --- resume -------------------------------------------------------------------------------------------------------
+
+def test_resume_equals_uninterrupted_run(tmp_path, data_root, monkeypatch):
+    overrides = ["train.max_iters=30", "train.eval_interval=10", "train.grad_accum_steps=2"]
+    uninterrupted = tmp_path / "runs/uninterrupted"
+    train.main(config(tmp_path, data_root, *overrides), uninterrupted)
+
+    # SIGTERM in the middle of step 13 (0-based, 2 micro-steps each); the run stops after that step
+    forward, calls = GPT.forward, []
+
+    def forward_then_sigterm(model, *args, **kwargs):
+        calls.append(model.training)
+        if calls.count(True) == 13 * 2 + 1:
+            signal.raise_signal(signal.SIGTERM)
+        return forward(model, *args, **kwargs)
+
+    monkeypatch.setattr(GPT, "forward", forward_then_sigterm)
+    interrupted = tmp_path / "runs/interrupted"
+    with pytest.raises(train.Stopped, match=f"stopped by SIGTERM at step 14: saved {interrupted}/last.pt"):
+        train.main(config(tmp_path, data_root, *overrides), interrupted)
+    monkeypatch.undo()
+    assert torch.load(interrupted / "last.pt", weights_only=True)["step"] == 14
+
+    resumed = tmp_path / "runs/resumed"
+    train.main(config(tmp_path, data_root, *overrides, f"train.resume={interrupted}"), resumed)
+    expected, got = scalars(uninterrupted, "train/loss"), scalars(resumed, "train/loss")
+    assert sorted(got) == list(range(14, 30))
+    assert [got[s] for s in got] == pytest.approx([expected[s] for s in got], rel=1e-5)
+    assert scalars(resumed, "train/lr") == pytest.approx({s: scalars(uninterrupted, "train/lr")[s] for s in got})
+    assert scalars(resumed, "val/loss") == pytest.approx({20: scalars(uninterrupted, "val/loss")[20],
+                                                           30: scalars(uninterrupted, "val/loss")[30]}, rel=1e-5)
+    a = torch.load(uninterrupted / "last.pt", weights_only=True)
+    b = torch.load(resumed / "last.pt", weights_only=True)
+    assert a["step"] == b["step"] == 30
+    for name, weight in a["model"].items():
+        torch.testing.assert_close(b["model"][name], weight, rtol=1e-5, atol=1e-6)
+
+
+# --- divergence ---------------------------------------------------------------------------------------------------
+
+def test_nonfinite_loss_stops_with_message(tmp_path, data_root, monkeypatch):
+    forward, training_calls = GPT.forward, []
+
+    def forward_nan_from_step_25(model, *args, **kwargs):
+        logits, loss = forward(model, *args, **kwargs)
+        if model.training:
+            training_calls.append(None)
+            if len(training_calls) > 25:
+                loss = loss * float("nan")
+        return logits, loss
+
+    monkeypatch.setattr(GPT, "forward", forward_nan_from_step_25)
+    run_dir = tmp_path / "runs/nan"
+    with pytest.raises(train.Diverged) as caught:
+        train.main(config(tmp_path, data_root), run_dir)
+    message = str(caught.value)
+    assert "non-finite training loss nan" in message and "at step 25;" in message
+    assert f"the last good checkpoint is {run_dir}/last.pt" in message and "\n" not in message
+    last = torch.load(run_dir / "last.pt", weights_only=True)
+    assert last["step"] == 20  # the evaluation before the NaN, never overwritten with NaN weights
+    assert all(torch.isfinite(w).all() for w in last["model"].values())
+
+
+# --- presets and the command line ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in (REPO / "conf/preset").glob("*.yaml")))
+def test_every_preset_composes(preset):
+    with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[f"preset={preset}"], return_hydra_config=True)
+    assert cfg.hydra.job.chdir is False
+    assert cfg.hydra.run.dir.startswith("runs/") and cfg.hydra.sweep.dir.startswith("runs/multirun/")
+    assert cfg.data.root == "datasets/tiny_shakespeare" and cfg.train.resume is None
+    model_config = train.check_config(cfg)  # a preset is a config that can work
+    if preset == "gpu":  # nanoGPT's shakespeare-char recipe, as the issue gives it
+        assert (model_config.n_layer, model_config.n_head, model_config.n_embd, model_config.block_size,
+                model_config.dropout) == (6, 6, 384, 256, 0.2)
+        assert (cfg.train.batch_size, cfg.train.max_iters, cfg.train.eval_interval, cfg.train.eval_iters) == \
+               (64, 5000, 250, 200)
+        assert (cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_iters, cfg.optim.beta2) == (1e-3, 1e-4, 100, 0.99)
+
+
+def test_preset_is_picked_from_the_device(monkeypatch, capsys):
+    found = {"auto": "cpu"}  # what device=auto finds
+    monkeypatch.setattr(train, "choose_device", lambda name: torch.device(found.get(name, name)))
+    assert train.added_overrides([]) == ["preset=cpu"]
+    assert "preset=cpu for the cpu device found" in capsys.readouterr().err
+    found["auto"] = "cuda"
+    assert train.added_overrides([]) == ["preset=gpu"]
+    assert train.added_overrides(["device=cpu"]) == ["preset=cpu"]
+    assert train.added_overrides(["preset=cpu"]) == []  # forced
+
+
+def train_env() -> dict:
+    return {**os.environ, "KVGPT_DATA_URL": DATA_URL, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.n_layr=3", "Could not override 'model.n_layr'; Key 'n_layr' is not in struct"),
+    ("model.n_head=5", "model: n_embd 32 is not divisible by n_head 5"),
+    ("train.resume=runs/nowhere", "train.resume: no checkpoint at runs/nowhere"),
+])
+def test_bad_override_fails_fast(tmp_path, override, message):
+    result = subprocess.run([sys.executable, str(REPO / "train.py"), *TINY, override], cwd=tmp_path,
+                            env=train_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"train.py: error: {message}") and result.stderr.count("\n") == 1
+    # before any work: no data prepared, no run directory left behind
+    assert [p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.name != "runs"] == []
+
+
+def test_sigterm_leaves_loadable_last_pt(tmp_path, data_root):
+    run_dir = tmp_path / "run"
+    process = subprocess.Popen([sys.executable, str(REPO / "train.py"), *TINY, f"data.root={data_root}",
+                                "train.max_iters=1000000", "train.eval_interval=1000000", f"hydra.run.dir={run_dir}"],
+                               cwd=tmp_path, env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    try:
+        assert process.stdout.readline().startswith("training ")  # the signal handlers are in place
+        time.sleep(2)
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 0, stderr
+    assert f"saved {run_dir}/last.pt" in stderr and stderr.count("\n") == 1
+    step = int(stderr.split("stopped by SIGTERM at step ")[1].split(":")[0])
+    last = torch.load(run_dir / "last.pt", weights_only=True)
+    assert last["step"] == step > 0 and not (run_dir / "best.pt").exists()  # saved on the signal, not by an eval
+
+
+# --- DDP ----------------------------------------------------------------------------------------------------------
+
+def ddp_worker(rank: int, world_size: int, port: int, cfg, run_dir: Path, out: Path):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    wrapped, no_sync_calls = [], []
+
+    class SpyDDP(train.DDP):
+        """DDP that remembers the module it wraps and counts the micro-steps without gradient sync."""
+
+        def __init__(self, module, *args, **kwargs):
+            super().__init__(module, *args, **kwargs)
+            wrapped.append(module)
+
+        def no_sync(self):
+            no_sync_calls.append(None)
+            return super().no_sync()
+
+    train.DDP = SpyDDP
+    train.main(cfg, run_dir)
+    torch.save({"model": wrapped[0].state_dict(), "no_sync_calls": len(no_sync_calls)}, out / f"rank{rank}.pt")
+
+
+def test_ddp_two_cpu_processes_end_with_identical_weights(tmp_path, data_root):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = config(tmp_path, data_root, "train.max_iters=6", "train.eval_interval=3", "train.eval_iters=2",
+                 "train.grad_accum_steps=2", "train.log_interval=2")
+    run_dir = tmp_path / "runs/ddp"
+    mp.spawn(ddp_worker, args=(2, port, cfg, run_dir, tmp_path), nprocs=2)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    assert ranks[0]["no_sync_calls"] == ranks[1]["no_sync_calls"] == 6  # one of the 2 micro-steps, 6 steps
+    for name, weight in ranks[0]["model"].items():
+        assert torch.equal(ranks[1]["model"][name], weight), name
+    last = torch.load(run_dir / "last.pt", weights_only=True)  # rank 0's: the same weights
+    assert last["step"] == 6 and len(last["rng"]) == 2
+    assert last["best_val_loss"] < math.log(65) + 0.1  # the mean over the processes, not their sum
+    assert last["model"].keys() == ranks[0]["model"].keys()  # no "module." prefix
+    for name, weight in ranks[0]["model"].items():
+        assert torch.equal(last["model"][name], weight), name
+    assert len(list(run_dir.glob("events.out.tfevents.*"))) == 2  # rank 0's writer and its hparams, nobody else's
