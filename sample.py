@@ -19,6 +19,7 @@ import torch
 
 from checkpoint import CheckpointError, find_latest_checkpoint, load_checkpoint, resolve_checkpoint
 from data import CharVocab, DataError, UnknownCharacterError
+from devices import choose_device
 from model import GPT, GPTConfig
 
 SAMPLE_SEPARATOR = "---------------\n"
@@ -77,16 +78,6 @@ def check_args(args) -> None:
     if args.compile and args.no_kv_cache:
         raise UsageError("--compile compiles the cached one-token step, which --no-kv-cache does not use; "
                          "drop one of them")
-
-
-def choose_device(name: str) -> torch.device:
-    available = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available(), "cpu": True}
-    if name == "auto":
-        return torch.device(next(device for device, ok in available.items() if ok))
-    if not available[name]:
-        usable = ", ".join(device for device, ok in available.items() if ok)
-        raise UsageError(f"--device {name} is not available on this machine (available: {usable}, or auto)")
-    return torch.device(name)
 
 
 def read_prompt(args) -> str:
@@ -151,7 +142,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         check_args(args)
-        device = choose_device(args.device)
+        try:
+            device = choose_device(args.device)
+        except ValueError as e:
+            raise UsageError(f"--device {e}") from None
         prompt = read_prompt(args)
         if args.checkpoint is None:
             checkpoint_path = find_latest_checkpoint("runs")  # under the working directory, where train.py writes
