@@ -11,12 +11,12 @@ A checkpoint is a plain dict of tensors, numbers, strings, lists and dicts, so i
 and a training checkpoint adds optimizer, scheduler, step, best_val_loss, rng and config.
 """
 
-import os
 import pickle
-import tempfile
 from pathlib import Path
 
 import torch
+
+from data.atomic import write_atomically
 
 FORMAT = "kvgpt-checkpoint-v1"
 REQUIRED_KEYS = ("model_config", "vocab", "model")
@@ -30,17 +30,7 @@ def save_checkpoint(state: dict, path) -> Path:
     """Write `state` to `path` atomically: a crash mid-write leaves the previous file intact."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save({"format": FORMAT, **state}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return write_atomically(path, lambda file: torch.save({"format": FORMAT, **state}, file))
 
 
 def resolve_checkpoint(path, prefer: str = "best.pt") -> Path:

@@ -12,8 +12,6 @@ file behind, and processes preparing the same root at once all end up with the s
 import hashlib
 import http.client
 import json
-import os
-import tempfile
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
@@ -21,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .atomic import write_atomically
 from .errors import DataError
 from .vocab import CharVocab
 
@@ -81,7 +80,7 @@ def _download(url: str, target: Path, sha256: str) -> None:
             raise DataError(f"{url} has sha256 {digest.hexdigest()} but {sha256} was expected; "
                             f"save the right file as {target}")
 
-    _write_atomically(target, fetch_and_verify)
+    write_atomically(target, fetch_and_verify)
 
 
 def _read_meta(root: Path) -> dict | None:
@@ -121,23 +120,9 @@ def _encode(source: Path, root: Path, sha256: str, val_fraction: float) -> dict:
 
     # Without meta.json the .bin files count as stale, so a run interrupted mid-rebuild starts over next time.
     (root / "meta.json").unlink(missing_ok=True)
-    _write_atomically(root / "train.bin", tokens[:n_train].tofile)
-    _write_atomically(root / "val.bin", tokens[n_train:].tofile)
+    write_atomically(root / "train.bin", tokens[:n_train].tofile)
+    write_atomically(root / "val.bin", tokens[n_train:].tofile)
     meta = {"format": FORMAT, "source_sha256": sha256, "val_fraction": val_fraction,
             "train_tokens": n_train, "val_tokens": len(tokens) - n_train, "vocab": vocab.chars}
-    _write_atomically(root / "meta.json", lambda f: f.write(json.dumps(meta, indent=1).encode()))
+    write_atomically(root / "meta.json", lambda f: f.write(json.dumps(meta, indent=1).encode()))
     return meta
-
-
-def _write_atomically(path: Path, write) -> None:
-    """Call write(file) on a temporary file beside `path`, then rename it to `path`; on any error remove it."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as file:
-            write(file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
