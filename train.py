@@ -524,6 +524,7 @@ if __name__ == "__main__":
     # Hydra reports its own errors (a bad override, an unknown preset) in several lines with exit status 1;
     # this lets them through to be reported in one line with status 2, like ours.
     os.environ["HYDRA_FULL_ERROR"] = "1"
+    sys.stdout.reconfigure(line_buffering=True)  # evaluation lines reach a log file as they happen
     try:
         sys.argv += added_overrides(sys.argv[1:])
         hydra_main()

@@ -30,15 +30,6 @@ TINY = ["preset=cpu", "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "m
 SCALARS = ["train/loss", "val/loss", "train/lr", "train/grad_norm", "perf/tokens_per_sec"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # A tiny model trains fastest on one thread, all the more on a busy machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def data_root(tmp_path_factory) -> Path:
     """One prepared copy of tiny_shakespeare for every run of this module."""
