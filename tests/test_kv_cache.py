@@ -9,10 +9,10 @@ import functools
 import pytest
 import torch
 
-from model import GPT, GPTConfig, KVCache, MultiHeadAttention
+from model import GPT, KVCache, MultiHeadAttention
+from tiny_models import BLOCK_SIZE, VOCAB, random_model, random_tokens, tiny_config, train_briefly
 
 
-BLOCK_SIZE, VOCAB = 16, 13
 # n_embd 24 is not a power of two, and 1, 3 and 4 heads divide it (head widths 24, 8, 6)
 CONFIGS = {
     "1head-bias": dict(n_head=1, bias=True),
@@ -21,27 +21,6 @@ CONFIGS = {
     "4heads-no_bias": dict(n_head=4, bias=False),
 }
 ATOL = 1e-5
-
-
-def tiny_config(**overrides) -> GPTConfig:
-    return GPTConfig(**{"vocab_size": VOCAB, "block_size": BLOCK_SIZE, "n_layer": 2, "n_head": 3, "n_embd": 24,
-                        **overrides})
-
-
-def random_model(seed=0, **overrides) -> GPT:
-    """A tiny GPT in eval mode with weights well above GPT-2's 0.02 init, so that attention is far from
-    uniform and every token of the context moves the logits (at 0.02 it mostly echoes the last token)."""
-    torch.manual_seed(seed)
-    model = GPT(tiny_config(**overrides))
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.2)
-    return model.eval()
-
-
-def random_tokens(*shape, seed=0) -> torch.Tensor:
-    return torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
 
 
 # --- a briefly trained model -----------------------------------------------------------------------------
@@ -54,19 +33,8 @@ TEXT = PATTERN.repeat(40)
 def trained_model(config_name: str):
     """(model in eval mode, training losses) after 30 Adam steps on TEXT, from GPT-2's own init."""
     torch.manual_seed(0)
-    model = GPT(tiny_config(**CONFIGS[config_name])).train()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    gen = torch.Generator().manual_seed(0)
-    losses = []
-    for _ in range(30):
-        starts = torch.randint(0, len(TEXT) - BLOCK_SIZE - 1, (8,), generator=gen)
-        x = torch.stack([TEXT[s:s + BLOCK_SIZE] for s in starts])
-        y = torch.stack([TEXT[s + 1:s + BLOCK_SIZE + 1] for s in starts])
-        _, loss = model(x, y)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+    model = GPT(tiny_config(**CONFIGS[config_name]))
+    losses = train_briefly(model, TEXT, steps=30, batch_size=8)
     return model.eval(), losses
 
 

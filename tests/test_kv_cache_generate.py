@@ -4,28 +4,11 @@
 import pytest
 import torch
 
-from model import GPT, GPTConfig
+from model import GPT
+from tiny_models import BLOCK_SIZE, VOCAB, random_model, random_tokens
 
 
-BLOCK_SIZE, VOCAB = 16, 13
 N_NEW = 40  # 2.5 x block_size: crosses the window more than once
-
-
-def random_model(seed=0, **overrides) -> GPT:
-    """A tiny GPT in eval mode with weights well above GPT-2's 0.02 init, so that attention is far from
-    uniform and every token of the context moves the logits (at 0.02 it mostly echoes the last token)."""
-    torch.manual_seed(seed)
-    model = GPT(GPTConfig(**{"vocab_size": VOCAB, "block_size": BLOCK_SIZE, "n_layer": 2, "n_head": 3,
-                             "n_embd": 24, **overrides}))
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.2)
-    return model.eval()
-
-
-def random_tokens(*shape, seed=0) -> torch.Tensor:
-    return torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.fixture(scope="module")

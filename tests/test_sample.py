@@ -15,6 +15,7 @@ import torch
 from checkpoint import FORMAT, save_checkpoint
 from data import CharVocab
 from model import GPT, GPTConfig
+from tiny_models import train_briefly
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO / "sample.py"
@@ -49,17 +50,8 @@ def tiny_model(seed: int, train_steps: int) -> GPT:
     torch.manual_seed(seed)
     model = GPT(GPTConfig(vocab_size=len(VOCAB), block_size=BLOCK_SIZE, n_layer=2, n_head=2, n_embd=32))
     # A little training makes the output depend on the context, so that a broken cache changes it.
-    data = torch.tensor(VOCAB.encode(TEXT))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for _ in range(train_steps):
-        starts = torch.randint(len(data) - BLOCK_SIZE - 1, (16,))
-        x = torch.stack([data[s:s + BLOCK_SIZE] for s in starts])
-        y = torch.stack([data[s + 1:s + BLOCK_SIZE + 1] for s in starts])
-        _, loss = model(x, y)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return model
+    train_briefly(model, torch.tensor(VOCAB.encode(TEXT)), steps=train_steps, batch_size=16)
+    return model.eval()
 
 
 def checkpoint_state(model: GPT) -> dict:
