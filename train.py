@@ -177,7 +177,7 @@ def train(cfg, run_dir: Path, model_config: GPTConfig, resumed: dict | None, dev
                         save_checkpoint(state, last_path)
                         write_hparams(writer, config_container, last_val_loss)
                     raise Stopped(f"stopped by {stop.signal_name} at step {step}: saved {last_path}; "
-                                  f"continue with python train.py train.resume={run_dir}")
+                                  f"continue with the same command plus train.resume={run_dir}")
 
                 lr = scheduler.get_last_lr()[0]
                 loss_sum = torch.zeros((), device=device)
