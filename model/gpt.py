@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention import MultiHeadAttention
+from .attention import MultiHeadAttention, causal_mask
 from .kv_cache import KVCache
 
 
@@ -114,10 +114,9 @@ class GPT(nn.Module):
             pos = cache.positions(slots)  # (B, T)
             attn_mask = cache.attn_mask(slots)  # (B, 1, T, max_len)
         elif padding_mask is not None:
-            arange = torch.arange(T, device=idx.device)
-            pos = (arange - padding_mask.sum(dim=1, keepdim=True)).clamp(min=0)  # (B, T)
-            causal = arange[None, :] <= arange[:, None]  # (T, T)
-            attn_mask = causal[None, None] & ~padding_mask[:, None, None, :]  # (B, 1, T, T)
+            n_pad = padding_mask.sum(dim=1, keepdim=True)  # (B, 1)
+            pos = (torch.arange(T, device=idx.device) - n_pad).clamp(min=0)  # (B, T)
+            attn_mask = causal_mask(T, T, idx.device) & ~padding_mask[:, None, None, :]  # (B, 1, T, T)
         else:
             pos = torch.arange(T, device=idx.device)  # (T,)
             attn_mask = None  # plain causal attention: the fastest SDPA kernels
@@ -191,15 +190,15 @@ class GPT(nn.Module):
                 start = [s if seq.size(1) - s <= block_size else seq.size(1) - window for s in start]
                 n_cached = 0
             first = min(start)  # the batch's context is seq[:, first:], each row left-padded to it
-            context_pad = None
-            if max(start) > first:
-                row_start = torch.tensor(start, device=seq.device)[:, None]
-                context_pad = torch.arange(first, seq.size(1), device=seq.device)[None, :] < row_start
             if not use_cache:
-                logits = self(seq[:, first:], padding_mask=context_pad)[0][:, -1]
+                padding = None
+                if max(start) > first:
+                    row_start = torch.tensor(start, device=seq.device)[:, None]
+                    padding = torch.arange(first, seq.size(1), device=seq.device)[None, :] < row_start
+                logits = self(seq[:, first:], padding_mask=padding)[0][:, -1]
             else:
-                if n_cached == 0:
-                    cache.reset(None if context_pad is None else context_pad.sum(dim=1))
+                if n_cached == 0:  # (re)fill the cache: each row's padding is its start past the batch's
+                    cache.reset(torch.tensor([s - first for s in start], device=seq.device))
                 new_tokens = seq[:, first + n_cached:]
                 step = self._compiled_step if compile_step and new_tokens.size(1) == 1 else self._step
                 logits = step(new_tokens, cache)
