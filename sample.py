@@ -17,10 +17,11 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import CheckpointError, find_latest_checkpoint, load_checkpoint, resolve_checkpoint
-from data import CharVocab, DataError, UnknownCharacterError
-from devices import choose_device
-from model import GPT, GPTConfig
+from data import CharVocab, UnknownCharacterError
+from model import Sampling, generate_tokens
+from training.checkpoint import CheckpointError, load_model, resolve_checkpoint
+from training.devices import choose_device
+from training.runs import find_latest_checkpoint
 
 SAMPLE_SEPARATOR = "---------------\n"
 
@@ -64,13 +65,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def sampling_from(args) -> Sampling:
+    """The model's own sampling rules, their errors named by option."""
+    try:
+        return Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    except ValueError as e:
+        option, _, rest = str(e).partition(" must ")
+        raise UsageError(f"--{option.replace('_', '-')} must {rest}") from None
+
+
 def check_args(args) -> None:
-    if not args.temperature >= 0:  # rather than `< 0`, so that NaN is refused too
-        raise UsageError(f"--temperature must be >= 0 (0 means greedy), got {args.temperature}")
-    if args.top_k is not None and args.top_k < 1:
-        raise UsageError(f"--top-k must be >= 1, got {args.top_k}")
-    if args.top_p is not None and not 0 < args.top_p <= 1:
-        raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.max_new_tokens < 0:
         raise UsageError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if args.num_samples < 1:
@@ -94,21 +98,6 @@ def read_prompt(args) -> str:
     if not prompt:
         raise UsageError(f"--prompt-file {args.prompt_file} is empty; give at least one character")
     return prompt
-
-
-def load_model(checkpoint_path: Path, device: torch.device) -> tuple[GPT, CharVocab]:
-    ckpt = load_checkpoint(checkpoint_path, map_location="cpu")
-    try:
-        model = GPT(GPTConfig(**ckpt["model_config"]))
-        model.load_state_dict(ckpt["model"])
-        vocab = CharVocab(ckpt["vocab"])
-        if len(vocab) > model.config.vocab_size:
-            raise ValueError(f"{len(vocab)} characters for vocab_size {model.config.vocab_size}")
-    except (TypeError, ValueError, RuntimeError, DataError) as e:
-        # A kvgpt checkpoint, but one this version of the code cannot rebuild a model from.
-        reason = " ".join(str(e).split())[:200] or type(e).__name__  # load_state_dict's lists span lines
-        raise CheckpointError(f"{checkpoint_path} does not fit this version of the model ({reason})") from None
-    return model.to(device).eval(), vocab
 
 
 def encode_prompt(vocab: CharVocab, prompt: str) -> list[int]:
@@ -142,16 +131,15 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         check_args(args)
+        sampling = sampling_from(args)
         try:
             device = choose_device(args.device)
         except ValueError as e:
             raise UsageError(f"--device {e}") from None
         prompt = read_prompt(args)
-        if args.checkpoint is None:
-            checkpoint_path = find_latest_checkpoint("runs")  # under the working directory, where train.py writes
-        else:
-            checkpoint_path = resolve_checkpoint(args.checkpoint)
-        model, vocab = load_model(checkpoint_path, device)
+        # without --checkpoint: the newest under the working directory, where train.py writes
+        checkpoint_path = resolve_checkpoint(args.checkpoint) if args.checkpoint else find_latest_checkpoint("runs")
+        model, vocab, _ = load_model(checkpoint_path, device)
         prompt_ids = encode_prompt(vocab, prompt)
         block_size = model.config.block_size
         if args.window is not None and not 1 <= args.window <= block_size:
@@ -167,9 +155,8 @@ def main(argv=None) -> int:
     use_cache = not args.no_kv_cache
     cache = model.new_kv_cache(args.num_samples) if use_cache else None
     idx = torch.tensor([prompt_ids] * args.num_samples, dtype=torch.long, device=device)
-    steps = model.generate_tokens(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                                  top_p=args.top_p, use_cache=use_cache, generator=generator,
-                                  window=args.window, cache=cache, compile_step=args.compile)
+    steps = generate_tokens(model, idx, args.max_new_tokens, sampling=sampling, generator=generator,
+                            window=args.window, use_cache=use_cache, cache=cache, compile=args.compile)
 
     # The samples of a batch grow side by side, so only a lone sample can stream legibly.
     stream = args.num_samples == 1 and sys.stdout.isatty()

@@ -3,8 +3,8 @@
     python bench/decode.py                 # the classic shakespeare-char shape, on CPU
     python bench/decode.py --device cuda --compile
 
-Greedy generation from a random-weight model of the classic shape (6 layers, 6 heads, 384 wide,
-block 256, vocab 65): speed does not depend on the weights. Tokens/s counts new tokens of every
+Greedy generation from a random-weight model of the classic shape (conf/model/classic.yaml: 6 layers,
+6 heads, 384 wide, block 256; vocab 65): speed does not depend on the weights. Tokens/s counts new tokens of every
 row. The bound times only the matmuls of every Linear for one token per row, back to back: what
 a step would cost with no attention, norms, activations or Python at all. Each figure is the best
 of --repeats runs.
@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from model import GPT, GPTConfig  # noqa: E402
+from bench.configs import model_config  # noqa: E402
+from model import GPT, GREEDY, generate  # noqa: E402
 
-CLASSIC = GPTConfig(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=384, dropout=0.0, bias=True)
 PROMPT_LEN = 16
 
 
@@ -59,12 +59,14 @@ def main() -> None:
     torch.manual_seed(0)
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    model = GPT(CLASSIC).to(device).eval()
+    classic = model_config("classic")
+    model = GPT(classic).to(device).eval()
 
     def tokens_per_s(batch_size, new_tokens, use_cache):
-        prompt = torch.randint(0, CLASSIC.vocab_size, (batch_size, PROMPT_LEN), device=device)
+        prompt = torch.randint(0, classic.vocab_size, (batch_size, PROMPT_LEN), device=device)
+
         def run(n=new_tokens):
-            model.generate(prompt, n, temperature=0, use_cache=use_cache, compile_step=args.compile and use_cache)
+            generate(model, prompt, n, sampling=GREEDY, use_cache=use_cache, compile=args.compile and use_cache)
 
         return batch_size * new_tokens / best_seconds(run, args.repeats, sync, warm_up=lambda: run(8))
 

@@ -10,7 +10,6 @@ The figure to compare is the best of --repeats for each.
 """
 
 import argparse
-import dataclasses
 import os
 import pty
 import re
@@ -23,10 +22,11 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.decode import CLASSIC, PROMPT_LEN, best_seconds  # noqa: E402
-from checkpoint import save_checkpoint  # noqa: E402
+from bench.configs import model_config  # noqa: E402
+from bench.decode import PROMPT_LEN, best_seconds  # noqa: E402
 from data import CharVocab  # noqa: E402
-from model import GPT  # noqa: E402
+from model import GPT, GREEDY, generate  # noqa: E402
+from training.checkpoint import build_checkpoint, save_checkpoint  # noqa: E402
 
 NEW_TOKENS = 240
 VOCAB = CharVocab("\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")  # tiny_shakespeare's 65
@@ -62,17 +62,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    assert len(VOCAB) == CLASSIC.vocab_size and len(PROMPT) == PROMPT_LEN
+    assert len(PROMPT) == PROMPT_LEN
 
     torch.manual_seed(0)
-    model = GPT(CLASSIC).eval()
+    model = GPT(model_config("classic", vocab_size=len(VOCAB))).eval()
     prompt = torch.tensor([VOCAB.encode(PROMPT)])
-    run = lambda: model.generate(prompt, NEW_TOKENS, temperature=0)  # noqa: E731
+    run = lambda: generate(model, prompt, NEW_TOKENS, sampling=GREEDY)  # noqa: E731
     model_tokens_per_s = NEW_TOKENS / best_seconds(run, args.repeats, lambda: None)
 
     with tempfile.TemporaryDirectory() as tmp:
-        checkpoint = save_checkpoint({"model_config": dataclasses.asdict(CLASSIC), "vocab": VOCAB.chars,
-                                      "model": model.state_dict()}, Path(tmp) / "best.pt")
+        checkpoint = save_checkpoint(build_checkpoint(model, VOCAB), Path(tmp) / "best.pt")
         piped = max(sample_py_tokens_per_s(checkpoint, on_terminal=False) for _ in range(args.repeats))
         streamed = max(sample_py_tokens_per_s(checkpoint, on_terminal=True) for _ in range(args.repeats))
 

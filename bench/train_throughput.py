@@ -3,29 +3,30 @@
     python bench/train_throughput.py            # on CPU: the cpu preset's shape, a small one, the classic one
     python bench/train_throughput.py --device cuda
 
-Each step is train.py's: forward, backward, gradient clipping, AdamW (train.py's make_optimizer), on
+Each step is train.py's: forward, backward, gradient clipping, the optimiser (training/optim.py), on
 batches of tiny_shakespeare. Warm-up steps (which include compilation) are not timed; the time to
 compile is printed on its own, since on a short CPU run it decides which mode wins.
 """
 
 import argparse
+import dataclasses
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-import train  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.configs import settings  # noqa: E402
 from data import Batches, prepare_shakespeare  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
+from model import GPT  # noqa: E402
+from training.optim import make_optimizer  # noqa: E402
 
-SHAPES = {  # name: (model overrides, batch size)
-    "cpu preset": (None, None),  # read from conf/preset/cpu.yaml
-    "small (4L 4H 128w, block 64)": (dict(n_layer=4, n_head=4, n_embd=128, block_size=64, dropout=0.0), 12),
-    "classic (6L 6H 384w, block 256)": (dict(n_layer=6, n_head=6, n_embd=384, block_size=256, dropout=0.2), 64),
+SHAPES = {  # name: (overrides of the cpu preset, as on train.py's command line)
+    "cpu preset": [],
+    "small (4L 4H 128w, block 64)": ["model.block_size=64", "train.batch_size=12"],
+    "classic (6L 6H 384w, block 256)": ["model=classic", "train.batch_size=64"],
 }
 
 
@@ -33,9 +34,9 @@ def measure(model_config, batch_size, data, optim_cfg, device, compiled, warmup,
     torch.manual_seed(0)
     raw_model = GPT(model_config).to(device)
     model = torch.compile(raw_model) if compiled else raw_model
-    optimizer = train.make_optimizer(raw_model, optim_cfg, fused=device.type == "cuda")
+    optimizer = make_optimizer(raw_model, optim_cfg, fused=device.type == "cuda")
     batches = Batches(data.train, model_config.block_size, batch_size, device, seed=0)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else train.nullcontext()
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def step():
@@ -69,20 +70,18 @@ def main() -> None:
     args = parser.parse_args()
 
     device = torch.device(args.device)
-    with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=["preset=cpu"])
-    data = prepare_shakespeare(cfg.data.root, url=cfg.data.url, sha256=cfg.data.sha256)
+    preset = settings("preset=cpu")
+    data = prepare_shakespeare(preset.data.root, url=preset.data.url, sha256=preset.data.sha256)
     print(f"# training throughput: {torch.__version__}, device {device}, {torch.get_num_threads()} threads, "
           f"{args.steps} timed steps after {args.warmup} warm-up steps")
     print("| shape | batch | eager tok/s | compiled tok/s | compiled / eager | compile warm-up s |")
     print("|---|---|---|---|---|---|")
     for name in args.shapes:
-        overrides, batch_size = SHAPES[name]
-        if overrides is None:
-            overrides, batch_size = dict(cfg.model), cfg.train.batch_size
-        model_config = GPTConfig(vocab_size=len(data.vocab), **{**dict(cfg.model), **overrides})
-        eager, _ = measure(model_config, batch_size, data, cfg.optim, device, False, args.warmup, args.steps)
-        compiled, warmup_s = measure(model_config, batch_size, data, cfg.optim, device, True, args.warmup,
+        shape = settings("preset=cpu", *SHAPES[name])
+        model_config = dataclasses.replace(shape.model, vocab_size=len(data.vocab))
+        batch_size = shape.train.batch_size
+        eager, _ = measure(model_config, batch_size, data, shape.optim, device, False, args.warmup, args.steps)
+        compiled, warmup_s = measure(model_config, batch_size, data, shape.optim, device, True, args.warmup,
                                      args.steps)
         print(f"| {name} | {batch_size} | {eager:,.0f} | {compiled:,.0f} | {compiled / eager:.2f}x | "
               f"{warmup_s:.0f} |", flush=True)

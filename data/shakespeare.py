@@ -5,27 +5,32 @@
     root/val.bin     the rest
     root/meta.json   what the .bin files were built from (source sha256, val_fraction, format) and the vocabulary
 
-Every file is written to a temporary name and renamed into place, so an interrupted run never leaves a partial
-file behind, and processes preparing the same root at once all end up with the same files.
+Every file is written whole in a private staging folder inside root, then renamed into place (meta.json last),
+so an interrupted run never leaves a partial file behind, and processes preparing the same root at once all end up
+with the same files. The prepared files are trusted only while meta.json matches the source, the split, the
+vocabulary of the text, and the files' own sha256.
 """
 
 import hashlib
 import http.client
 import json
+import os
+import shutil
+import tempfile
 import urllib.parse
 import urllib.request
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from .atomic import write_atomically
 from .errors import DataError
 from .vocab import CharVocab
 
 SOURCE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
-FORMAT = "kvgpt-chars-uint16-v1"  # bump when the layout of the prepared files changes
+FORMAT = "kvgpt-chars-uint16-v2"  # bump when the layout of the prepared files changes
 TOKEN_DTYPE = np.uint16
 DOWNLOAD_TIMEOUT_S = 60
 
@@ -47,40 +52,66 @@ def prepare_shakespeare(root, url: str = SOURCE_URL, sha256: str = SHA256, val_f
         raise DataError(f"cannot download {url!r}: give an http://, https:// or file:// URL")
     root = Path(root)
     source = root / "input.txt"
-    if source.is_file():
-        got = hashlib.sha256(source.read_bytes()).hexdigest()
-        if got != sha256:
-            raise DataError(f"{source} has sha256 {got} but {sha256} was expected; "
-                            f"replace it with the right file or delete it to download {url}")
-    else:
-        root.mkdir(parents=True, exist_ok=True)
-        _download(url, source, sha256)
+    try:
+        if source.is_file():
+            text_bytes = source.read_bytes()
+            got = hashlib.sha256(text_bytes).hexdigest()
+            if got != sha256:
+                raise DataError(f"{source} has sha256 {got} but {sha256} was expected; "
+                                f"replace it with the right file or delete it to download {url}")
+        else:
+            root.mkdir(parents=True, exist_ok=True)
+            text_bytes = _download(url, root, sha256)
+        text = _decode(text_bytes, source)
+        meta = _read_meta(root)
+        if not _matches(meta, root, sha256, val_fraction, text):
+            meta = _encode(text, source, root, sha256, val_fraction)
+        return PreparedData(vocab=CharVocab(meta["vocab"]),
+                            train=np.memmap(root / "train.bin", dtype=TOKEN_DTYPE, mode="r"),
+                            val=np.memmap(root / "val.bin", dtype=TOKEN_DTYPE, mode="r"),
+                            root=root)
+    except OSError as e:  # a read-only or full disk, a file where the folder should be, ...
+        raise DataError(f"cannot prepare the data in {root} ({e.strerror or e}"
+                        f"{': ' + e.filename if e.filename else ''}); give data.root a writable folder") from None
 
-    meta = _read_meta(root)
-    if not _matches(meta, root, sha256, val_fraction):
-        meta = _encode(source, root, sha256, val_fraction)
-    return PreparedData(vocab=CharVocab(meta["vocab"]),
-                        train=np.memmap(root / "train.bin", dtype=TOKEN_DTYPE, mode="r"),
-                        val=np.memmap(root / "val.bin", dtype=TOKEN_DTYPE, mode="r"),
-                        root=root)
+
+@contextmanager
+def _staging(root: Path):
+    """A private folder inside root in which files are written whole before they are moved into place."""
+    staging = Path(tempfile.mkdtemp(dir=root, prefix=".staging-"))
+    try:
+        yield staging
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
-def _download(url: str, target: Path, sha256: str) -> None:
-    def fetch_and_verify(file):
-        digest = hashlib.sha256()
+def _move_into_place(staging: Path, root: Path, name: str) -> None:
+    os.replace(staging / name, root / name)
+
+
+def _download(url: str, root: Path, sha256: str) -> bytes:
+    target = root / "input.txt"
+    with _staging(root) as staging:
         try:
             with urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT_S) as response:
-                while chunk := response.read(1 << 20):
-                    digest.update(chunk)
-                    file.write(chunk)
+                body = response.read()
         except (OSError, http.client.HTTPException) as e:  # urllib's errors and timeouts are OSErrors
             raise DataError(f"could not download {url} ({getattr(e, 'reason', e)}); "
                             f"download it yourself and save it as {target}") from None
-        if digest.hexdigest() != sha256:
-            raise DataError(f"{url} has sha256 {digest.hexdigest()} but {sha256} was expected; "
-                            f"save the right file as {target}")
+        got = hashlib.sha256(body).hexdigest()
+        if got != sha256:
+            raise DataError(f"{url} has sha256 {got} but {sha256} was expected; save the right file as {target}")
+        (staging / "input.txt").write_bytes(body)
+        _move_into_place(staging, root, "input.txt")
+    return body
 
-    write_atomically(target, fetch_and_verify)
+
+def _decode(text_bytes: bytes, source: Path) -> str:
+    try:
+        return text_bytes.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{source} is not UTF-8 text ({e.reason} at byte {e.start}); "
+                        f"replace it with a UTF-8 text file") from None
 
 
 def _read_meta(root: Path) -> dict | None:
@@ -90,24 +121,23 @@ def _read_meta(root: Path) -> dict | None:
         return None
 
 
-def _matches(meta: dict | None, root: Path, sha256: str, val_fraction: float) -> bool:
-    """Whether root's prepared files were built from this source with this split, and are complete."""
-    if not isinstance(meta, dict) or not isinstance(meta.get("vocab"), str):
+def _file_sha256(path: Path) -> str | None:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def _matches(meta: dict | None, root: Path, sha256: str, val_fraction: float, text: str) -> bool:
+    """Whether root's prepared files were built from this text with this split, and are intact."""
+    if not isinstance(meta, dict) or meta.get("vocab") != CharVocab.from_text(text).chars:
         return False
     if (meta.get("format"), meta.get("source_sha256"), meta.get("val_fraction")) != (FORMAT, sha256, val_fraction):
         return False
-    itemsize = np.dtype(TOKEN_DTYPE).itemsize
-    return all((root / f"{split}.bin").is_file()
-               and (root / f"{split}.bin").stat().st_size == meta.get(f"{split}_tokens", -1) * itemsize
-               for split in ("train", "val"))
+    return all(_file_sha256(root / f"{split}.bin") == meta.get(f"{split}_sha256") for split in ("train", "val"))
 
 
-def _encode(source: Path, root: Path, sha256: str, val_fraction: float) -> dict:
-    try:
-        text = source.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(f"{source} is not UTF-8 text ({e.reason} at byte {e.start}); "
-                        f"replace it with a UTF-8 text file") from None
+def _encode(text: str, source: Path, root: Path, sha256: str, val_fraction: float) -> dict:
     vocab = CharVocab.from_text(text)
     if len(vocab) > np.iinfo(TOKEN_DTYPE).max + 1:
         raise DataError(f"{source} has {len(vocab)} distinct characters, more than {TOKEN_DTYPE.__name__} "
@@ -117,12 +147,16 @@ def _encode(source: Path, root: Path, sha256: str, val_fraction: float) -> dict:
     if not 0 < n_train < len(tokens):
         raise DataError(f"val_fraction {val_fraction} of {len(tokens)} characters leaves an empty train or val "
                         f"split; use a longer text or a val_fraction nearer 0.1")
-
+    splits = {"train": tokens[:n_train], "val": tokens[n_train:]}
+    meta = {"format": FORMAT, "source_sha256": sha256, "val_fraction": val_fraction, "vocab": vocab.chars}
     # Without meta.json the .bin files count as stale, so a run interrupted mid-rebuild starts over next time.
     (root / "meta.json").unlink(missing_ok=True)
-    write_atomically(root / "train.bin", tokens[:n_train].tofile)
-    write_atomically(root / "val.bin", tokens[n_train:].tofile)
-    meta = {"format": FORMAT, "source_sha256": sha256, "val_fraction": val_fraction,
-            "train_tokens": n_train, "val_tokens": len(tokens) - n_train, "vocab": vocab.chars}
-    write_atomically(root / "meta.json", lambda f: f.write(json.dumps(meta, indent=1).encode()))
+    with _staging(root) as staging:
+        for split, split_tokens in splits.items():
+            split_tokens.tofile(staging / f"{split}.bin")
+            meta[f"{split}_tokens"] = len(split_tokens)
+            meta[f"{split}_sha256"] = _file_sha256(staging / f"{split}.bin")
+        (staging / "meta.json").write_text(json.dumps(meta, indent=1))
+        for name in ("train.bin", "val.bin", "meta.json"):
+            _move_into_place(staging, root, name)
     return meta

@@ -67,15 +67,34 @@ class MultiHeadAttention(nn.Module):
             k, v = cache.update(k, v)  # (B, nh, max_len, hs): every slot of this layer's cache
         T_k = k.size(2)
 
-        mask = causal_mask(T_q, T_k, x.device) if is_causal else None
+        dropout_p = self.attn_dropout if self.training else 0.0
+        plain = attn_mask is None and key_padding_mask is None and (not is_causal or T_q == T_k)
+        if plain and not need_weights:
+            # no mask tensor at all (SDPA's own is_causal is the same as ours when T_q == T_k): lets SDPA
+            # pick its fastest kernel, and builds no T x T mask
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal)
+            weights = None
+        else:
+            mask = self.combined_mask(T_q, T_k, x.device, attn_mask, key_padding_mask, is_causal)
+            y, weights = self.attend(q, k, v, mask, dropout_p, need_weights)
+
+        y = y.transpose(1, 2).reshape(B, T_q, self.v_dim)  # re-assemble the heads side by side
+        return self.out_dropout(self.out_proj(y)), weights
+
+    @staticmethod
+    def combined_mask(T_q, T_k, device, attn_mask, key_padding_mask, is_causal):
+        """The given masks ANDed into one bool mask, True where a query may attend a key, or None."""
+        mask = causal_mask(T_q, T_k, device) if is_causal else None
         if key_padding_mask is not None:
             keys_present = ~key_padding_mask[:, None, None, :]  # (B, 1, 1, T_k)
             mask = keys_present if mask is None else mask & keys_present
         if attn_mask is not None:
             mask = attn_mask if mask is None else mask & attn_mask
+        return mask
 
-        dropout_p = self.attn_dropout if self.training else 0.0
-        weights = None
+    def attend(self, q, k, v, mask, dropout_p, need_weights):
+        """softmax(q kᵀ / √d, masked) v, explicitly when the weights are wanted, else through SDPA.
+        Returns (y (B, nh, T_q, hs_v), weights (B, nh, T_q, T_k) or None)."""
         if need_weights:
             scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))  # (B, nh, T_q, T_k)
             if mask is not None:
@@ -83,17 +102,10 @@ class MultiHeadAttention(nn.Module):
             weights = scores.softmax(dim=-1)
             if mask is not None:  # a row with every key masked is all NaN after softmax
                 weights = weights.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
-            y = F.dropout(weights, dropout_p, self.training) @ v  # (B, nh, T_q, hs_v)
-        elif mask is None or (is_causal and T_q == T_k and attn_mask is None and key_padding_mask is None):
-            # no mask tensor at all: lets SDPA pick its fastest kernel
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
-            # kernels differ on rows with every key masked (zeros on some, NaN on others): make them zeros
-            y = y.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
-
-        y = y.transpose(1, 2).reshape(B, T_q, self.v_dim)  # re-assemble the heads side by side
-        return self.out_dropout(self.out_proj(y)), weights
+            return F.dropout(weights, dropout_p, self.training) @ v, weights
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+        # kernels differ on rows with every key masked (zeros on some, NaN on others): make them zeros
+        return y.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0), None
 
     def project(self, x, context=None):
         """Queries from x; keys and values from x (self-attention) or from context (cross-attention)."""

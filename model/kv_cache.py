@@ -29,7 +29,7 @@ class KVCache(nn.Module):
     token's position. `pos` is a 0-d tensor, so that a compiled one-token step has static shapes
     and does not recompile as it advances; queries attend to all max_len slots, masked.
 
-    Left-padded batches: row b's first pad[b] slots hold padding, which no query attends, and its
+    Left-padded batches: row b's first n_pad[b] slots hold padding, which no query attends, and its
     tokens' positions count from its first real token.
     """
 
@@ -41,7 +41,7 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("pos", torch.zeros((), dtype=torch.long, device=device), persistent=False)
-        self.register_buffer("pad", torch.zeros(batch_size, dtype=torch.long, device=device), persistent=False)
+        self.register_buffer("n_pad", torch.zeros(batch_size, dtype=torch.long, device=device), persistent=False)
         self.register_buffer("slot_ids", torch.arange(max_len, device=device), persistent=False)
 
     @property
@@ -57,10 +57,14 @@ class KVCache(nn.Module):
         """Filled slots. Reads the counter back to the host (a sync on GPU): for tests and reports."""
         return int(self.pos)
 
-    def reset(self, pad=None) -> None:
-        """Empty the cache; pad (B,) gives how many left-padding tokens each row will start with."""
+    @property
+    def batch_size(self) -> int:
+        return self.k.size(1)
+
+    def reset(self, n_pad=None) -> None:
+        """Empty the cache; n_pad (B,) gives how many left-padding tokens each row will start with."""
         self.pos.zero_()
-        self.pad.zero_() if pad is None else self.pad.copy_(pad)
+        self.n_pad.zero_() if n_pad is None else self.n_pad.copy_(n_pad)
 
     def layer(self, i: int, slots) -> LayerKV:
         return LayerKV(self.k[i], self.v[i], slots)
@@ -71,12 +75,12 @@ class KVCache(nn.Module):
 
     def positions(self, slots):
         """(B, t) position of each new token in its row, counted from the row's first real token."""
-        return (slots[None, :] - self.pad[:, None]).clamp(min=0)
+        return (slots[None, :] - self.n_pad[:, None]).clamp(min=0)
 
     def attn_mask(self, slots):
         """(B, 1, t, max_len) bool, True where a new token may attend a slot."""
         causal = self.slot_ids[None, :] <= slots[:, None]  # (t, max_len); also hides unfilled slots
-        not_pad = self.slot_ids[None, :] >= self.pad[:, None]  # (B, max_len)
+        not_pad = self.slot_ids[None, :] >= self.n_pad[:, None]  # (B, max_len)
         return causal[None, None, :, :] & not_pad[:, None, None, :]
 
     def advance(self, t: int) -> None:

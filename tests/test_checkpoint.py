@@ -1,4 +1,4 @@
-"""checkpoint.py: atomic writes, safe loads, and the newest-checkpoint lookup."""
+"""training/checkpoint.py and training/runs.py: atomic writes, safe loads, versions, the newest-checkpoint lookup."""
 
 import os
 import stat
@@ -6,15 +6,42 @@ import stat
 import pytest
 import torch
 
-from checkpoint import CheckpointError, find_latest_checkpoint, load_checkpoint, save_checkpoint
+from data import CharVocab
+from model import GPT, GPTConfig
+from training.checkpoint import (FORMAT, VERSION, CheckpointError, build_checkpoint, load_checkpoint, load_model,
+                                 save_checkpoint)
+from training.runs import find_latest_checkpoint
 
-STATE = {"model_config": {"n_layer": 1}, "vocab": "ab", "model": {"w": torch.arange(3.0)}}
+STATE = {"format": FORMAT, "version": VERSION, "model_config": {"n_layer": 1}, "vocab": "ab",
+         "model": {"w": torch.arange(3.0)}}
 
 
-def test_round_trip_adds_the_format_marker(tmp_path):
+def test_round_trip_keeps_the_format_marker_and_version(tmp_path):
     ckpt = load_checkpoint(save_checkpoint(STATE, tmp_path / "best.pt"))
-    assert ckpt["format"] == "kvgpt-checkpoint-v1" and ckpt["vocab"] == "ab"
+    assert (ckpt["format"], ckpt["version"]) == ("kvgpt-checkpoint", 2) and ckpt["vocab"] == "ab"
     assert torch.equal(ckpt["model"]["w"], STATE["model"]["w"])
+
+
+def test_build_checkpoint_and_load_model_round_trip(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=3, block_size=4, n_layer=1, n_head=1, n_embd=4))
+    save_checkpoint(build_checkpoint(model, CharVocab("abc")), tmp_path / "best.pt")
+    loaded, vocab, _ = load_model(tmp_path, "cpu")  # a run directory means its best.pt
+    assert vocab == CharVocab("abc") and loaded.config == model.config and not loaded.training
+    for name, weight in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], weight)
+
+
+@pytest.mark.parametrize("marker", [{"format": "kvgpt-checkpoint-v1"}, {"format": FORMAT, "version": 3}])
+def test_another_format_version_is_a_one_line_error_that_says_what_to_do(tmp_path, marker):
+    path = save_checkpoint({**STATE, "version": None, **marker}, tmp_path / "old.pt")
+    if "version" not in marker:
+        contents = torch.load(path, weights_only=True)
+        del contents["version"]
+        torch.save(contents, path)
+    with pytest.raises(CheckpointError, match=r"format version (1|3).*reads version 2; train a new one") as caught:
+        load_checkpoint(path)
+    assert "\n" not in str(caught.value)
 
 
 def test_a_failed_write_keeps_the_previous_file_and_leaves_no_temporary(tmp_path):

@@ -182,13 +182,13 @@ def test_interrupted_rebuild_is_not_mistaken_for_a_finished_one(tmp_path, small_
     url, sha256 = small_source
     prepare_shakespeare(tmp_path, url=url, sha256=sha256)
     edited_sha256 = write_source(tmp_path / "input.txt", SMALL_TEXT.swapcase())  # same length, other tokens
-    write_unless_meta = shakespeare.write_atomically
+    move_unless_meta = shakespeare._move_into_place
 
-    def interrupted_before_meta(path, write):
-        if path.name == "meta.json":
+    def interrupted_before_meta(staging, root, name):
+        if name == "meta.json":
             raise KeyboardInterrupt
-        write_unless_meta(path, write)
-    monkeypatch.setattr(shakespeare, "write_atomically", interrupted_before_meta)
+        move_unless_meta(staging, root, name)
+    monkeypatch.setattr(shakespeare, "_move_into_place", interrupted_before_meta)
     with pytest.raises(KeyboardInterrupt):
         prepare_shakespeare(tmp_path, url=url, sha256=edited_sha256)
     monkeypatch.undo()

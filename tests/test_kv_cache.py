@@ -9,7 +9,7 @@ import functools
 import pytest
 import torch
 
-from model import GPT, KVCache, MultiHeadAttention
+from model import GPT, GREEDY, KVCache, MultiHeadAttention, generate, generate_tokens
 from tiny_models import BLOCK_SIZE, VOCAB, random_model, random_tokens, tiny_config, train_briefly
 
 
@@ -64,7 +64,7 @@ def assert_every_step_matches_full_forward(model, prompt):
         new = last.argmax(dim=-1, keepdim=True)  # (B, 1)
         seq = torch.cat([seq, new], dim=1)
         # both ways into the cache: the generation step, and the public forward
-        last = model._step(new, cache) if step % 2 == 0 else model(new, cache=cache)[0][:, -1]
+        last = model.decode_step(new, cache) if step % 2 == 0 else model(new, cache=cache)[0][:, -1]
         assert len(cache) == seq.size(1)
         torch.testing.assert_close(last, model(seq)[0][:, -1], atol=ATOL, rtol=0)
 
@@ -92,7 +92,7 @@ def test_dropout_config_in_eval_mode_is_deterministic():
     model = random_model(**CONFIGS["4heads-bias-dropout0.2"])
     prompt = random_tokens(2, 7)
     assert torch.equal(model(prompt)[0], model(prompt)[0])
-    assert torch.equal(model.generate(prompt, 12, temperature=0), model.generate(prompt, 12, temperature=0))
+    assert torch.equal(generate(model, prompt, 12, sampling=GREEDY), generate(model, prompt, 12, sampling=GREEDY))
     assert not torch.equal(model.train()(prompt)[0], model(prompt)[0])  # ...and does drop out in training
 
 
@@ -143,7 +143,7 @@ def test_prefill_then_continue_equals_one_shot_prefill():
     torch.testing.assert_close(logits, whole_logits, atol=ATOL, rtol=0)
     assert_same_cache(continued, whole, 10)
     nxt = random_tokens(2, 1, seed=1)  # and both caches go on identically
-    torch.testing.assert_close(model._step(nxt, continued), model._step(nxt, whole), atol=ATOL, rtol=0)
+    torch.testing.assert_close(model.decode_step(nxt, continued), model.decode_step(nxt, whole), atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("chunks", [[3, 4, BLOCK_SIZE - 7], [1] * 5 + [BLOCK_SIZE - 5]], ids=["3+4+rest", "1x5+rest"])
@@ -173,7 +173,7 @@ def test_each_decode_step_sends_one_token_per_row_and_the_position_advances_by_o
     cache = model.new_kv_cache(batch)
     shapes, handle = count_tokens_into_blocks(model)
     try:
-        for i, _ in enumerate(model.generate_tokens(prompt, 9, temperature=0, cache=cache)):
+        for i, _ in enumerate(generate_tokens(model, prompt, 9, sampling=GREEDY, cache=cache)):
             # the token just yielded is fed on the next step: the cache holds the prompt and i earlier tokens
             assert len(cache) == 5 + i
             assert shapes[-1] == ((batch, 5) if i == 0 else (batch, 1))
@@ -187,7 +187,7 @@ def test_without_the_cache_every_step_recomputes_the_whole_context():
     model = random_model()
     shapes, handle = count_tokens_into_blocks(model)
     try:
-        model.generate(random_tokens(2, 5), 4, temperature=0, use_cache=False)
+        generate(model, random_tokens(2, 5), 4, sampling=GREEDY, use_cache=False)
     finally:
         handle.remove()
     assert shapes == [(2, 5), (2, 6), (2, 7), (2, 8)]
@@ -201,7 +201,7 @@ def test_past_block_size_the_cache_is_rebuilt_with_one_prefill_of_window_tokens(
     w = BLOCK_SIZE // 2 if window is None else window
     shapes, handle = count_tokens_into_blocks(model)
     try:
-        model.generate(random_tokens(1, 4), 50, temperature=0, window=window)
+        generate(model, random_tokens(1, 4), 50, sampling=GREEDY, window=window)
     finally:
         handle.remove()
     cycle = [w] + [1] * (BLOCK_SIZE - w)
@@ -245,7 +245,7 @@ def test_reset_empties_the_cache_and_a_fresh_prefill_equals_a_brand_new_cache():
     new = model.new_kv_cache(2)
     torch.testing.assert_close(model(prompt, cache=cache)[0], model(prompt, cache=new)[0], atol=0, rtol=0)
     assert_same_cache(cache, new, 7)
-    torch.testing.assert_close(model._step(prompt[:, :1], cache), model._step(prompt[:, :1], new), atol=0, rtol=0)
+    torch.testing.assert_close(model.decode_step(prompt[:, :1], cache), model.decode_step(prompt[:, :1], new), atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
@@ -281,9 +281,9 @@ def test_a_left_padded_row_gets_the_logits_it_gets_alone_with_and_without_the_ca
     cache = model.new_kv_cache(3)
     cache.reset(padding.sum(dim=1))
     cached, _ = model(batch, cache=cache)
-    uncached, _ = model(batch, padding_mask=padding)
+    uncached, _ = model(batch, n_pad=padding.sum(dim=1))
     nxt = random_tokens(3, 1, seed=9)
-    step = model._step(nxt, cache)
+    step = model.decode_step(nxt, cache)
     for b, p in enumerate(prompts):
         alone, _ = model(p)
         torch.testing.assert_close(cached[b, t - p.size(1):], alone[0], atol=ATOL, rtol=0)

@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from model import GPT
+from model import GPT, GREEDY, Sampling, generate, generate_tokens
 from tiny_models import BLOCK_SIZE, VOCAB, random_model, random_tokens
 
 
@@ -18,18 +18,18 @@ def model():
 
 def test_generate_returns_the_prompt_followed_by_the_new_tokens(model):
     prompt = random_tokens(2, 5)
-    out = model.generate(prompt, 7, temperature=0)
+    out = generate(model, prompt, 7, sampling=GREEDY)
     assert out.shape == (2, 12) and out.dtype == prompt.dtype
     assert torch.equal(out[:, :5], prompt)
-    assert torch.equal(model.generate(prompt, 0), prompt)
+    assert torch.equal(generate(model, prompt, 0), prompt)
 
 
 @pytest.mark.parametrize("window", [None, BLOCK_SIZE, 3], ids=["default_window", "window=block_size", "window=3"])
 @pytest.mark.parametrize("prompt_len", [5, BLOCK_SIZE + 4])
 def test_greedy_generation_with_cache_equals_without_token_for_token(model, window, prompt_len):
     prompt = random_tokens(2, prompt_len)
-    cached = model.generate(prompt, N_NEW, temperature=0, window=window)
-    uncached = model.generate(prompt, N_NEW, temperature=0, window=window, use_cache=False)
+    cached = generate(model, prompt, N_NEW, sampling=GREEDY, window=window)
+    uncached = generate(model, prompt, N_NEW, sampling=GREEDY, window=window, use_cache=False)
     assert torch.equal(cached, uncached)
 
 
@@ -49,33 +49,33 @@ def test_window_block_size_equals_crop_and_recompute_at_every_step(model, monkey
     step_logits = []  # what every step of the cached generation computed
 
     def recording_step(idx, cache):
-        step_logits.append(GPT._step(model, idx, cache))
+        step_logits.append(GPT.decode_step(model, idx, cache))
         return step_logits[-1]
 
-    monkeypatch.setattr(model, "_step", recording_step)
-    cached = model.generate(prompt, N_NEW, temperature=0, window=BLOCK_SIZE)
+    monkeypatch.setattr(model, "decode_step", recording_step)
+    cached = generate(model, prompt, N_NEW, sampling=GREEDY, window=BLOCK_SIZE)
     monkeypatch.undo()
     assert torch.equal(cached, expected)
     assert len(step_logits) == N_NEW
     for got, want in zip(step_logits, expected_logits):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-    assert torch.equal(model.generate(prompt, N_NEW, temperature=0, window=BLOCK_SIZE, use_cache=False), expected)
+    assert torch.equal(generate(model, prompt, N_NEW, sampling=GREEDY, window=BLOCK_SIZE, use_cache=False), expected)
 
 
 def test_a_smaller_window_does_see_less_context_than_crop_and_recompute(model):
     """The control for the test above: the window does matter, so its equality there is not vacuous."""
     prompt = random_tokens(2, 5)
     expected, _ = crop_and_recompute(model, prompt, N_NEW)
-    assert not torch.equal(model.generate(prompt, N_NEW, temperature=0, window=3), expected)
+    assert not torch.equal(generate(model, prompt, N_NEW, sampling=GREEDY, window=3), expected)
 
 
 def test_a_cache_passed_in_is_reset_and_reused(model):
     prompt = random_tokens(2, 5)
     cache = model.new_kv_cache(2)
-    first = model.generate(prompt, 20, temperature=0, cache=cache)
+    first = generate(model, prompt, 20, sampling=GREEDY, cache=cache)
     assert len(cache) > 0
-    assert torch.equal(model.generate(prompt, 20, temperature=0, cache=cache), first)
-    assert torch.equal(model.generate(prompt, 20, temperature=0), first)
+    assert torch.equal(generate(model, prompt, 20, sampling=GREEDY, cache=cache), first)
+    assert torch.equal(generate(model, prompt, 20, sampling=GREEDY), first)
 
 
 # --- ragged batches --------------------------------------------------------------------------------------
@@ -97,19 +97,18 @@ def test_ragged_batch_rows_equal_each_prompt_generated_alone(model, window, use_
     passes block_size and is rebuilt over its last `window` tokens, as it would be alone."""
     prompts = [random_tokens(1, n, seed=n) for n in (3, 7, 5)]
     batch, padding = left_pad(prompts, pad_id=VOCAB - 1)  # a real token id: it must be masked, not ignored
-    out = model.generate(batch, N_NEW, temperature=0, window=window, padding_mask=padding, use_cache=use_cache)
+    out = generate(model, batch, N_NEW, sampling=GREEDY, window=window, n_pad=padding.sum(dim=1), use_cache=use_cache)
     for b, p in enumerate(prompts):
-        alone = model.generate(p, N_NEW, temperature=0, window=window, use_cache=use_cache)
+        alone = generate(model, p, N_NEW, sampling=GREEDY, window=window, use_cache=use_cache)
         assert torch.equal(out[b, batch.size(1):], alone[0, p.size(1):]), f"row {b} (prompt length {p.size(1)})"
 
 
-def test_padding_mask_must_mark_left_padding(model):
+def test_n_pad_must_leave_each_row_a_token(model):
     prompt = random_tokens(2, 4)
-    left = torch.tensor([[True, True, False, False], [False] * 4])
-    assert model.generate(prompt, 2, temperature=0, padding_mask=left).shape == (2, 6)
-    right = torch.tensor([[False, False, True, True], [False] * 4])
-    with pytest.raises(ValueError, match="left padding"):
-        model.generate(prompt, 2, temperature=0, padding_mask=right)
+    assert generate(model, prompt, 2, sampling=GREEDY, n_pad=[2, 0]).shape == (2, 6)
+    for bad in ([4, 0], [-1, 0], [1]):
+        with pytest.raises(ValueError, match="n_pad"):
+            generate(model, prompt, 2, sampling=GREEDY, n_pad=bad)
 
 
 # --- sampling --------------------------------------------------------------------------------------------
@@ -123,8 +122,8 @@ def test_seeded_sampling_is_reproducible_and_equal_with_and_without_cache(model,
     prompt = random_tokens(2, 5)
 
     def sample(seed, use_cache):
-        return model.generate(prompt, N_NEW, use_cache=use_cache, generator=torch.Generator().manual_seed(seed),
-                              **sampling)
+        return generate(model, prompt, N_NEW, use_cache=use_cache, generator=torch.Generator().manual_seed(seed),
+                        sampling=Sampling(**sampling))
 
     first = sample(0, use_cache=True)
     assert torch.equal(sample(0, use_cache=True), first)
@@ -137,13 +136,25 @@ def test_seeded_sampling_is_reproducible_and_equal_with_and_without_cache(model,
                          ids=lambda k: "-".join(f"{a}={v}" for a, v in k.items()))
 def test_invalid_sampling_or_window_arguments_are_value_errors(model, kwargs):
     with pytest.raises(ValueError):
-        model.generate(random_tokens(1, 3), 2, **kwargs)
+        window = kwargs.pop("window", None)
+        generate(model, random_tokens(1, 3), 2, sampling=Sampling(**kwargs), window=window)
+
+
+@pytest.mark.parametrize("kwargs", [dict(use_cache=False, compile=True), dict(use_cache=False, cache="cache"),
+                                    dict(cache="cache of 3 rows")], ids=lambda k: "-".join(k))
+def test_options_that_cannot_apply_are_refused(model, kwargs):
+    if "cache" in kwargs:
+        kwargs["cache"] = model.new_kv_cache(3 if "3 rows" in kwargs["cache"] else 2)
+    with pytest.raises(ValueError, match="cache"):
+        generate(model, random_tokens(2, 3), 2, **kwargs)
 
 
 # --- torch.compile ---------------------------------------------------------------------------------------
 
 def test_compiled_one_token_step_equals_eager_greedy_generation(model):
     prompt = random_tokens(2, 5)
-    compiled = model.generate(prompt, N_NEW, temperature=0, compile_step=True)
-    assert model._compiled_step is not None
-    assert torch.equal(compiled, model.generate(prompt, N_NEW, temperature=0))
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = generate(model, prompt, N_NEW, sampling=GREEDY, compile=True)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # the step did go through the compiler
+    assert torch.equal(compiled, generate(model, prompt, N_NEW, sampling=GREEDY))

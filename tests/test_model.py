@@ -1,5 +1,5 @@
 """GPT without the cache: configuration, shapes and loss, tied head, GPT-2 initialisation, causality,
-attention weights, and sample_next's temperature / top-k / top-p."""
+attention weights, and Sampling.next_token's temperature / top-k / top-p."""
 
 import math
 
@@ -7,20 +7,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import GPT, GPTConfig, sample_next
+from model import GPT, GPTConfig, Sampling
+
+
+SHAPE = {"vocab_size": 13, "block_size": 16, "n_layer": 2, "n_head": 3, "n_embd": 24}
 
 
 def tiny_model(seed=0, **overrides) -> GPT:
     torch.manual_seed(seed)
-    return GPT(GPTConfig(**{"vocab_size": 13, "block_size": 16, "n_layer": 2, "n_head": 3, "n_embd": 24,
-                            **overrides})).eval()
+    return GPT(GPTConfig(**{**SHAPE, **overrides})).eval()
 
 
 # --- configuration ---------------------------------------------------------------------------------------
 
 def test_config_with_width_not_divisible_by_n_head_is_a_value_error_naming_both():
     with pytest.raises(ValueError, match=r"\b10\b.*\b3\b"):
-        GPTConfig(n_embd=10, n_head=3)
+        GPTConfig(**{**SHAPE, "n_embd": 10, "n_head": 3})
 
 
 @pytest.mark.parametrize("kwargs", [dict(vocab_size=0), dict(block_size=0), dict(n_layer=0), dict(n_head=0),
@@ -28,7 +30,7 @@ def test_config_with_width_not_divisible_by_n_head_is_a_value_error_naming_both(
                          ids=lambda k: "-".join(f"{a}={v}" for a, v in k.items()))
 def test_config_rejects_sizes_below_one_and_dropout_outside_0_1(kwargs):
     with pytest.raises(ValueError):
-        GPTConfig(**kwargs)
+        GPTConfig(**{**SHAPE, **kwargs})
 
 
 # --- forward ---------------------------------------------------------------------------------------------
@@ -92,22 +94,22 @@ def test_the_weights_path_gives_the_same_logits():
     torch.testing.assert_close(model.lm_head(hidden), model(idx)[0], atol=1e-6, rtol=0)
 
 
-# --- sample_next -----------------------------------------------------------------------------------------
+# --- Sampling.next_token -----------------------------------------------------------------------------------------
 
 PROBS = torch.tensor([0.10, 0.50, 0.15, 0.25])  # best to worst: 1, 3, 2, 0
 
 
 def sampled_set(n=4000, seed=0, **kwargs):
-    """The tokens sample_next draws from PROBS over n rows, and how often each (a dict)."""
+    """The tokens Sampling.next_token draws from PROBS over n rows, and how often each (a dict)."""
     logits = PROBS.log().expand(n, -1)
-    ids = sample_next(logits, generator=torch.Generator().manual_seed(seed), **kwargs)
+    ids = Sampling(**kwargs).next_token(logits, generator=torch.Generator().manual_seed(seed))
     counts = torch.bincount(ids, minlength=4) / n
     return {i for i in range(4) if counts[i] > 0}, counts
 
 
 def test_temperature_zero_is_argmax():
     logits = torch.tensor([[0.1, 2.0, -1.0], [3.0, 0.0, 2.9]])
-    assert sample_next(logits, temperature=0).tolist() == [1, 0]
+    assert Sampling(temperature=0).next_token(logits).tolist() == [1, 0]
 
 
 @pytest.mark.parametrize("top_k, kept", [(1, {1}), (2, {1, 3}), (3, {1, 3, 2}), (4, {0, 1, 2, 3}),

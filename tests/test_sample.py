@@ -1,7 +1,6 @@
 """End-to-end tests of sample.py: the real command in a subprocess, on a tiny checkpoint trained here."""
 
 import builtins
-import dataclasses
 import os
 import pty
 import re
@@ -12,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint import FORMAT, save_checkpoint
 from data import CharVocab
 from model import GPT, GPTConfig
+from training.checkpoint import FORMAT, VERSION, build_checkpoint, save_checkpoint
 from tiny_models import train_briefly
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,7 +54,7 @@ def tiny_model(seed: int, train_steps: int) -> GPT:
 
 
 def checkpoint_state(model: GPT) -> dict:
-    return {"model_config": dataclasses.asdict(model.config), "vocab": VOCAB.chars, "model": model.state_dict()}
+    return build_checkpoint(model, VOCAB)
 
 
 @pytest.fixture(scope="module")
@@ -254,7 +253,8 @@ def test_no_checkpoint_found(tmp_path):
     (lambda good, path: path.write_bytes(good.read_bytes()[: good.stat().st_size // 2]), ["truncated"]),
     (lambda good, path: path.write_bytes(b"these are not the weights you are looking for"), ["corrupt"]),
     (lambda good, path: torch.save({"weights": torch.zeros(3)}, path), ["not a kvgpt checkpoint"]),
-    (lambda good, path: save_checkpoint({"model_config": {"n_wings": 2}, "vocab": "ab", "model": {}}, path),
+    (lambda good, path: save_checkpoint({"format": FORMAT, "version": VERSION, "model_config": {"n_wings": 2},
+                                                  "vocab": "ab", "model": {}}, path),
      ["does not fit this version of the model"]),
 ])
 def test_bad_checkpoint(checkpoint, tmp_path, make_bad_file, fragments):

@@ -1,4 +1,4 @@
-"""train.py: tiny runs in-process (loss, TensorBoard events, checkpoints, resume, divergence), the presets, the
+"""train.py and training/: tiny runs in-process (loss, TensorBoard events, checkpoints, resume, divergence), the presets, the
 command line's errors and SIGTERM in a subprocess, and DDP with two gloo processes."""
 
 import math
@@ -18,7 +18,10 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.hparams import plugin_data_pb2
 
 import train
+import training.loop
 from model import GPT, GPTConfig
+from training.config import validate
+from training.loop import Diverged, Stopped
 
 REPO = Path(__file__).resolve().parents[1]
 # CI points KVGPT_DATA_URL at the shared copy of tiny_shakespeare beside the repository; so do we without it
@@ -106,13 +109,13 @@ def test_checkpoints_load_with_weights_only(tiny_run):
     run_dir, val_loss = tiny_run
     last = torch.load(run_dir / "last.pt", weights_only=True)
     best = torch.load(run_dir / "best.pt", weights_only=True)
-    assert last["step"] == 40 and best["step"] in (20, 40)
-    assert last["best_val_loss"] == best["best_val_loss"] == pytest.approx(min(scalars(run_dir, "val/loss").values()))
-    assert last["config"]["model"]["n_layer"] == 2 and last["config"]["data"]["url"] == DATA_URL
-    assert set(last["rng"][0]) == {"torch", "batches"}
+    assert last["training"]["step"] == 40 and best["training"]["step"] in (20, 40)
+    assert last["training"]["best_val_loss"] == best["training"]["best_val_loss"] == pytest.approx(min(scalars(run_dir, "val/loss").values()))
+    assert last["training"]["config"]["model"]["n_layer"] == 2 and last["training"]["config"]["data"]["url"] == DATA_URL
+    assert set(last["training"]["rng"][0]) == {"torch", "batches"}
     model = GPT(GPTConfig(**last["model_config"]))
     model.load_state_dict(last["model"])  # strict: same keys, no wrapper prefixes
-    decayed, not_decayed = last["optimizer"]["param_groups"]  # weight decay on matrices and embeddings only
+    decayed, not_decayed = last["training"]["optimizer"]["param_groups"]  # weight decay on matrices and embeddings only
     assert (decayed["weight_decay"], not_decayed["weight_decay"]) == (0.1, 0.0)
     assert len(not_decayed["params"]) == sum(p.dim() == 1 for p in model.parameters()) == 2 * 2 + 1  # LayerNorms
     assert len(last["vocab"]) == model.config.vocab_size == 65
@@ -137,10 +140,10 @@ def test_resume_equals_uninterrupted_run(tmp_path, data_root, monkeypatch):
 
     monkeypatch.setattr(GPT, "forward", forward_then_sigterm)
     interrupted = tmp_path / "runs/interrupted"
-    with pytest.raises(train.Stopped, match=f"stopped by SIGTERM at step 14: saved {interrupted}/last.pt"):
+    with pytest.raises(Stopped, match=f"stopped by SIGTERM at step 14: saved {interrupted}/last.pt"):
         train.main(config(tmp_path, data_root, *overrides), interrupted)
     monkeypatch.undo()
-    assert torch.load(interrupted / "last.pt", weights_only=True)["step"] == 14
+    assert torch.load(interrupted / "last.pt", weights_only=True)["training"]["step"] == 14
 
     resumed = tmp_path / "runs/resumed"
     train.main(config(tmp_path, data_root, *overrides, f"train.resume={interrupted}"), resumed)
@@ -152,7 +155,7 @@ def test_resume_equals_uninterrupted_run(tmp_path, data_root, monkeypatch):
                                                            30: scalars(uninterrupted, "val/loss")[30]}, rel=1e-5)
     a = torch.load(uninterrupted / "last.pt", weights_only=True)
     b = torch.load(resumed / "last.pt", weights_only=True)
-    assert a["step"] == b["step"] == 30
+    assert a["training"]["step"] == b["training"]["step"] == 30
     for name, weight in a["model"].items():
         torch.testing.assert_close(b["model"][name], weight, rtol=1e-5, atol=1e-6)
 
@@ -172,13 +175,13 @@ def test_nonfinite_loss_stops_with_message(tmp_path, data_root, monkeypatch):
 
     monkeypatch.setattr(GPT, "forward", forward_nan_from_step_25)
     run_dir = tmp_path / "runs/nan"
-    with pytest.raises(train.Diverged) as caught:
+    with pytest.raises(Diverged) as caught:
         train.main(config(tmp_path, data_root), run_dir)
     message = str(caught.value)
     assert "non-finite training loss nan" in message and "at step 25;" in message
     assert f"the last good checkpoint is {run_dir}/last.pt" in message and "\n" not in message
     last = torch.load(run_dir / "last.pt", weights_only=True)
-    assert last["step"] == 20  # the evaluation before the NaN, never overwritten with NaN weights
+    assert last["training"]["step"] == 20  # the evaluation before the NaN, never overwritten with NaN weights
     assert all(torch.isfinite(w).all() for w in last["model"].values())
 
 
@@ -191,8 +194,8 @@ def test_every_preset_composes(preset):
     assert cfg.hydra.job.chdir is False
     assert cfg.hydra.run.dir.startswith("runs/") and cfg.hydra.sweep.dir.startswith("runs/multirun/")
     assert cfg.data.root == "datasets/tiny_shakespeare" and cfg.train.resume is None
-    model_config = train.check_config(cfg)  # a preset is a config that can work
-    if preset == "gpu":  # nanoGPT's shakespeare-char recipe, as the issue gives it
+    model_config = validate(cfg).model  # a preset is a config that can work
+    if preset == "gpu":  # nanoGPT's shakespeare-char recipe
         assert (model_config.n_layer, model_config.n_head, model_config.n_embd, model_config.block_size,
                 model_config.dropout) == (6, 6, 384, 256, 0.2)
         assert (cfg.train.batch_size, cfg.train.max_iters, cfg.train.eval_interval, cfg.train.eval_iters) == \
@@ -216,7 +219,7 @@ def train_env() -> dict:
 
 
 @pytest.mark.parametrize("override, message", [
-    ("model.n_layr=3", "Could not override 'model.n_layr'; Key 'n_layr' is not in struct"),
+    ("model.n_layr=3", "Could not override 'model.n_layr'; Key 'n_layr' not in 'GPTConfig'"),
     ("model.n_head=5", "model: n_embd 32 is not divisible by n_head 5"),
     ("train.resume=runs/nowhere", "train.resume: no checkpoint at runs/nowhere"),
 ])
@@ -246,7 +249,7 @@ def test_sigterm_leaves_loadable_last_pt(tmp_path, data_root):
     assert f"saved {run_dir}/last.pt" in stderr and stderr.count("\n") == 1
     step = int(stderr.split("stopped by SIGTERM at step ")[1].split(":")[0])
     last = torch.load(run_dir / "last.pt", weights_only=True)
-    assert last["step"] == step > 0 and not (run_dir / "best.pt").exists()  # saved on the signal, not by an eval
+    assert last["training"]["step"] == step > 0 and not (run_dir / "best.pt").exists()  # saved on the signal, not by an eval
 
 
 # --- DDP ----------------------------------------------------------------------------------------------------------
@@ -257,7 +260,7 @@ def ddp_worker(rank: int, world_size: int, port: int, cfg, run_dir: Path, out: P
     torch.set_num_threads(1)
     wrapped, no_sync_calls = [], []
 
-    class SpyDDP(train.DDP):
+    class SpyDDP(training.loop.DDP):
         """DDP that remembers the module it wraps and counts the micro-steps without gradient sync."""
 
         def __init__(self, module, *args, **kwargs):
@@ -268,7 +271,7 @@ def ddp_worker(rank: int, world_size: int, port: int, cfg, run_dir: Path, out: P
             no_sync_calls.append(None)
             return super().no_sync()
 
-    train.DDP = SpyDDP
+    training.loop.DDP = SpyDDP
     train.main(cfg, run_dir)
     torch.save({"model": wrapped[0].state_dict(), "no_sync_calls": len(no_sync_calls)}, out / f"rank{rank}.pt")
 
@@ -286,8 +289,8 @@ def test_ddp_two_cpu_processes_end_with_identical_weights(tmp_path, data_root):
     for name, weight in ranks[0]["model"].items():
         assert torch.equal(ranks[1]["model"][name], weight), name
     last = torch.load(run_dir / "last.pt", weights_only=True)  # rank 0's: the same weights
-    assert last["step"] == 6 and len(last["rng"]) == 2
-    assert last["best_val_loss"] < math.log(65) + 0.1  # the mean over the processes, not their sum
+    assert last["training"]["step"] == 6 and len(last["training"]["rng"]) == 2
+    assert last["training"]["best_val_loss"] < math.log(65) + 0.1  # the mean over the processes, not their sum
     assert last["model"].keys() == ranks[0]["model"].keys()  # no "module." prefix
     for name, weight in ranks[0]["model"].items():
         assert torch.equal(last["model"][name], weight), name

@@ -1,0 +1,30 @@
+"""The configs the benchmarks measure, composed from conf/ exactly as train.py composes them."""
+
+import dataclasses
+import sys
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from model import GPTConfig  # noqa: E402
+from training.config import Settings, register, validate  # noqa: E402
+
+TINY_SHAKESPEARE_VOCAB_SIZE = 65  # its distinct characters; the data itself is not needed to time a model
+
+
+def compose_config(*overrides: str) -> DictConfig:
+    register()
+    with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def settings(*overrides: str) -> Settings:
+    return validate(compose_config(*overrides))
+
+
+def model_config(shape: str, vocab_size: int = TINY_SHAKESPEARE_VOCAB_SIZE) -> GPTConfig:
+    """conf/model/<shape>.yaml as a GPTConfig."""
+    return dataclasses.replace(settings("preset=cpu", f"model={shape}").model, vocab_size=vocab_size)

@@ -1,0 +1,55 @@
+"""training/config.py: typed settings whose ranges are checked before any work, with and without hydra."""
+
+import math
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
+
+from training.config import ConfigError, OptimConfig, TrainConfig, register, validate
+
+from test_train import REPO
+
+
+def composed(*overrides):
+    register()
+    with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
+        return compose("config", overrides=["preset=cpu", *overrides])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.max_iters=0", "train.max_iters must be a positive integer, got 0"),
+    ("train.seed=-1", "train.seed must be an integer in [0, 4294967295], got -1"),
+    ("train.seed=4294967296", "train.seed must be an integer in [0, 4294967295]"),
+    ("train.sample_prompt=''", "train.sample_prompt must be at least one character"),
+    ("optim.min_lr=1", "optim.min_lr must be in [0, lr="),
+    ("optim.beta2=1.0", "optim.beta2 must be in [0, 1)"),
+    ("optim.grad_clip=0", "optim.grad_clip must be a positive number"),
+    ("optim.name=sgd", "optim.name must be one of"),
+    ("optim.warmup_iters=900", "optim.warmup_iters must be below train.max_iters=900"),
+    ("model.n_head=5", "model: n_embd 128 is not divisible by n_head 5"),
+])
+def test_a_bad_value_is_one_line_naming_the_setting(override, message):
+    with pytest.raises(ConfigError) as caught:
+        validate(composed(override))
+    assert str(caught.value).startswith(message) and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("override", ["train.max_iters=many", "data.val_fraction=abc", "runs_dir=null",
+                                      "train.compile=maybe"])
+def test_a_value_of_the_wrong_type_is_refused_when_composed(override):
+    with pytest.raises((HydraException, OmegaConfBaseException)):  # train.py reports either in one line
+        composed(override)
+
+
+def test_infinite_grad_clip_turns_clipping_off():
+    assert validate(composed("optim.grad_clip=inf")).optim.grad_clip == math.inf
+
+
+def test_the_dataclasses_check_their_ranges_without_hydra():
+    with pytest.raises(ValueError, match="batch_size must be a positive integer"):
+        TrainConfig(batch_size=0)
+    with pytest.raises(ValueError, match="lr must be a positive number"):
+        OptimConfig(lr=-1.0)
+    assert TrainConfig().max_iters == 5000 and OptimConfig().name == "adamw"

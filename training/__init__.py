@@ -1,0 +1,1 @@
+"""Training and run machinery for kvgpt: typed settings, the loop, checkpoints, logging and run plumbing."""

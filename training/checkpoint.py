@@ -1,0 +1,114 @@
+"""The checkpoint format's one home: what a checkpoint holds, how it is written and read, and the model it
+rebuilds.
+
+A checkpoint is a plain dict of tensors, numbers, strings, lists and dicts, so it loads with
+`torch.load(weights_only=True)`: loading one never runs code. Every checkpoint holds
+
+    format, version   FORMAT and VERSION, so that other files and other versions are recognised
+    model_config      dict of GPTConfig's fields
+    vocab             the character vocabulary, as one string in id order
+    model             the model's state_dict (no `_orig_mod.` or `module.` prefix)
+
+and a training checkpoint adds `training`: optimizer, scheduler, step, best_val_loss, rng and config.
+"""
+
+import dataclasses
+import pickle
+from pathlib import Path
+
+import torch
+
+from data import CharVocab, DataError
+from model import GPT, GPTConfig
+
+from .files import write_atomically
+
+FORMAT = "kvgpt-checkpoint"
+VERSION = 2  # bump when the layout changes; older files then get a clear error instead of a wrong model
+TRAINING_KEYS = ("optimizer", "scheduler", "step", "best_val_loss", "rng", "config")
+
+
+class CheckpointError(Exception):
+    """A checkpoint that is missing, unreadable, unsafe or not this project's. The message is one line."""
+
+
+def build_checkpoint(model: GPT, vocab: CharVocab, training: dict | None = None) -> dict:
+    """A checkpoint's contents: the model and its vocabulary, and for resuming, the training state."""
+    contents = {"format": FORMAT, "version": VERSION, "model_config": dataclasses.asdict(model.config),
+                "vocab": vocab.chars, "model": model.state_dict()}
+    if training is not None:
+        missing = set(TRAINING_KEYS) - training.keys()
+        if missing:
+            raise ValueError(f"training state lacks {sorted(missing)}")
+        contents["training"] = training
+    return contents
+
+
+def save_checkpoint(contents: dict, path) -> Path:
+    """Write a checkpoint atomically: a crash mid-write leaves the previous file intact."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return write_atomically(path, lambda file: torch.save(contents, file))
+
+
+def resolve_checkpoint(path, prefer: str = "best.pt") -> Path:
+    """A checkpoint file as given, or inside a run directory `prefer` (falling back to the other of best/last)."""
+    path = Path(path)
+    if path.is_dir():
+        fallback = "last.pt" if prefer == "best.pt" else "best.pt"
+        for name in (prefer, fallback):
+            if (path / name).is_file():
+                return path / name
+        raise CheckpointError(f"run directory {path} holds neither {prefer} nor {fallback}; "
+                              f"train with `python train.py` or pass a checkpoint file")
+    if not path.is_file():
+        raise CheckpointError(f"no checkpoint at {path}; train one with `python train.py` or pass an existing file")
+    return path
+
+
+def load_checkpoint(path, prefer: str = "best.pt", map_location="cpu") -> dict:
+    """Load a checkpoint file, or a run directory's `prefer`, safely; every failure is a CheckpointError with a
+    one-line message."""
+    path = resolve_checkpoint(path, prefer)
+    try:
+        contents = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "weights only" in str(e).lower():
+            raise CheckpointError(f"refusing unsafe checkpoint {path}: it holds Python objects that would run code "
+                                  f"when loaded (torch.load weights_only=True rejected it)") from None
+        raise CheckpointError(f"{path} is corrupt or not a PyTorch checkpoint ({_first_line(e)})") from None
+    except Exception as e:  # a damaged file can fail anywhere inside the unpickler
+        raise CheckpointError(f"{path} is truncated or corrupt ({_first_line(e)}); "
+                              f"use another checkpoint, e.g. the run's last.pt") from None
+    if not isinstance(contents, dict) or not str(contents.get("format", "")).startswith(FORMAT):
+        raise CheckpointError(f"{path} is not a kvgpt checkpoint (no '{FORMAT}' format marker); "
+                              f"pass a best.pt or last.pt written by train.py")
+    version = contents.get("version", contents["format"].removeprefix(f"{FORMAT}-v"))
+    if version != VERSION:
+        raise CheckpointError(f"{path} is a kvgpt checkpoint of format version {version}, and this version of "
+                              f"kvgpt reads version {VERSION}; train a new one with `python train.py`")
+    return contents
+
+
+def load_model(path, device="cpu", prefer: str = "best.pt") -> tuple[GPT, CharVocab, dict]:
+    """The model (in eval mode, on `device`) and vocabulary of a checkpoint file or run directory, and the
+    checkpoint's contents."""
+    contents = load_checkpoint(path, prefer)
+    try:
+        model = GPT(GPTConfig(**contents["model_config"]))
+        model.load_state_dict(contents["model"])
+        vocab = CharVocab(contents["vocab"])
+        if len(vocab) > model.config.vocab_size:
+            raise ValueError(f"{len(vocab)} characters for vocab_size {model.config.vocab_size}")
+    except (KeyError, TypeError, ValueError, RuntimeError, DataError) as e:
+        # A kvgpt checkpoint, but one this version of the code cannot rebuild a model from.
+        reason = " ".join(str(e).split())[:200] or type(e).__name__  # load_state_dict's lists span lines
+        raise CheckpointError(f"{resolve_checkpoint(path, prefer)} does not fit this version of the model "
+                              f"({reason})") from None
+    return model.to(device).eval(), vocab, contents
+
+
+def _first_line(error: Exception) -> str:
+    lines = str(error).strip().splitlines()
+    text = lines[0].split(". ")[0].rstrip(".") if lines else ""
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__

@@ -1,0 +1,144 @@
+"""The training settings as typed dataclasses: hydra checks their types, __post_init__ their ranges.
+
+conf/ holds the named choices (model shapes, optimisers, presets); the defaults of everything else are here.
+`register()` makes these the schema that conf/config.yaml composes onto, and `validate()` turns a composed
+config into checked objects before any work is done.
+"""
+
+import math
+from dataclasses import dataclass, field
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from data import SHA256, SOURCE_URL
+from model import GPTConfig
+
+OPTIMIZERS = ("adamw",)
+MAX_SEED = 2**32 - 1  # numpy's and CUDA's generators take 32-bit seeds
+
+
+class ConfigError(Exception):
+    """A setting that cannot work, found before any training. One line; the command line exits with status 2."""
+
+
+def _require(owner, ok, what: str, *names: str) -> None:
+    for name in names:
+        value = getattr(owner, name)
+        if not ok(value):
+            raise ValueError(f"{name} must be {what}, got {value!r}")
+
+
+@dataclass
+class DataConfig:
+    root: str = "datasets/tiny_shakespeare"  # input.txt is read (or downloaded) and encoded here
+    url: str = f"${{oc.env:KVGPT_DATA_URL,{SOURCE_URL}}}"  # KVGPT_DATA_URL, e.g. file:///..., points elsewhere
+    sha256: str = SHA256
+    val_fraction: float = 0.1  # the last 10% of the text; data/ checks these values when it reads them
+
+
+@dataclass
+class OptimConfig:
+    """A linear warm-up to lr, then a cosine decay to min_lr at train.max_iters."""
+
+    name: str = "adamw"  # the conf/optim choice: adamw on every parameter
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_iters: int = 100
+    beta1: float = 0.9
+    beta2: float = 0.99  # not the usual 0.999, as in nanoGPT's shakespeare-char recipe
+    weight_decay: float = 0.1  # on matrices and embeddings only, never on biases and LayerNorm gains
+    grad_clip: float = 1.0  # largest global gradient norm; inf turns clipping off (the norm is still logged)
+
+    def __post_init__(self):
+        _require(self, lambda v: v in OPTIMIZERS, f"one of {', '.join(OPTIMIZERS)}", "name")
+        _require(self, lambda v: 0 < v < math.inf, "a positive number", "lr")
+        _require(self, lambda v: 0 <= v <= self.lr, f"in [0, lr={self.lr}]", "min_lr")
+        _require(self, lambda v: v >= 0, "a non-negative integer", "warmup_iters")
+        _require(self, lambda v: 0 <= v < 1, "in [0, 1)", "beta1", "beta2")
+        _require(self, lambda v: 0 <= v < math.inf, "a non-negative number", "weight_decay")
+        _require(self, lambda v: v > 0, "a positive number (inf: no clipping)", "grad_clip")
+
+
+@dataclass
+class TrainConfig:
+    max_iters: int = 5000  # optimiser steps; the learning-rate schedule is sized by them
+    batch_size: int = 64  # sequences per micro-step and process
+    grad_accum_steps: int = 1  # micro-steps per optimiser step
+    eval_interval: int = 250  # steps between evaluations; each logs a sample and saves last.pt (and best.pt)
+    eval_iters: int = 200  # batches per split in an evaluation
+    log_interval: int = 10  # steps between progress and TensorBoard updates, the only host-device syncs
+    seed: int = 1337
+    compile: bool = False  # torch.compile the model
+    resume: str | None = None  # a run directory (continues from its last.pt) or a checkpoint file
+    sample_prompt: str = "JULIET:\nO Romeo, Romeo! wherefore art thou Romeo?\n"  # also the attention maps' input
+    sample_tokens: int = 200  # characters generated after sample_prompt at each evaluation
+
+    def __post_init__(self):
+        _require(self, lambda v: v >= 1, "a positive integer", "max_iters", "batch_size", "grad_accum_steps",
+                 "eval_interval", "eval_iters", "log_interval")
+        _require(self, lambda v: v >= 0, "a non-negative integer", "sample_tokens")
+        _require(self, lambda v: 0 <= v <= MAX_SEED, f"an integer in [0, {MAX_SEED}]", "seed")
+        _require(self, lambda v: v != "", "at least one character", "sample_prompt")
+
+
+@dataclass
+class Config:
+    model: GPTConfig = MISSING  # a conf/model choice; vocab_size comes from the data
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    device: str = "auto"  # auto: cuda, then mps, then cpu; or name one of them
+    runs_dir: str = "runs"  # every run gets a directory in here
+
+
+@dataclass(frozen=True)
+class Settings:
+    """A composed config, checked: what train.py hands to the training code."""
+
+    model: GPTConfig  # vocab_size is a stand-in until the data is read
+    data: DataConfig
+    optim: OptimConfig
+    train: TrainConfig
+
+
+def register() -> None:
+    """Make Config the schema of conf/config.yaml (which lists `schema` first in its defaults)."""
+    ConfigStore.instance().store(name="schema", node=Config)
+
+
+def validate(cfg: DictConfig) -> Settings:
+    """Every section as its dataclass, its ranges checked, or a ConfigError naming the setting."""
+    sections = {}
+    for name in ("data", "optim", "train", "model"):
+        node = cfg[name]
+        if name == "model":  # the data fixes vocab_size later; a stand-in lets the shape's own checks run now
+            node = OmegaConf.merge(node, {"vocab_size": 1})
+        try:
+            sections[name] = OmegaConf.to_object(node)
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"{name}.{e.full_key}: {first_line(e)}") from None
+        except ValueError as e:
+            raise ConfigError(f"{name}.{first_line(e)}" if name != "model" else f"model: {first_line(e)}") from None
+    settings = Settings(**sections)
+    if not settings.optim.warmup_iters < settings.train.max_iters:
+        raise ConfigError(f"optim.warmup_iters must be below train.max_iters={settings.train.max_iters}, "
+                          f"got {settings.optim.warmup_iters}")
+    return settings
+
+
+def first_line(error: Exception) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+    """{"a": {"b": 1}} -> {"a.b": 1}"""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat

@@ -1,0 +1,178 @@
+"""The training loop: steps, periodic logging, evaluation and checkpoints, stopping on a signal."""
+
+import math
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm import tqdm
+
+from data import Batches, PreparedData
+from model import GPT
+
+from .checkpoint import build_checkpoint, save_checkpoint
+from .config import Settings
+from .distributed import gather
+from .evaluation import evaluate
+from .optim import make_optimizer, make_scheduler
+from .rng import restore_rng, rng_state
+from .signals import StopSignals
+from .summaries import Summaries
+
+
+class Diverged(Exception):
+    """The loss became NaN or infinite. The weights after that step are never saved."""
+
+
+class Stopped(Exception):
+    """SIGINT or SIGTERM stopped the run after last.pt was saved."""
+
+
+class Trainer:
+    """Trains one model on one process (of world_size), from step 0 or from a checkpoint's training state.
+    Rank 0 alone writes checkpoints, events and progress."""
+
+    def __init__(self, settings: Settings, model: GPT, data: PreparedData, device: torch.device, run_dir: Path,
+                 config: dict, summaries: Summaries | None, resumed: dict | None = None, rank: int = 0,
+                 world_size: int = 1):
+        """config: the whole composed config, saved in checkpoints; summaries: rank 0's TensorBoard events.
+        A sample_prompt outside the data's vocabulary is an UnknownCharacterError, raised before any step."""
+        tc = self.tc = settings.train
+        self.settings, self.data, self.device, self.run_dir, self.config = settings, data, device, run_dir, config
+        self.rank, self.world_size, self.is_master = rank, world_size, rank == 0
+        self.raw_model = model  # the module saved: no torch.compile or DDP prefix in its keys
+        self.vocab = data.vocab
+        self.prompt = torch.tensor([self.vocab.encode(tc.sample_prompt)], device=device)
+        self.batches = Batches(data.train, model.config.block_size, tc.batch_size, device, seed=tc.seed + rank)
+        self.optimizer = make_optimizer(model, settings.optim, fused=device.type == "cuda")
+        self.scheduler = make_scheduler(self.optimizer, settings.optim, tc.max_iters)
+        self.step, self.best_val_loss, self.last_val_loss = 0, math.inf, None  # step: optimiser steps taken
+        if resumed is not None:
+            self.restore(resumed)
+        compiled = torch.compile(model) if tc.compile else model
+        self.model = DDP(compiled, device_ids=[device.index] if device.type == "cuda" else None) \
+            if world_size > 1 else compiled
+        self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+        self.tokens_per_step = tc.batch_size * model.config.block_size * tc.grad_accum_steps * world_size
+        self.pending = []  # (loss, grad norm, lr) of the steps since the last log; tensors, read back in one sync
+        self.summaries = summaries
+
+    def restore(self, resumed: dict) -> None:
+        self.raw_model.load_state_dict(resumed["model"])
+        state = resumed["training"]
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step, self.best_val_loss = state["step"], state["best_val_loss"]
+        if not restore_rng(state["rng"], self.batches, self.rank, self.world_size, self.device) and self.is_master:
+            print(f"resuming {len(state['rng'])} process(es) as {self.world_size}: batches and dropout draw "
+                  f"afresh from the seed")
+
+    def fit(self) -> float | None:
+        """Train to max_iters; return the last val loss (None if no evaluation ran)."""
+        tc = self.tc
+        bar = tqdm(total=tc.max_iters, initial=self.step, unit="step", dynamic_ncols=True,
+                   disable=None if self.is_master else True)  # None: no bar when stderr is not a terminal
+        self.timer = time.perf_counter()
+        try:
+            with StopSignals() as stop:
+                while self.step < tc.max_iters:
+                    if stop.agreed(self.step, tc.log_interval, self.device):
+                        self.stop(stop.signal_name)
+                    self.train_step()
+                    bar.update()
+                    evaluating = self.step % tc.eval_interval == 0 or self.step == tc.max_iters
+                    if evaluating or self.step % tc.log_interval == 0:
+                        self.log_pending(bar)
+                    if evaluating:
+                        self.evaluate_and_save()
+            if self.is_master:
+                self.summaries.hparams(self.config, self.last_val_loss)
+        finally:
+            bar.close()
+        return self.last_val_loss
+
+    def train_step(self) -> None:
+        """One optimiser step over grad_accum_steps micro-batches; its values stay on the device until logged."""
+        tc = self.tc
+        lr = self.scheduler.get_last_lr()[0]
+        loss_sum = torch.zeros((), device=self.device)
+        for micro_step in range(tc.grad_accum_steps):
+            x, y = self.batches.next()
+            # DDP all-reduces gradients during backward(): only the last micro-step's need it
+            sync = self.world_size == 1 or micro_step == tc.grad_accum_steps - 1
+            with nullcontext() if sync else self.model.no_sync():
+                with self.autocast:
+                    _, loss = self.model(x, y)
+                (loss / tc.grad_accum_steps).backward()
+            loss_sum += loss.detach()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), self.settings.optim.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.pending.append((loss_sum / tc.grad_accum_steps, grad_norm, lr))
+        self.step += 1
+
+    def log_pending(self, bar=None) -> None:
+        """Read the pending steps' values back (the host-device sync), check and log them."""
+        if not self.pending:
+            return
+        losses = torch.stack([p[0] for p in self.pending]).tolist()
+        norms = torch.stack([p[1] for p in self.pending]).tolist()
+        lrs = [p[2] for p in self.pending]
+        first = self.step - len(self.pending)
+        for i, (loss, norm) in enumerate(zip(losses, norms)):
+            if not (math.isfinite(loss) and math.isfinite(norm)):
+                raise self.diverged(f"non-finite training loss {loss} (gradient norm {norm}) at step {first + i}")
+        tokens_per_sec = self.tokens_per_step * len(losses) / (time.perf_counter() - self.timer)
+        if self.is_master:
+            self.summaries.train_steps(first, losses, norms, lrs, tokens_per_sec)
+            if bar is not None:
+                bar.set_postfix(loss=f"{sum(losses) / len(losses):.4f}", lr=f"{lrs[-1]:.2e}",
+                                tok_s=f"{tokens_per_sec:,.0f}", refresh=False)
+        self.pending, self.timer = [], time.perf_counter()
+
+    def evaluate_and_save(self) -> None:
+        tc = self.tc
+        losses = evaluate(self.model, self.data, self.raw_model.config.block_size, tc.batch_size, tc.eval_iters,
+                          tc.seed + self.rank, self.device, self.autocast, self.world_size)
+        if not all(math.isfinite(v) for v in losses.values()):
+            raise self.diverged(f"non-finite evaluation loss {losses} at step {self.step}")
+        self.last_val_loss = losses["val"]
+        improved = self.last_val_loss < self.best_val_loss
+        self.best_val_loss = min(self.best_val_loss, self.last_val_loss)
+        self.save("last.pt", *(["best.pt"] if improved else []))
+        if self.is_master:
+            self.summaries.evaluation(self.step, losses)
+            self.summaries.sample_and_attention(self.raw_model, self.vocab, self.prompt, tc.sample_tokens,
+                                                tc.seed, self.step)
+            tqdm.write(f"step {self.step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
+                       f"{' (best)' if improved else ''}, lr {self.scheduler.get_last_lr()[0]:.2e}")
+        self.timer = time.perf_counter()  # tokens/s counts training only
+
+    def save(self, *names: str) -> None:
+        """Write the checkpoint to each of names in the run directory (rank 0; every process takes part)."""
+        training = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                    "step": self.step, "best_val_loss": self.best_val_loss,
+                    # every process's generators, so that a resumed DDP run draws what this one would
+                    "rng": gather(rng_state(self.batches, self.device), self.world_size),
+                    "config": self.config}
+        if self.is_master:
+            contents = build_checkpoint(self.raw_model, self.vocab, training)
+            for name in names:
+                save_checkpoint(contents, self.run_dir / name)
+
+    def stop(self, signal_name: str):
+        self.log_pending()
+        self.save("last.pt")
+        if self.is_master:
+            self.summaries.hparams(self.config, self.last_val_loss)
+        raise Stopped(f"stopped by {signal_name} at step {self.step}: saved {self.run_dir / 'last.pt'}; "
+                      f"continue with the same command plus train.resume={self.run_dir}")
+
+    def diverged(self, what: str) -> Diverged:
+        last = self.run_dir / "last.pt"
+        kept = f"the last good checkpoint is {last}" if last.exists() else "no checkpoint was saved"
+        return Diverged(f"{what}; stopped, {kept}")
+
