@@ -115,7 +115,7 @@ def test_checkpoints_load_with_weights_only(tiny_run):
     assert set(last["training"]["rng"][0]) == {"torch", "batches"}
     model = GPT(GPTConfig(**last["model_config"]))
     model.load_state_dict(last["model"])  # strict: same keys, no wrapper prefixes
-    decayed, not_decayed = last["training"]["optimizer"]["param_groups"]  # weight decay on matrices and embeddings only
+    decayed, not_decayed = last["training"]["optimizers"][0]["param_groups"]  # weight decay on matrices and embeddings only
     assert (decayed["weight_decay"], not_decayed["weight_decay"]) == (0.1, 0.0)
     assert len(not_decayed["params"]) == sum(p.dim() == 1 for p in model.parameters()) == 2 * 2 + 1  # LayerNorms
     assert len(last["vocab"]) == model.config.vocab_size == 65
@@ -124,8 +124,9 @@ def test_checkpoints_load_with_weights_only(tiny_run):
 
 # --- resume -------------------------------------------------------------------------------------------------------
 
-def test_resume_equals_uninterrupted_run(tmp_path, data_root, monkeypatch):
-    overrides = ["train.max_iters=30", "train.eval_interval=10", "train.grad_accum_steps=2"]
+@pytest.mark.parametrize("optim", ["adamw", "muon"])
+def test_resume_equals_uninterrupted_run(tmp_path, data_root, monkeypatch, optim):
+    overrides = ["train.max_iters=30", "train.eval_interval=10", "train.grad_accum_steps=2", f"optim={optim}"]
     uninterrupted = tmp_path / "runs/uninterrupted"
     train.main(config(tmp_path, data_root, *overrides), uninterrupted)
 
@@ -158,6 +159,27 @@ def test_resume_equals_uninterrupted_run(tmp_path, data_root, monkeypatch):
     assert a["training"]["step"] == b["training"]["step"] == 30
     for name, weight in a["model"].items():
         torch.testing.assert_close(b["model"][name], weight, rtol=1e-5, atol=1e-6)
+
+
+def test_muon_takes_the_blocks_matrices_and_adamw_the_rest(tmp_path, data_root):
+    run_dir = tmp_path / "runs/muon"
+    train.main(config(tmp_path, data_root, "optim=muon", "train.max_iters=3", "train.eval_interval=3",
+                      "optim.warmup_iters=2"), run_dir)
+    last = torch.load(run_dir / "last.pt", weights_only=True)
+    adamw, muon = last["training"]["optimizers"]
+    model = GPT(GPTConfig(**last["model_config"]))
+    names = [name for name, _ in model.named_parameters()]
+    hidden = [n for n, p in model.named_parameters() if n.startswith("blocks.") and p.dim() == 2]
+    assert len(hidden) == 2 * 4  # qkv, out_proj, fc, proj in each of 2 layers
+    assert len(muon["param_groups"][0]["params"]) == len(hidden) and "momentum_buffer" in muon["state"][0]
+    assert sum(len(g["params"]) for g in adamw["param_groups"]) == len(names) - len(hidden)
+    adamw_lr, muon_lr = (s["_last_lr"][0] for s in last["training"]["schedulers"])
+    assert muon_lr / adamw_lr == pytest.approx(0.02 / 1e-2) and adamw_lr < 1e-2  # one schedule, two peaks
+
+
+def test_muon_settings_are_refused_without_muon(tmp_path, data_root):
+    with pytest.raises(train.ConfigError, match="muon_lr applies to optim=muon only"):
+        train.main(config(tmp_path, data_root, "optim.muon_lr=0.05"), tmp_path / "runs/refused")
 
 
 # --- divergence ---------------------------------------------------------------------------------------------------

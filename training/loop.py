@@ -16,7 +16,7 @@ from .checkpoint import build_checkpoint, save_checkpoint
 from .config import Settings
 from .distributed import gather
 from .evaluation import evaluate
-from .optim import make_optimizer, make_scheduler
+from .optim import make_optimizers, make_scheduler
 from .rng import restore_rng, rng_state
 from .signals import StopSignals
 from .summaries import Summaries
@@ -46,8 +46,8 @@ class Trainer:
         self.vocab = data.vocab
         self.prompt = torch.tensor([self.vocab.encode(tc.sample_prompt)], device=device)
         self.batches = Batches(data.train, model.config.block_size, tc.batch_size, device, seed=tc.seed + rank)
-        self.optimizer = make_optimizer(model, settings.optim, fused=device.type == "cuda")
-        self.scheduler = make_scheduler(self.optimizer, settings.optim, tc.max_iters)
+        self.optimizers = make_optimizers(model, settings.optim, fused=device.type == "cuda")
+        self.schedulers = [make_scheduler(o, settings.optim, tc.max_iters) for o in self.optimizers]
         self.step, self.best_val_loss, self.last_val_loss = 0, math.inf, None  # step: optimiser steps taken
         if resumed is not None:
             self.restore(resumed)
@@ -62,8 +62,10 @@ class Trainer:
     def restore(self, resumed: dict) -> None:
         self.raw_model.load_state_dict(resumed["model"])
         state = resumed["training"]
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        for optimizer, optimizer_state in zip(self.optimizers, state["optimizers"], strict=True):
+            optimizer.load_state_dict(optimizer_state)
+        for scheduler, scheduler_state in zip(self.schedulers, state["schedulers"], strict=True):
+            scheduler.load_state_dict(scheduler_state)
         self.step, self.best_val_loss = state["step"], state["best_val_loss"]
         if not restore_rng(state["rng"], self.batches, self.rank, self.world_size, self.device) and self.is_master:
             print(f"resuming {len(state['rng'])} process(es) as {self.world_size}: batches and dropout draw "
@@ -96,7 +98,7 @@ class Trainer:
     def train_step(self) -> None:
         """One optimiser step over grad_accum_steps micro-batches; its values stay on the device until logged."""
         tc = self.tc
-        lr = self.scheduler.get_last_lr()[0]
+        lr = self.schedulers[0].get_last_lr()[0]  # AdamW's, which every optimiser's schedule follows
         loss_sum = torch.zeros((), device=self.device)
         for micro_step in range(tc.grad_accum_steps):
             x, y = self.batches.next()
@@ -108,9 +110,10 @@ class Trainer:
                 (loss / tc.grad_accum_steps).backward()
             loss_sum += loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), self.settings.optim.grad_clip)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        for optimizer, scheduler in zip(self.optimizers, self.schedulers):
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
         self.pending.append((loss_sum / tc.grad_accum_steps, grad_norm, lr))
         self.step += 1
 
@@ -148,12 +151,13 @@ class Trainer:
             self.summaries.sample_and_attention(self.raw_model, self.vocab, self.prompt, tc.sample_tokens,
                                                 tc.seed, self.step)
             tqdm.write(f"step {self.step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
-                       f"{' (best)' if improved else ''}, lr {self.scheduler.get_last_lr()[0]:.2e}")
+                       f"{' (best)' if improved else ''}, lr {self.schedulers[0].get_last_lr()[0]:.2e}")
         self.timer = time.perf_counter()  # tokens/s counts training only
 
     def save(self, *names: str) -> None:
         """Write the checkpoint to each of names in the run directory (rank 0; every process takes part)."""
-        training = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+        training = {"optimizers": [o.state_dict() for o in self.optimizers],
+                    "schedulers": [s.state_dict() for s in self.schedulers],
                     "step": self.step, "best_val_loss": self.best_val_loss,
                     # every process's generators, so that a resumed DDP run draws what this one would
                     "rng": gather(rng_state(self.batches, self.device), self.world_size),
