@@ -8,7 +8,7 @@
     tensorboard --logdir runs
 
 A run writes everything to its directory runs/<date>_<time>/: .hydra/ (the composed config), TensorBoard
-events, last.pt (at every evaluation) and best.pt (at the best val loss so far); runs/latest links to it.
+events, last.pt (at every evaluation) and best.pt (at the best val loss so far).
 Ctrl-C or SIGTERM saves last.pt and exits cleanly.
 """
 
@@ -33,7 +33,6 @@ from training.devices import choose_device
 from training.distributed import init_distributed, is_rank_zero
 from training.loop import Diverged, Stopped, Trainer
 from training.resume import load_resume_checkpoint
-from training.runs import link_latest
 from training.summaries import Summaries
 
 register()
@@ -72,7 +71,6 @@ def main(cfg: DictConfig, run_dir) -> float | None:
             except DataError as e:
                 raise ConfigError(f"train.sample_prompt: {e}") from None
             if rank == 0:
-                link_latest(run_dir, Path(cfg.runs_dir))
                 print(f"training {model.num_params() / 1e6:.2f}M parameters on {device} ({world_size} "
                       f"process(es), {trainer.tokens_per_step} tokens per step) from step {trainer.step} to "
                       f"{tc.max_iters}; run directory {run_dir}", flush=True)

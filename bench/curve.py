@@ -11,7 +11,7 @@ import sys
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-VAL, TRAIN_EVAL, LR = "val/loss", "train/eval_loss", "train/lr"
+VAL, TRAIN_EVAL, LR = "loss/val", "loss/train_eval", "optim/lr"  # the tags training/summaries.py writes
 
 
 def read_curve(run_dir) -> list[dict]:

@@ -1,6 +1,7 @@
-"""Run directories: the newest run's checkpoint, and the `latest` link that points at it."""
+"""Run directories: the newest run's checkpoint.
 
-import os
+There is no `latest` link: inside runs/ TensorBoard would read it as a second copy of the run it points at."""
+
 from pathlib import Path
 
 from .checkpoint import CheckpointError
@@ -15,15 +16,3 @@ def find_latest_checkpoint(runs_dir="runs", name: str = "best.pt") -> Path:
                               f"run `python train.py` first, or pass --checkpoint")
     return max(found, key=lambda p: p.stat().st_mtime_ns)
 
-
-def link_latest(run_dir: Path, runs_dir: Path) -> None:
-    """Point runs_dir/latest at run_dir, for tensorboard and for people; best-effort."""
-    link = runs_dir / "latest"
-    tmp = runs_dir / f".latest.{os.getpid()}"
-    try:
-        runs_dir.mkdir(parents=True, exist_ok=True)
-        tmp.unlink(missing_ok=True)
-        tmp.symlink_to(os.path.relpath(run_dir.resolve(), runs_dir.resolve()), target_is_directory=True)
-        os.replace(tmp, link)  # atomic: readers see the old link or the new one
-    except OSError:  # e.g. no symlinks on this file system; sample.py finds the newest best.pt without it
-        tmp.unlink(missing_ok=True)
