@@ -24,8 +24,9 @@ SCALARS = {"loss/train", "loss/train_eval", "loss/val", "loss/val_best", "optim/
            "perf/tokens_per_sec"}
 ATTENTION = {f"sample/attention/layer{layer}/head{head}" for layer in range(2) for head in range(2)}
 HPARAMS = ["model.n_layer", "model.n_head", "model.n_embd", "model.block_size", "optim.lr", "model.dropout",
-           "model.bias", "optim.name", "optim.min_lr", "optim.weight_decay", "train.batch_size",
-           "train.grad_accum_steps", "train.max_iters", "train.seed", "device"]
+           "model.bias", "optim.name", "optim.muon_lr", "optim.decay", "optim.min_lr", "optim.weight_decay",
+           "optim.muon_weight_decay", "train.batch_size", "train.grad_accum_steps", "train.max_iters", "train.seed",
+           "device"]
 
 
 class Server:

@@ -105,7 +105,7 @@ def test_events_hold_every_tag(tiny_run):
     session = plugin_data_pb2.HParamsPluginData.FromString(hparams["_hparams_/session_start_info"])
     assert session.session_start_info.hparams["01 model.n_layer"].number_value == 2
     assert session.session_start_info.hparams["07 model.bias"].HasField("bool_value")
-    assert session.session_start_info.hparams["15 device"].string_value == "cpu"  # the device used, not "auto"
+    assert session.session_start_info.hparams["18 device"].string_value == "cpu"  # the device used, not "auto"
     assert scalars(run_dir, "loss/val_best")[40] == pytest.approx(min(scalars(run_dir, "loss/val").values()))
     assert not [tag for tag in tags["scalars"] if tag not in SCALARS]  # no lone hparams metric scalar
 
@@ -170,7 +170,7 @@ def test_resume_equals_uninterrupted_run(tmp_path, data_root, monkeypatch, optim
 def test_muon_takes_the_blocks_matrices_and_adamw_the_rest(tmp_path, data_root):
     run_dir = tmp_path / "runs/muon"
     train.main(config(tmp_path, data_root, "optim=muon", "train.max_iters=3", "train.eval_interval=3",
-                      "optim.warmup_iters=2"), run_dir)
+                      "optim.warmup_iters=2", "optim.min_lr=1e-3"), run_dir)
     last = torch.load(run_dir / "last.pt", weights_only=True)
     adamw, muon = last["training"]["optimizers"]
     model = GPT(GPTConfig(**last["model_config"]))
@@ -185,7 +185,7 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest(tmp_path, data_root):
 
 def test_muon_settings_are_refused_without_muon(tmp_path, data_root):
     with pytest.raises(train.ConfigError, match="muon_lr applies to optim=muon only"):
-        train.main(config(tmp_path, data_root, "optim.muon_lr=0.05"), tmp_path / "runs/refused")
+        train.main(config(tmp_path, data_root, "optim=adamw", "optim.muon_lr=0.05"), tmp_path / "runs/refused")
 
 
 # --- divergence ---------------------------------------------------------------------------------------------------

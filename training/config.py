@@ -17,6 +17,7 @@ from data import SHA256, SOURCE_URL
 from model import GPTConfig
 
 OPTIMIZERS = ("adamw", "muon")
+DECAYS = ("cosine", "linear")
 MAX_SEED = 2**32 - 1  # numpy's and CUDA's generators take 32-bit seeds
 
 
@@ -41,26 +42,28 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    """A linear warm-up to lr, then a cosine decay to min_lr at train.max_iters."""
+    """A linear warm-up to lr, then a cosine or linear decay to min_lr at train.max_iters."""
 
     name: str = "adamw"  # the conf/optim choice: adamw, or muon for the blocks' matrices and adamw for the rest
     lr: float = 1e-3  # AdamW's peak
 
     min_lr: float = 1e-4
     warmup_iters: int = 100
+    decay: str = "cosine"  # or linear
     beta1: float = 0.9
     beta2: float = 0.99  # not the usual 0.999, as in nanoGPT's shakespeare-char recipe
     weight_decay: float = 0.1  # on matrices and embeddings only, never on biases and LayerNorm gains
     grad_clip: float = 1.0  # largest global gradient norm; inf turns clipping off (the norm is still logged)
     muon_lr: float = 0.02  # Muon's peak (optim=muon only), decayed like lr
     muon_momentum: float = 0.95
-    muon_weight_decay: float = 0.0
+    muon_weight_decay: float = 0.1  # decoupled, on the matrices Muon updates
 
     def __post_init__(self):
         _require(self, lambda v: v in OPTIMIZERS, f"one of {', '.join(OPTIMIZERS)}", "name")
         _require(self, lambda v: 0 < v < math.inf, "a positive number", "lr")
         _require(self, lambda v: 0 <= v <= self.lr, f"in [0, lr={self.lr}]", "min_lr")
         _require(self, lambda v: v >= 0, "a non-negative integer", "warmup_iters")
+        _require(self, lambda v: v in DECAYS, f"one of {', '.join(DECAYS)}", "decay")
         _require(self, lambda v: 0 <= v < 1, "in [0, 1)", "beta1", "beta2")
         _require(self, lambda v: 0 <= v < math.inf, "a non-negative number", "weight_decay")
         _require(self, lambda v: v > 0, "a positive number (inf: no clipping)", "grad_clip")

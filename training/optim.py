@@ -29,11 +29,14 @@ def make_optimizers(model: GPT, oc: OptimConfig, fused: bool) -> list[torch.opti
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, oc: OptimConfig, max_iters: int):
-    """Linear warmup from peak / warmup_iters to the optimiser's peak lr, then a cosine decay to
+    """Linear warmup from peak / warmup_iters to the optimiser's peak lr, then a cosine or linear decay to
     peak * min_lr / lr at max_iters: every optimiser follows the same curve, scaled to its own peak."""
-    peak = optimizer.param_groups[0]["lr"]
-    cosine = CosineAnnealingLR(optimizer, T_max=max_iters - oc.warmup_iters, eta_min=peak * oc.min_lr / oc.lr)
+    peak, decay_iters = optimizer.param_groups[0]["lr"], max_iters - oc.warmup_iters
+    if oc.decay == "cosine":
+        decay = CosineAnnealingLR(optimizer, T_max=decay_iters, eta_min=peak * oc.min_lr / oc.lr)
+    else:
+        decay = LinearLR(optimizer, start_factor=1.0, end_factor=oc.min_lr / oc.lr, total_iters=decay_iters)
     if oc.warmup_iters == 0:
-        return cosine
+        return decay
     warmup = LinearLR(optimizer, start_factor=1 / oc.warmup_iters, total_iters=oc.warmup_iters)
-    return SequentialLR(optimizer, [warmup, cosine], milestones=[oc.warmup_iters])
+    return SequentialLR(optimizer, [warmup, decay], milestones=[oc.warmup_iters])

@@ -21,15 +21,16 @@ from torch.utils.tensorboard.summary import image
 from data import CharVocab
 from model import GPT, Sampling, generate
 
-from .config import OPTIMIZERS
+from .config import DECAYS, OPTIMIZERS
 
 DEVICE_TYPES = ("cpu", "cuda", "mps")
 # The HParams table's columns, in this order; it shows the first five at first (the shape and the
 # learning rate) and offers the others. TensorBoard orders columns by name, hence the numbered names.
 HPARAMS = ("model.n_layer", "model.n_head", "model.n_embd", "model.block_size", "optim.lr", "model.dropout",
-           "model.bias", "optim.name", "optim.min_lr", "optim.weight_decay", "train.batch_size",
+           "model.bias", "optim.name", "optim.muon_lr", "optim.decay", "optim.min_lr", "optim.weight_decay",
+           "optim.muon_weight_decay", "train.batch_size",
            "train.grad_accum_steps", "train.max_iters", "train.seed", "device")
-CHOICES = {"optim.name": OPTIMIZERS, "device": DEVICE_TYPES}  # the string hparams' every possible value
+CHOICES = {"optim.name": OPTIMIZERS, "optim.decay": DECAYS, "device": DEVICE_TYPES}  # the string hparams' every possible value
 METRICS = (("loss/val_best", "val loss (best)"), ("loss/val", "val loss (last)"))
 ATTENTION = ("Attention of layer {layer}, head {head} on the last {size} characters of train.sample_prompt. "
              "Row i is the query at position i, column j the key at position j; the upper triangle is black "
