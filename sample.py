@@ -4,6 +4,7 @@
     python sample.py --prompt "ROMEO:" --max-new-tokens 300 --temperature 0.7 --top-k 40
     python sample.py --checkpoint runs/2024-05-01_12-00-00 --num-samples 3 --seed 1
     python sample.py --temperature 0 --no-kv-cache     # greedy, recomputing everything at every step
+    python sample.py --precision int8                  # int8 weights, quantized when loaded: fastest on CPU
 
 Text streams to the terminal as it is generated; piped or redirected, each sample is written whole at
 the end. A one-line summary (tokens, seconds, tokens/s, cache size) goes to stderr. Every mistake in
@@ -19,6 +20,7 @@ import torch
 
 from data import CharVocab, UnknownCharacterError
 from model import Sampling, generate_tokens
+from model.quantize import PRECISIONS
 from training.checkpoint import CheckpointError, load_model, resolve_checkpoint
 from training.devices import choose_device
 from training.runs import find_latest_checkpoint
@@ -60,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--window", metavar="N", type=int,
                         help="context tokens kept when it grows past block_size, 1..block_size "
                              "(default: the model's, block_size // 2; block_size is the classic crop)")
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                        help="decode with the weights as trained (fp32), in bf16, or with int8 weights "
+                             "quantized when loaded (default: %(default)s)")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the one-token decode step (the first steps pay for compiling)")
     return parser
@@ -139,7 +144,7 @@ def main(argv=None) -> int:
         prompt = read_prompt(args)
         # without --checkpoint: the newest under the working directory, where train.py writes
         checkpoint_path = resolve_checkpoint(args.checkpoint) if args.checkpoint else find_latest_checkpoint("runs")
-        model, vocab, _ = load_model(checkpoint_path, device)
+        model, vocab, _ = load_model(checkpoint_path, device, precision=args.precision)
         prompt_ids = encode_prompt(vocab, prompt)
         block_size = model.config.block_size
         if args.window is not None and not 1 <= args.window <= block_size:

@@ -1,17 +1,23 @@
-"""Decode speed: KV cache vs full recomputation vs the weight-matmul lower bound, in one run.
+"""Decode speed at fp32, bf16 and int8: the KV cache against each precision's weight-matmul bound, in one run.
 
-    python bench/decode.py                 # the classic shakespeare-char shape, on CPU
-    python bench/decode.py --device cuda --compile
+    python bench/decode.py                                    # the classic shakespeare-char shape, on CPU
+    python bench/decode.py --checkpoint runs/latest           # also the val-loss change of bf16 and int8
+    python bench/decode.py --profile                          # also where one-token steps spend their time
 
 Greedy generation from a random-weight model of the classic shape (conf/model/classic.yaml: 6 layers,
-6 heads, 384 wide, block 256; vocab 65): speed does not depend on the weights. Tokens/s counts new tokens of every
-row. The bound times only the matmuls of every Linear for one token per row, back to back: what
-a step would cost with no attention, norms, activations or Python at all. Each figure is the best
-of --repeats runs.
+6 heads, 384 wide, block 256; vocab 65): speed does not depend on the weights. Tokens/s counts new tokens of
+every row (16-token prompt, 240 new). The bound times only the matmuls of every Linear, as that precision
+computes them (model/quantize.py), for one token per row, back to back: what a step would cost with no
+attention, norms, activations or Python at all. Each figure is the median of --repeats runs, with their
+spread (min-max); every ratio is taken within this run. --checkpoint: the mean loss on tiny_shakespeare's
+val split (KVGPT_DATA_URL, as train.py) of the checkpoint's model at each precision, in float32 from logits.
 """
 
 import argparse
+import os
+import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -20,13 +26,19 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.configs import model_config  # noqa: E402
+from data import Batches, prepare_shakespeare  # noqa: E402
+from data.shakespeare import SOURCE_URL  # noqa: E402
 from model import GPT, GREEDY, generate  # noqa: E402
+from model.quantize import PRECISIONS, Int8Linear, to_precision  # noqa: E402
+from training.checkpoint import load_model  # noqa: E402
 
 PROMPT_LEN = 16
+NEW_TOKENS = 240
 
 
-def best_seconds(fn, repeats: int, sync, warm_up=None) -> float:
-    (warm_up or fn)()  # allocations, kernel selection, compilation
+def timings(fn, repeats: int, sync, warm_up=None) -> list[float]:
+    """Seconds of each of `repeats` runs of fn, after one warm-up (allocations, kernel selection, compiling)."""
+    (warm_up or fn)()
     times = []
     for _ in range(repeats):
         sync()
@@ -34,56 +46,111 @@ def best_seconds(fn, repeats: int, sync, warm_up=None) -> float:
         fn()
         sync()
         times.append(time.perf_counter() - start)
-    return min(times)
+    return times
 
 
-def matmul_bound_tokens_per_s(model, batch_size, repeats, sync) -> float:
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    inputs = [torch.randn(batch_size, m.in_features, device=m.weight.device, dtype=m.weight.dtype) for m in linears]
+def best_seconds(fn, repeats: int, sync, warm_up=None) -> float:
+    return min(timings(fn, repeats, sync, warm_up))
 
-    def one_token():
-        for _ in range(20):  # 20 tokens per timing, so timer resolution does not matter
+
+def rates(work: float, seconds: list[float]) -> tuple[float, float, float]:
+    """(median, min, max) of work / seconds."""
+    per_s = sorted(work / s for s in seconds)
+    return statistics.median(per_s), per_s[0], per_s[-1]
+
+
+def matmul_bound(model, batch_size, repeats, sync) -> tuple[float, float, float]:
+    """tokens/s of every Linear's matmul alone, as the model computes it, one token per row."""
+    linears = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, Int8Linear))]
+    dtype = model.wte.weight.dtype
+    inputs = [torch.randn(batch_size, m.in_features, device=model.wte.weight.device, dtype=dtype) for m in linears]
+
+    def twenty_tokens():  # 20 tokens per timing, so that timer resolution does not matter
+        for _ in range(20):
             for m, x in zip(linears, inputs):
-                F.linear(x, m.weight, m.bias)
+                m(x)
 
-    return 20 * batch_size / best_seconds(one_token, repeats, sync)
+    return rates(20 * batch_size, timings(twenty_tokens, repeats, sync))
+
+
+def decode_rates(model, batch_size, repeats, sync, compile) -> tuple[float, float, float]:
+    device = model.wte.weight.device
+    prompt = torch.randint(0, model.config.vocab_size, (batch_size, PROMPT_LEN), device=device)
+    run = lambda n=NEW_TOKENS: generate(model, prompt, n, sampling=GREEDY, compile=compile)  # noqa: E731
+    return rates(batch_size * NEW_TOKENS, timings(run, repeats, sync, warm_up=lambda: run(8)))
+
+
+@torch.no_grad()
+def val_loss(model, val_tokens, batches: int = 20, batch_size: int = 16) -> float:
+    """Mean loss over fixed val batches, in float32 from the logits (a bf16 loss would be rounded)."""
+    data = Batches(val_tokens, model.config.block_size, batch_size, model.wte.weight.device, seed=0)
+    losses = []
+    for _ in range(batches):
+        x, y = data.next()
+        logits = model(x)[0].float()
+        losses.append(F.cross_entropy(logits.flatten(0, 1), y.flatten()).item())
+    return sum(losses) / len(losses)
+
+
+def print_profile(model, sync) -> None:
+    from torch.profiler import profile
+    prompt = torch.randint(0, model.config.vocab_size, (1, PROMPT_LEN), device=model.wte.weight.device)
+    generate(model, prompt, 8, sampling=GREEDY)
+    with profile() as prof:
+        generate(model, prompt, NEW_TOKENS, sampling=GREEDY)
+        sync()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+
+def fmt(r) -> str:
+    return f"{r[0]:.1f} ({r[1]:.0f}-{r[2]:.0f})"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--compile", action="store_true", help="torch.compile the one-token step")
+    parser.add_argument("--checkpoint", type=Path, help="a trained checkpoint: val loss at each precision")
+    parser.add_argument("--profile", action="store_true", help="print a torch.profiler summary per precision")
     args = parser.parse_args()
 
-    torch.manual_seed(0)
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    classic = model_config("classic")
-    model = GPT(classic).to(device).eval()
+    torch.manual_seed(0)
+    fp32_state = GPT(model_config("classic")).state_dict()
+    print(f"# decode benchmark: {torch.__version__}, device {device}, {torch.get_num_threads()} threads, classic "
+          f"shape, prompt {PROMPT_LEN}, {NEW_TOKENS} new, greedy, median (min-max) of {args.repeats}"
+          f"{', compiled step' if args.compile else ''}")
+    print("| precision | cached tok/s, batch 1 | cached tok/s, batch 8 | weight-matmul bound tok/s, batch 1 "
+          "| cached / bound | cached / fp32 cached |")
+    print("|---|---|---|---|---|---|")
+    fp32_b1, profiles = None, []
+    for precision in PRECISIONS:
+        model = GPT(model_config("classic"))
+        model.load_state_dict(fp32_state)
+        model = to_precision(model.to(device), precision)
+        b1 = decode_rates(model, 1, args.repeats, sync, args.compile)
+        b8 = decode_rates(model, 8, args.repeats, sync, args.compile)
+        bound = matmul_bound(model, 1, args.repeats, sync)
+        fp32_b1 = fp32_b1 or b1[0]
+        print(f"| {precision} | {fmt(b1)} | {fmt(b8)} | {fmt(bound)} | {b1[0] / bound[0]:.2f} "
+              f"| {b1[0] / fp32_b1:.2f}x |", flush=True)
+        if args.profile:
+            profiles.append((precision, model))
+    for precision, model in profiles:
+        print(f"\n## {precision}: one 240-token generation, batch 1, by self time")
+        print_profile(model, sync)
 
-    def tokens_per_s(batch_size, new_tokens, use_cache):
-        prompt = torch.randint(0, classic.vocab_size, (batch_size, PROMPT_LEN), device=device)
-
-        def run(n=new_tokens):
-            generate(model, prompt, n, sampling=GREEDY, use_cache=use_cache, compile=args.compile and use_cache)
-
-        return batch_size * new_tokens / best_seconds(run, args.repeats, sync, warm_up=lambda: run(8))
-
-    print(f"# decode benchmark: {torch.__version__}, device {device}, {torch.get_num_threads()} threads, "
-          f"classic shape ({model.num_params() / 1e6:.1f}M params), prompt {PROMPT_LEN}, greedy, "
-          f"best of {args.repeats}{', compiled step' if args.compile else ''}")
-    print("| batch | new tokens | cached tok/s | uncached tok/s | cached / uncached |")
-    print("|---|---|---|---|---|")
-    cached_b1 = None
-    for batch_size, new_tokens in ((1, 240), (1, 1000), (8, 240)):
-        cached = tokens_per_s(batch_size, new_tokens, use_cache=True)
-        uncached = tokens_per_s(batch_size, new_tokens, use_cache=False)
-        cached_b1 = cached_b1 or cached
-        print(f"| {batch_size} | {new_tokens} | {cached:.1f} | {uncached:.1f} | {cached / uncached:.1f}x |",
-              flush=True)
-    bound = matmul_bound_tokens_per_s(model, 1, args.repeats, sync)
-    print(f"\nweight-matmul bound, batch 1: {bound:.1f} tok/s; cached (240 new) / bound = {cached_b1 / bound:.2f}")
+    if args.checkpoint:
+        with tempfile.TemporaryDirectory() as tmp:
+            data = prepare_shakespeare(tmp, url=os.environ.get("KVGPT_DATA_URL", SOURCE_URL))
+            losses = {p: val_loss(load_model(args.checkpoint, device, precision=p)[0], data.val) for p in PRECISIONS}
+        print(f"\nval loss of {args.checkpoint} (tiny_shakespeare val split, 20 fixed batches of 16):")
+        print("| precision | val loss | change from fp32 |")
+        print("|---|---|---|")
+        for p, loss in losses.items():
+            print(f"| {p} | {loss:.4f} | {loss - losses['fp32']:+.4f} |")
 
 
 if __name__ == "__main__":

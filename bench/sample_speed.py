@@ -3,13 +3,15 @@
     python bench/sample_speed.py
 
 Both decode the classic shakespeare-char shape (random weights, saved as a checkpoint in a temporary
-folder) greedily, batch 1, 16-character prompt, 240 new characters, with the KV cache. sample.py runs
+folder) greedily, batch 1, 16-character prompt, 240 new characters, with the KV cache, at --precision (int8
+by default: the fastest, where a per-token overhead of the command line would show most). sample.py runs
 as the real command, twice: with its output piped (tokens stay on the device until the end) and on a
 pseudo-terminal (streaming, one read-back per character). Its tokens/s comes from its own summary line.
 The figure to compare is the best of --repeats for each.
 """
 
 import argparse
+import copy
 import os
 import pty
 import re
@@ -26,6 +28,7 @@ from bench.configs import model_config  # noqa: E402
 from bench.decode import PROMPT_LEN, best_seconds  # noqa: E402
 from data import CharVocab  # noqa: E402
 from model import GPT, GREEDY, generate  # noqa: E402
+from model.quantize import PRECISIONS, to_precision  # noqa: E402
 from training.checkpoint import build_checkpoint, save_checkpoint  # noqa: E402
 
 NEW_TOKENS = 240
@@ -34,9 +37,9 @@ PROMPT = "First Citizen:\nB"
 SUMMARY = re.compile(r"([\d.]+) tokens/s")
 
 
-def sample_py_tokens_per_s(checkpoint: Path, on_terminal: bool) -> float:
+def sample_py_tokens_per_s(checkpoint: Path, on_terminal: bool, precision: str) -> float:
     command = [sys.executable, str(REPO / "sample.py"), "--checkpoint", str(checkpoint), "--prompt", PROMPT,
-               "--temperature", "0", "--max-new-tokens", str(NEW_TOKENS), "--device", "cpu"]
+               "--temperature", "0", "--max-new-tokens", str(NEW_TOKENS), "--device", "cpu", "--precision", precision]
     if on_terminal:
         leader, follower = pty.openpty()
         process = subprocess.Popen(command, stdout=follower, stderr=subprocess.PIPE, text=True)
@@ -61,22 +64,24 @@ def sample_py_tokens_per_s(checkpoint: Path, on_terminal: bool) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--precision", choices=PRECISIONS, default="int8")
     args = parser.parse_args()
     assert len(PROMPT) == PROMPT_LEN
 
     torch.manual_seed(0)
     model = GPT(model_config("classic", vocab_size=len(VOCAB))).eval()
     prompt = torch.tensor([VOCAB.encode(PROMPT)])
-    run = lambda: generate(model, prompt, NEW_TOKENS, sampling=GREEDY)  # noqa: E731
+    decoded = to_precision(copy.deepcopy(model), args.precision)  # as sample.py converts what it loads
+    run = lambda: generate(decoded, prompt, NEW_TOKENS, sampling=GREEDY)  # noqa: E731
     model_tokens_per_s = NEW_TOKENS / best_seconds(run, args.repeats, lambda: None)
 
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = save_checkpoint(build_checkpoint(model, VOCAB), Path(tmp) / "best.pt")
-        piped = max(sample_py_tokens_per_s(checkpoint, on_terminal=False) for _ in range(args.repeats))
-        streamed = max(sample_py_tokens_per_s(checkpoint, on_terminal=True) for _ in range(args.repeats))
+        piped = max(sample_py_tokens_per_s(checkpoint, False, args.precision) for _ in range(args.repeats))
+        streamed = max(sample_py_tokens_per_s(checkpoint, True, args.precision) for _ in range(args.repeats))
 
     print(f"# sample.py speed: {torch.__version__}, cpu, {torch.get_num_threads()} threads, classic shape, "
-          f"prompt {PROMPT_LEN}, {NEW_TOKENS} new, greedy, best of {args.repeats}")
+          f"prompt {PROMPT_LEN}, {NEW_TOKENS} new, greedy, {args.precision}, best of {args.repeats}")
     print("| decoder | tok/s | / model.generate |")
     print("|---|---|---|")
     print(f"| model.generate (cached) | {model_tokens_per_s:.1f} | 1.00 |")

@@ -54,7 +54,8 @@ class MultiHeadAttention(nn.Module):
         """Attend from x (B, T_q, embed_dim) to itself, or to context (B, T_k, embed_dim) if given.
 
         cache: a LayerKV. The new keys and values are written into it and the queries attend to
-        all of its slots; attn_mask must then say which slots each query may see.
+        all of its slots; attn_mask must then say which slots each query may see, and let each query see
+        at least one (KVCache.attn_mask lets each see its own). Attention runs in the cache's dtype.
         need_weights: take the explicit path and also return the attention weights.
         Returns (out (B, T_q, out_dim), weights (B, n_head, T_q, T_k) or None).
         """
@@ -65,6 +66,7 @@ class MultiHeadAttention(nn.Module):
         v = v.view(B, v.size(1), self.n_head, -1).transpose(1, 2)  # (B, nh, T_k, hs_v)
         if cache is not None:
             k, v = cache.update(k, v)  # (B, nh, max_len, hs): every slot of this layer's cache
+            q = q.to(k.dtype)
         T_k = k.size(2)
 
         dropout_p = self.attn_dropout if self.training else 0.0
@@ -76,9 +78,9 @@ class MultiHeadAttention(nn.Module):
             weights = None
         else:
             mask = self.combined_mask(T_q, T_k, x.device, attn_mask, key_padding_mask, is_causal)
-            y, weights = self.attend(q, k, v, mask, dropout_p, need_weights)
+            y, weights = self.attend(q, k, v, mask, dropout_p, need_weights, may_have_empty_rows=cache is None)
 
-        y = y.transpose(1, 2).reshape(B, T_q, self.v_dim)  # re-assemble the heads side by side
+        y = y.transpose(1, 2).reshape(B, T_q, self.v_dim).to(x.dtype)  # re-assemble the heads side by side
         return self.out_dropout(self.out_proj(y)), weights
 
     @staticmethod
@@ -92,8 +94,10 @@ class MultiHeadAttention(nn.Module):
             mask = attn_mask if mask is None else mask & attn_mask
         return mask
 
-    def attend(self, q, k, v, mask, dropout_p, need_weights):
+    def attend(self, q, k, v, mask, dropout_p, need_weights, may_have_empty_rows=True):
         """softmax(q kᵀ / √d, masked) v, explicitly when the weights are wanted, else through SDPA.
+        may_have_empty_rows=False: the caller knows that every query sees a key (a cache's mask), which
+        spares the decoding step the guard below.
         Returns (y (B, nh, T_q, hs_v), weights (B, nh, T_q, T_k) or None)."""
         if need_weights:
             scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))  # (B, nh, T_q, T_k)
@@ -104,6 +108,8 @@ class MultiHeadAttention(nn.Module):
                 weights = weights.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
             return F.dropout(weights, dropout_p, self.training) @ v, weights
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+        if not may_have_empty_rows:
+            return y, None
         # kernels differ on rows with every key masked (zeros on some, NaN on others): make them zeros
         return y.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0), None
 

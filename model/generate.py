@@ -55,11 +55,14 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampl
     if use_cache:
         cache = cache if cache is not None else model.new_kv_cache(idx.size(0))
         one_token_step = torch.compile(model.decode_step, fullgraph=True) if compile else model.decode_step
-    seq = idx
+    # the whole sequence, filled as it grows: seq = buffer[:, :length]
+    buffer = torch.cat([idx, idx.new_empty(idx.size(0), max_new_tokens)], dim=1)
+    length = idx.size(1)
     # row b's context is seq[b, start[b]:]: it starts after the row's left padding, and each row's window
     # moves on its own schedule, exactly as if the row were generated alone
     n_cached = 0  # how many of the (padded) context's tokens the cache holds
     for _ in range(max_new_tokens):
+        seq = buffer[:, :length]
         if seq.size(1) - min(start) > block_size:  # some row's context would pass block_size
             start = [s if seq.size(1) - s <= block_size else seq.size(1) - window for s in start]
             n_cached = 0
@@ -75,7 +78,8 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampl
         else:
             logits = model(seq[:, first:], n_pad=context_pad)[0][:, -1]
         next_ids = sampling.next_token(logits, generator)  # (B,)
-        seq = torch.cat([seq, next_ids[:, None]], dim=1)
+        buffer[:, length] = next_ids
+        length += 1
         yield next_ids
 
 

@@ -78,10 +78,13 @@ class KVCache(nn.Module):
         return (slots[None, :] - self.n_pad[:, None]).clamp(min=0)
 
     def attn_mask(self, slots):
-        """(B, 1, t, max_len) bool, True where a new token may attend a slot."""
+        """(B, 1, t, max_len) bool, True where a new token may attend a slot. Every token sees at least its
+        own slot, so no row is ever fully masked and attention needs no guard against one: a padding token
+        sees only itself, and no real token ever sees a padding slot."""
         causal = self.slot_ids[None, :] <= slots[:, None]  # (t, max_len); also hides unfilled slots
         not_pad = self.slot_ids[None, :] >= self.n_pad[:, None]  # (B, max_len)
-        return causal[None, None, :, :] & not_pad[:, None, None, :]
+        own = self.slot_ids[None, :] == slots[:, None]  # (t, max_len)
+        return causal[None, None, :, :] & (not_pad[:, None, None, :] | own[None, None, :, :])
 
     def advance(self, t: int) -> None:
         self.pos += t

@@ -20,6 +20,7 @@ import torch
 
 from data import CharVocab, DataError
 from model import GPT, GPTConfig
+from model.quantize import to_precision
 
 from .files import write_atomically
 
@@ -90,9 +91,9 @@ def load_checkpoint(path, prefer: str = "best.pt", map_location="cpu") -> dict:
     return contents
 
 
-def load_model(path, device="cpu", prefer: str = "best.pt") -> tuple[GPT, CharVocab, dict]:
-    """The model (in eval mode, on `device`) and vocabulary of a checkpoint file or run directory, and the
-    checkpoint's contents."""
+def load_model(path, device="cpu", prefer: str = "best.pt", precision: str = "fp32") -> tuple[GPT, CharVocab, dict]:
+    """The model (in eval mode, on `device`, converted to `precision` for decoding: model/quantize.py) and
+    vocabulary of a checkpoint file or run directory, and the checkpoint's contents."""
     contents = load_checkpoint(path, prefer)
     try:
         model = GPT(GPTConfig(**contents["model_config"]))
@@ -105,7 +106,7 @@ def load_model(path, device="cpu", prefer: str = "best.pt") -> tuple[GPT, CharVo
         reason = " ".join(str(e).split())[:200] or type(e).__name__  # load_state_dict's lists span lines
         raise CheckpointError(f"{resolve_checkpoint(path, prefer)} does not fit this version of the model "
                               f"({reason})") from None
-    return model.to(device).eval(), vocab, contents
+    return to_precision(model.to(device), precision), vocab, contents
 
 
 def _first_line(error: Exception) -> str:

@@ -1,0 +1,83 @@
+"""Decoding precisions: fp32 (the trained weights as they are), bf16, and int8 weight-only.
+
+    model = to_precision(model, "int8")   # the one place a model changes precision
+
+bf16: every weight and activation in bfloat16, and the KV cache too except on the CPU (see to_precision).
+int8: every Linear of the blocks (attention qkv and out_proj, MLP fc and proj) holds int8 weights with one
+bf16 scale per output channel (symmetric: w ≈ scale * q, q in [-127, 127]); embeddings, layer norms and the
+tied head stay bf16, and so do the activations. Any fp32 model converts when it is loaded, without
+retraining.
+
+Per token at batch 1 the blocks' matmuls read every weight once, so decoding on a CPU is bound by memory
+bandwidth: bf16 halves the bytes read and int8 quarters them. A converted model is for decoding only:
+an int8 model refuses train() and state_dict(), so that it is never trained or saved as if it were fp32.
+"""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+PRECISIONS = ("fp32", "bf16", "int8")
+
+
+class QuantizedModelError(RuntimeError):
+    """Training or saving a model whose weights were quantized for decoding."""
+
+
+class Int8Linear(nn.Module):
+    """y = x Wᵀ + b with W stored as int8 (out_features, in_features) and a bf16 scale per output row.
+
+    On the CPU one fused kernel (aten._weight_int8pack_mm, bf16 activations) reads the int8 weights
+    directly; elsewhere the weights are dequantized to the activations' dtype for each matmul.
+    """
+
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        self.training = False
+        weight = linear.weight.detach().float()  # quantize from full precision, whatever the model holds
+        # (out,): the row's largest |w| maps to 127; rounded to `dtype` first, so that q fits the scale used
+        scales = (weight.abs().amax(dim=1).clamp(min=1e-12) / 127).to(dtype)
+        q = (weight / scales.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("weight", q)  # a buffer, not a Parameter: nothing to train
+        self.register_buffer("scales", scales)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().to(dtype))
+
+    def forward(self, x):
+        if x.device.type == "cpu":
+            y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight, self.scales)
+            y = y.view(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, self.weight.to(x.dtype) * self.scales[:, None].to(x.dtype), self.bias)
+
+    def train(self, mode: bool = True):
+        if mode:
+            raise QuantizedModelError("this model's Linear weights are quantized to int8 for decoding and "
+                                      "cannot be trained; train the fp32 model and convert it afterwards")
+        return super().train(False)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        raise QuantizedModelError("this model's Linear weights are quantized to int8 for decoding; save the "
+                                  "fp32 model instead (any fp32 checkpoint converts when loaded)")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def to_precision(model: nn.Module, precision: str) -> nn.Module:
+    """Convert a GPT in place for decoding at `precision` (one of PRECISIONS) and return it, in eval mode.
+    fp32 leaves it as it is; bf16 and int8 expect fp32 weights, as every checkpoint holds."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    model.eval()
+    if precision == "fp32":
+        return model
+    if precision == "int8":
+        for block in model.blocks:
+            for parent, name in ((block.attn, "qkv"), (block.attn, "out_proj"), (block.mlp, "fc"),
+                                 (block.mlp, "proj")):
+                setattr(parent, name, Int8Linear(getattr(parent, name)))
+    # Attention runs in the cache's dtype, and on the CPU torch's bf16 attention kernel for one query is
+    # about 4x slower than its float32 one, while the cache is small beside the weights: float32 there.
+    model.cpu_kv_dtype = torch.float32
+    return model.to(torch.bfloat16)

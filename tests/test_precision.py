@@ -1,0 +1,154 @@
+"""Decoding at bf16 and int8 (model/quantize.py): the cache still equals recomputation, int8 barely moves the
+loss, and a converted model refuses to be trained or saved."""
+
+import functools
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from data import CharVocab
+from model import GPT, GREEDY, generate
+from model.quantize import Int8Linear, QuantizedModelError, to_precision
+from tiny_models import tiny_config, train_briefly
+from training.checkpoint import build_checkpoint, load_model, save_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+TEXT = """First Citizen:
+Before we proceed any further, hear me speak.
+
+All:
+Speak, speak.
+
+First Citizen:
+You are all resolved rather to die than to famish?
+
+All:
+Resolved. resolved.
+
+First Citizen:
+First, you know Caius Marcius is chief enemy to the people.
+
+All:
+We know't, we know't.
+
+First Citizen:
+Let us kill him, and we'll have corn at our own price.
+Is't a verdict?
+"""
+VOCAB = CharVocab.from_text(TEXT)
+TOKENS = torch.tensor(VOCAB.encode(TEXT))
+SPLIT = int(0.85 * len(TOKENS))
+TRAIN, HELD_OUT = TOKENS[:SPLIT], TOKENS[SPLIT:]
+BLOCK_SIZE = 16
+PRECISIONS = ("fp32", "bf16", "int8")
+
+# How far cached logits may be from a full forward over the same context, per precision. fp32: the
+# proofs of tests/test_kv_cache.py. bf16 and int8: bf16 keeps 8 bits of mantissa, so each activation is
+# rounded by up to 2^-9 ≈ 0.2% relative; the cached step and the full forward round different intermediate
+# tensors (the CPU cache holds float32 keys and values, the full forward attends in bf16), and through 2
+# blocks these roundings add up to a few hundredths on logits of magnitude ~5-10 (measured: under 0.06).
+LOGIT_ATOL = {"fp32": 1e-5, "bf16": 0.15, "int8": 0.15}
+# bf16 rounds every weight and activation by up to 2^-9 relative, int8 each weight by up to 1/254 of its
+# row's largest: the held-out loss (~3.2 nats/char here) may move by this much (measured: under 0.01).
+LOSS_TOLERANCE = 0.02
+
+
+# Long enough training makes greedy text that is more than one character repeated, so that the cache is
+# really tested; it also learns this small text by heart, so the loss is compared after a shorter one.
+GENERATION_STEPS, LOSS_STEPS = 150, 40
+
+
+@functools.cache
+def trained_fp32(steps: int = GENERATION_STEPS) -> GPT:
+    torch.manual_seed(0)
+    model = GPT(tiny_config(vocab_size=len(VOCAB), block_size=BLOCK_SIZE, n_embd=48, n_head=3, bias=True))
+    train_briefly(model, TRAIN, steps=steps, batch_size=16)
+    return model.eval()
+
+
+def converted(precision: str, steps: int = GENERATION_STEPS) -> GPT:
+    model = GPT(trained_fp32(steps).config)
+    model.load_state_dict(trained_fp32(steps).state_dict())
+    return to_precision(model, precision)
+
+
+def held_out_loss(model: GPT) -> float:
+    windows = HELD_OUT.unfold(0, BLOCK_SIZE + 1, 1)  # (n, block_size + 1): every window of the held-out text
+    with torch.no_grad():
+        logits = model(windows[:, :-1])[0].float()  # a bf16 loss would be rounded to 2^-7 near 3 nats
+    return F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten()).item()
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_cached_generation_equals_uncached_token_for_token(precision):
+    model = converted(precision)
+    prompt = torch.tensor([VOCAB.encode("First Citizen:\n"), VOCAB.encode("All:\nSpeak, sp\n")])
+    n_new = int(2.5 * BLOCK_SIZE)  # the window moves more than once
+    cached = generate(model, prompt, n_new, sampling=GREEDY)
+    assert torch.equal(cached, generate(model, prompt, n_new, sampling=GREEDY, use_cache=False))
+    assert len(set(cached[0, prompt.size(1):].tolist())) > 3  # real text, not one character repeated
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_cached_logits_stay_within_the_precisions_tolerance_of_a_full_forward(precision):
+    model = converted(precision)
+    seq = torch.tensor([VOCAB.encode("First Citizen:\nYou are all")[:BLOCK_SIZE]])
+    cache = model.new_kv_cache(1)
+    model(seq[:, :4], cache=cache)
+    for t in range(4, seq.size(1)):
+        step = model.decode_step(seq[:, t:t + 1], cache).float()
+        full = model(seq[:, :t + 1])[0][:, -1].float()
+        torch.testing.assert_close(step, full, atol=LOGIT_ATOL[precision], rtol=0)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_the_held_out_loss_stays_close_to_fp32(precision):
+    fp32 = held_out_loss(trained_fp32(LOSS_STEPS))
+    assert fp32 < math.log(len(VOCAB)) - 0.3  # the model did learn something beyond uniform guessing
+    assert abs(held_out_loss(converted(precision, LOSS_STEPS)) - fp32) < LOSS_TOLERANCE
+
+
+def test_int8_holds_int8_weights_with_a_scale_per_output_channel_in_every_block_linear():
+    model = converted("int8")
+    reference = trained_fp32().blocks[0].mlp.fc
+    for block in model.blocks:
+        for linear in (block.attn.qkv, block.attn.out_proj, block.mlp.fc, block.mlp.proj):
+            assert isinstance(linear, Int8Linear)
+            assert linear.weight.dtype == torch.int8 and linear.scales.shape == (linear.out_features,)
+    assert not any(p.dtype == torch.int8 for p in model.parameters())  # buffers, nothing to train
+    fc = model.blocks[0].mlp.fc
+    dequantized = fc.weight.float() * fc.scales.float()[:, None]
+    torch.testing.assert_close(dequantized, reference.weight, atol=(fc.scales.float().max() * 0.51).item(), rtol=0)
+    assert model.wte.weight.dtype == torch.bfloat16
+
+
+def test_an_int8_model_refuses_to_be_trained_or_saved():
+    model = converted("int8")
+    with pytest.raises(QuantizedModelError, match="cannot be trained"):
+        model.train()
+    with pytest.raises(QuantizedModelError, match="save the fp32 model"):
+        model.state_dict()
+    with pytest.raises(QuantizedModelError):
+        build_checkpoint(model, VOCAB)
+
+
+def test_an_unknown_precision_is_a_value_error_naming_the_choices():
+    with pytest.raises(ValueError, match="fp32, bf16, int8"):
+        to_precision(converted("fp32"), "int4")
+
+
+def test_load_model_converts_an_fp32_checkpoint_and_sample_py_decodes_it(tmp_path):
+    path = save_checkpoint(build_checkpoint(trained_fp32(), VOCAB), tmp_path / "best.pt")
+    model, _, _ = load_model(path, precision="int8")
+    prompt = torch.tensor([VOCAB.encode("All:\n")])
+    expected = VOCAB.decode(generate(model, prompt, 20, sampling=GREEDY)[0].tolist())
+    result = subprocess.run([sys.executable, str(REPO / "sample.py"), "--checkpoint", str(path), "--prompt", "All:\n",
+                             "--temperature", "0", "--max-new-tokens", "20", "--precision", "int8"],
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == expected + "\n"
