@@ -45,10 +45,15 @@ def build_checkpoint(model: GPT, vocab: CharVocab, training: dict | None = None)
 
 
 def save_checkpoint(contents: dict, path) -> Path:
-    """Write a checkpoint atomically: a crash mid-write leaves the previous file intact."""
+    """Write a checkpoint atomically: a crash mid-write leaves the previous file intact. A failed write (a full
+    disk) is a CheckpointError."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return write_atomically(path, lambda file: torch.save(contents, file))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return write_atomically(path, lambda file: torch.save(contents, file))
+    except OSError as e:  # a full disk, a read-only folder, ...
+        raise CheckpointError(f"cannot save {path} ({e.strerror or e}); "
+                              f"{'the previous one is kept' if path.exists() else 'nothing was saved'}") from None
 
 
 def resolve_checkpoint(path, prefer: str = "best.pt") -> Path:
