@@ -28,12 +28,13 @@ from hydra.errors import HydraException, MissingConfigException, OverrideParseEx
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from data import DataError, prepare_shakespeare
+from data import Batches, DataError, prepare_shakespeare
 from model import GPT
-from training.checkpoint import CheckpointError
+from training.checkpoint import CheckpointError, resolve_checkpoint
 from training.config import ConfigError, first_line, register, validate
 from training.devices import choose_device
 from training.distributed import init_distributed, is_rank_zero
+from training.files import remove_stale_temporaries
 from training.loop import Diverged, Stopped, Trainer
 from training.resume import load_resume_checkpoint
 from training.runs import claim_run_dir, link_latest
@@ -50,7 +51,11 @@ def main(cfg: DictConfig, run_dir) -> float | None:
     settings = validate(cfg)
     config = OmegaConf.to_container(cfg, resolve=True)
     tc = settings.train
-    resumed = None if tc.resume is None else load_resume_checkpoint(tc.resume, config, tc.max_iters)
+    resumed = None
+    if tc.resume is not None:
+        resumed = load_resume_checkpoint(tc.resume, config, tc.max_iters, settings.optim)
+        if is_rank_zero():  # what a run killed mid-save left beside its checkpoints
+            remove_stale_temporaries(resolve_checkpoint(tc.resume, prefer="last.pt").parent)
     for name in ("last.pt", "best.pt"):
         if (run_dir / name).exists():
             raise ConfigError(f"{run_dir} already holds {name}; continue it with train.resume={run_dir}, "
@@ -65,6 +70,11 @@ def main(cfg: DictConfig, run_dir) -> float | None:
                                        val_fraction=settings.data.val_fraction)
         except DataError as e:
             raise ConfigError(str(e)) from None
+        for split in ("train", "val"):  # found now rather than at the first evaluation
+            try:
+                Batches(getattr(data, split), settings.model.block_size, batch_size=1)
+            except DataError as e:
+                raise ConfigError(f"the {split} split of {settings.data.root} is too short: {e}") from None
         if resumed is not None and resumed["vocab"] != data.vocab.chars:
             raise ConfigError(f"the checkpoint's vocabulary differs from that of {settings.data.root}; "
                               f"resume with the data it was trained on")
