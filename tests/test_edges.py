@@ -1,26 +1,24 @@
 """Edges: no run loses another's files or leaves debris, every failure is one line, and the GPU's code paths
 (bf16 autocast, fused AdamW, a bf16 KV cache, the gpu preset compiled) run here on the CPU."""
 
+import dataclasses
 import errno
 import math
 import os
-import signal
 import socket
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.tensorboard import SummaryWriter
+from hydra import compose, initialize_config_dir
 
 import corpus
 import train
-import training.checkpoint
 import training.runs
-from data import CharVocab, DataError
+from data import CharVocab, prepare_shakespeare
 from model import GPT, GREEDY, GPTConfig, Sampling, generate
 from test_train import TINY, config, data_overrides
 from tiny_models import random_model, random_tokens
@@ -393,13 +391,8 @@ def test_fused_adamw_steps_like_the_unfused_one():
 
 
 def test_a_training_step_and_an_evaluation_under_bf16_autocast(tmp_path, data_root):
-    from data import prepare_shakespeare
-
-    cfg = config(tmp_path, data_root, *SHORT)
-    settings = validate(cfg)
+    settings = validate(config(tmp_path, data_root, *SHORT))
     data = prepare_shakespeare(data_root, url=settings.data.url, sha256=settings.data.sha256)
-    import dataclasses
-
     model = GPT(dataclasses.replace(settings.model, vocab_size=len(data.vocab)))
 
     class NoSummaries:
@@ -423,9 +416,8 @@ def test_a_training_step_and_an_evaluation_under_bf16_autocast(tmp_path, data_ro
 def test_the_gpu_preset_compiled_trains_a_few_steps_at_a_tiny_size(tmp_path, data_root):
     tiny_gpu = ["preset=gpu", "model.n_layer=1", "model.n_head=2", "model.n_embd=16", "model.block_size=16",
                 "train.batch_size=4", "train.sample_tokens=4", *SHORT]
-    with __import__("hydra").initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
-        cfg = __import__("hydra").compose("config", overrides=[*tiny_gpu, *data_overrides(data_root),
-                                                                f"runs_dir={tmp_path / 'runs'}"])
+    with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[*tiny_gpu, *data_overrides(data_root), f"runs_dir={tmp_path / 'runs'}"])
     assert cfg.train.compile is True
     val_loss = train.main(cfg, tmp_path / "runs/gpu")
     assert math.isfinite(val_loss)
