@@ -9,8 +9,8 @@
 
 A run writes everything to its directory runs/<date>_<time>/ (runs started in the same second get -2, -3, ...):
 .hydra/ (the composed config), TensorBoard events, last.pt (at every evaluation) and best.pt (at the best val loss
-so far); runs/latest links to it. A run that fails before its first step leaves no directory. Ctrl-C or SIGTERM
-saves last.pt and exits cleanly.
+so far). A run that fails before its first step leaves no directory. Ctrl-C or SIGTERM saves last.pt and exits
+cleanly.
 """
 
 import dataclasses
@@ -37,7 +37,7 @@ from training.distributed import init_distributed, is_rank_zero
 from training.files import remove_stale_temporaries
 from training.loop import Diverged, Stopped, Trainer
 from training.resume import load_resume_checkpoint
-from training.runs import claim_run_dir, link_latest
+from training.runs import claim_run_dir
 from training.summaries import Summaries
 
 register()
@@ -89,7 +89,6 @@ def main(cfg: DictConfig, run_dir) -> float | None:
                 raise ConfigError(f"train.sample_prompt: {e}") from None
             started = True
             if rank == 0:
-                link_latest(run_dir, Path(cfg.runs_dir))
                 print(f"training {model.num_params() / 1e6:.2f}M parameters on {device} ({world_size} "
                       f"process(es), {trainer.tokens_per_step} tokens per step) from step {trainer.step} to "
                       f"{tc.max_iters}; run directory {run_dir}", flush=True)

@@ -1,6 +1,6 @@
 """A run's loss curve, read back from its TensorBoard events, as a Markdown table.
 
-    python bench/curve.py runs/latest
+    python bench/curve.py runs/2026-11-22_12-00-00
 
 One row per evaluation: step, seconds since the run's first logged event, the evaluated train and
 val losses, and the learning rate at that step.
@@ -11,24 +11,35 @@ import sys
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+VAL, TRAIN_EVAL, LR = "loss/val", "loss/train_eval", "optim/lr"  # the tags training/summaries.py writes
+
+
+def read_curve(run_dir) -> list[dict]:
+    """One dict per evaluation: step, wall_time, train and val loss, lr (NaN where not logged)."""
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    if VAL not in events.Tags()["scalars"]:
+        raise ValueError(f"no {VAL} events in {run_dir}; give a run directory of train.py")
+    train_loss = {e.step: e.value for e in events.Scalars(TRAIN_EVAL)}
+    lr = {e.step: e.value for e in events.Scalars(LR)}
+    return [{"step": e.step, "wall_time": e.wall_time, "train": train_loss[e.step], "val": e.value,
+             "lr": lr.get(e.step - 1, float("nan"))} for e in events.Scalars(VAL)]
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_dir", help="a run directory, e.g. runs/latest")
+    parser.add_argument("run_dir", help="a run directory of train.py")
     args = parser.parse_args()
-
-    events = EventAccumulator(args.run_dir, size_guidance={"scalars": 0})
-    events.Reload()
-    if "val/loss" not in events.Tags()["scalars"]:
-        sys.exit(f"curve.py: error: no val/loss events in {args.run_dir}; give a run directory of train.py")
-    start = min(e.wall_time for e in events.Scalars("train/loss"))
-    train_loss = {e.step: e.value for e in events.Scalars("train/eval_loss")}
-    lr = {e.step: e.value for e in events.Scalars("train/lr")}
+    try:
+        curve = read_curve(args.run_dir)
+    except ValueError as e:
+        sys.exit(f"curve.py: error: {e}")
+    start = curve[0]["wall_time"]
     print("| step | seconds | train loss | val loss | lr |")
     print("|---|---|---|---|---|")
-    for e in events.Scalars("val/loss"):
-        print(f"| {e.step} | {e.wall_time - start:.0f} | {train_loss[e.step]:.4f} | {e.value:.4f} | "
-              f"{lr.get(e.step - 1, float('nan')):.2e} |")
+    for row in curve:
+        print(f"| {row['step']} | {row['wall_time'] - start:.0f} | {row['train']:.4f} | {row['val']:.4f} | "
+              f"{row['lr']:.2e} |")
 
 
 if __name__ == "__main__":

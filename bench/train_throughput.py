@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.configs import settings  # noqa: E402
 from data import Batches, prepare_shakespeare  # noqa: E402
 from model import GPT  # noqa: E402
-from training.optim import make_optimizer  # noqa: E402
+from training.optim import make_optimizers  # noqa: E402
 
 SHAPES = {  # name: (overrides of the cpu preset, as on train.py's command line)
     "cpu preset": [],
@@ -34,7 +34,7 @@ def measure(model_config, batch_size, data, optim_cfg, device, compiled, warmup,
     torch.manual_seed(0)
     raw_model = GPT(model_config).to(device)
     model = torch.compile(raw_model) if compiled else raw_model
-    optimizer = make_optimizer(raw_model, optim_cfg, fused=device.type == "cuda")
+    optimizers = make_optimizers(raw_model, optim_cfg, fused=device.type == "cuda")
     batches = Batches(data.train, model_config.block_size, batch_size, device, seed=0)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -45,8 +45,9 @@ def measure(model_config, batch_size, data, optim_cfg, device, compiled, warmup,
             _, loss = model(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(raw_model.parameters(), optim_cfg.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
 
     start = time.perf_counter()
     for _ in range(warmup):

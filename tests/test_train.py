@@ -31,7 +31,8 @@ TINY = ["preset=cpu", "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "m
         "model.dropout=0.1", "train.batch_size=8", "train.max_iters=40", "train.eval_interval=20",
         "train.eval_iters=4", "train.log_interval=5", "train.sample_tokens=20", "optim.lr=1e-2",
         "optim.warmup_iters=5"]
-SCALARS = ["train/loss", "val/loss", "train/lr", "train/grad_norm", "perf/tokens_per_sec"]
+SCALARS = ["loss/train", "loss/val", "loss/train_eval", "loss/val_best", "optim/lr", "optim/grad_norm",
+           "perf/tokens_per_sec"]
 
 
 @pytest.fixture(scope="module")
@@ -78,14 +79,15 @@ def tiny_run(tmp_path_factory, data_root):
 
 def test_tiny_run_loss_decreases(tiny_run):
     run_dir, val_loss = tiny_run
-    losses = scalars(run_dir, "train/loss")
+    losses = scalars(run_dir, "loss/train")
     assert sorted(losses) == list(range(40))  # every step logged
     assert losses[0] == pytest.approx(math.log(65), abs=0.15)  # uniform over the 65 characters at first
     first = sum(losses[s] for s in range(5)) / 5
     last = sum(losses[s] for s in range(30, 40)) / 10
     assert last < first - 0.4
-    val = scalars(run_dir, "val/loss")
-    assert sorted(val) == [20, 40] and val[40] < val[20] < math.log(65) - 0.5
+    val = scalars(run_dir, "loss/val")
+    assert sorted(val) == [0, 20, 40] and val[40] < val[20] < math.log(65) - 0.5
+    assert val[0] == pytest.approx(math.log(65), abs=0.15)  # evaluated before the first step
     assert val_loss == pytest.approx(val[40])
 
 
@@ -94,26 +96,29 @@ def test_events_hold_every_tag(tiny_run):
     accumulator = events(run_dir)
     tags = accumulator.Tags()
     assert set(SCALARS) <= set(tags["scalars"])
-    lrs = scalars(run_dir, "train/lr")
+    lrs = scalars(run_dir, "optim/lr")
     assert lrs[0] == pytest.approx(1e-2 / 5) and lrs[4] < lrs[5] == pytest.approx(1e-2) and lrs[39] < 2e-3
 
     text = accumulator.PluginTagToContent("text")
     assert {"sample/text_summary", "config/text_summary"} <= set(text)
     samples = accumulator.Tensors("sample/text_summary")
-    assert [s.step for s in samples] == [20, 40]
+    assert [s.step for s in samples] == [0, 20, 40]
     sample = "\n".join(line[4:] for line in samples[-1].tensor_proto.string_val[0].decode().split("\n"))
     prompt = "JULIET:\nO Romeo, Romeo! wherefore art thou Romeo?\n"
     assert sample.startswith(prompt) and len(sample) > len(prompt)  # indented 4: Markdown's verbatim text
 
-    assert set(tags["images"]) == {"attention/layer_0", "attention/layer_1"}
-    image = accumulator.Images("attention/layer_0")[-1]
-    assert (image.height, image.width) == (16, 2 * 17)  # the last block_size prompt tokens; 2 heads, 1-pixel gaps
+    images = accumulator.PluginTagToContent("images")
+    assert set(images) == {f"sample/attention/layer{l}/head{h}" for l in range(2) for h in range(2)}
+    width, height, png = accumulator.Tensors("sample/attention/layer0/head1")[-1].tensor_proto.string_val
+    assert (int(height), int(width)) == (16, 16) and png.startswith(b"\x89PNG")  # the last block_size prompt tokens
 
     hparams = accumulator.PluginTagToContent("hparams")
     session = plugin_data_pb2.HParamsPluginData.FromString(hparams["_hparams_/session_start_info"])
-    assert session.session_start_info.hparams["model.n_layer"].number_value == 2
-    assert session.session_start_info.hparams["train.resume"].string_value == "None"
-    assert scalars(run_dir, "hparam/val_loss") == {0: pytest.approx(val_loss)}
+    assert session.session_start_info.hparams["01 model.n_layer"].number_value == 2
+    assert session.session_start_info.hparams["07 model.bias"].HasField("bool_value")
+    assert session.session_start_info.hparams["15 device"].string_value == "cpu"  # the device used, not "auto"
+    assert scalars(run_dir, "loss/val_best")[40] == pytest.approx(min(scalars(run_dir, "loss/val").values()))
+    assert not [tag for tag in tags["scalars"] if tag not in SCALARS]  # no lone hparams metric scalar
 
 
 def test_checkpoints_load_with_weights_only(tiny_run, data_root):
@@ -121,22 +126,23 @@ def test_checkpoints_load_with_weights_only(tiny_run, data_root):
     last = torch.load(run_dir / "last.pt", weights_only=True)
     best = torch.load(run_dir / "best.pt", weights_only=True)
     assert last["training"]["step"] == 40 and best["training"]["step"] in (20, 40)
-    assert last["training"]["best_val_loss"] == best["training"]["best_val_loss"] == pytest.approx(min(scalars(run_dir, "val/loss").values()))
+    assert last["training"]["best_val_loss"] == best["training"]["best_val_loss"] == pytest.approx(min(scalars(run_dir, "loss/val").values()))
     assert last["training"]["config"]["model"]["n_layer"] == 2 and last["training"]["config"]["data"]["url"] == corpus_url(data_root)
     assert set(last["training"]["rng"][0]) == {"torch", "batches"}
     model = GPT(GPTConfig(**last["model_config"]))
     model.load_state_dict(last["model"])  # strict: same keys, no wrapper prefixes
-    decayed, not_decayed = last["training"]["optimizer"]["param_groups"]  # weight decay on matrices and embeddings only
+    decayed, not_decayed = last["training"]["optimizers"][0]["param_groups"]  # weight decay on matrices and embeddings only
     assert (decayed["weight_decay"], not_decayed["weight_decay"]) == (0.1, 0.0)
     assert len(not_decayed["params"]) == sum(p.dim() == 1 for p in model.parameters()) == 2 * 2 + 1  # LayerNorms
     assert len(last["vocab"]) == model.config.vocab_size == 65
-    assert (run_dir.parent / "latest").resolve() == run_dir.resolve()
+    assert [p.name for p in run_dir.parent.iterdir()] == [run_dir.name]  # no `latest` link: TensorBoard would show it
 
 
 # --- resume -------------------------------------------------------------------------------------------------------
 
-def test_resume_equals_uninterrupted_run(tmp_path, data_root, monkeypatch):
-    overrides = ["train.max_iters=30", "train.eval_interval=10", "train.grad_accum_steps=2"]
+@pytest.mark.parametrize("optim", ["adamw", "muon"])
+def test_resume_equals_uninterrupted_run(tmp_path, data_root, monkeypatch, optim):
+    overrides = ["train.max_iters=30", "train.eval_interval=10", "train.grad_accum_steps=2", f"optim={optim}"]
     uninterrupted = tmp_path / "runs/uninterrupted"
     train.main(config(tmp_path, data_root, *overrides), uninterrupted)
 
@@ -158,17 +164,39 @@ def test_resume_equals_uninterrupted_run(tmp_path, data_root, monkeypatch):
 
     resumed = tmp_path / "runs/resumed"
     train.main(config(tmp_path, data_root, *overrides, f"train.resume={interrupted}"), resumed)
-    expected, got = scalars(uninterrupted, "train/loss"), scalars(resumed, "train/loss")
+    expected, got = scalars(uninterrupted, "loss/train"), scalars(resumed, "loss/train")
     assert sorted(got) == list(range(14, 30))
     assert [got[s] for s in got] == pytest.approx([expected[s] for s in got], rel=1e-5)
-    assert scalars(resumed, "train/lr") == pytest.approx({s: scalars(uninterrupted, "train/lr")[s] for s in got})
-    assert scalars(resumed, "val/loss") == pytest.approx({20: scalars(uninterrupted, "val/loss")[20],
-                                                           30: scalars(uninterrupted, "val/loss")[30]}, rel=1e-5)
+    assert scalars(resumed, "optim/lr") == pytest.approx({s: scalars(uninterrupted, "optim/lr")[s] for s in got})
+    assert scalars(resumed, "loss/val") == pytest.approx({20: scalars(uninterrupted, "loss/val")[20],
+                                                           30: scalars(uninterrupted, "loss/val")[30]}, rel=1e-5)
+    assert 0 in scalars(uninterrupted, "loss/val")  # a fresh run evaluates at step 0, a resumed one does not
     a = torch.load(uninterrupted / "last.pt", weights_only=True)
     b = torch.load(resumed / "last.pt", weights_only=True)
     assert a["training"]["step"] == b["training"]["step"] == 30
     for name, weight in a["model"].items():
         torch.testing.assert_close(b["model"][name], weight, rtol=1e-5, atol=1e-6)
+
+
+def test_muon_takes_the_blocks_matrices_and_adamw_the_rest(tmp_path, data_root):
+    run_dir = tmp_path / "runs/muon"
+    train.main(config(tmp_path, data_root, "optim=muon", "train.max_iters=3", "train.eval_interval=3",
+                      "optim.warmup_iters=2"), run_dir)
+    last = torch.load(run_dir / "last.pt", weights_only=True)
+    adamw, muon = last["training"]["optimizers"]
+    model = GPT(GPTConfig(**last["model_config"]))
+    names = [name for name, _ in model.named_parameters()]
+    hidden = [n for n, p in model.named_parameters() if n.startswith("blocks.") and p.dim() == 2]
+    assert len(hidden) == 2 * 4  # qkv, out_proj, fc, proj in each of 2 layers
+    assert len(muon["param_groups"][0]["params"]) == len(hidden) and "momentum_buffer" in muon["state"][0]
+    assert sum(len(g["params"]) for g in adamw["param_groups"]) == len(names) - len(hidden)
+    adamw_lr, muon_lr = (s["_last_lr"][0] for s in last["training"]["schedulers"])
+    assert muon_lr / adamw_lr == pytest.approx(0.02 / 1e-2) and adamw_lr < 1e-2  # one schedule, two peaks
+
+
+def test_muon_settings_are_refused_without_muon(tmp_path, data_root):
+    with pytest.raises(train.ConfigError, match="muon_lr applies to optim=muon only"):
+        train.main(config(tmp_path, data_root, "optim.muon_lr=0.05"), tmp_path / "runs/refused")
 
 
 # --- divergence ---------------------------------------------------------------------------------------------------
@@ -306,4 +334,4 @@ def test_ddp_two_cpu_processes_end_with_identical_weights(tmp_path, data_root):
     assert last["model"].keys() == ranks[0]["model"].keys()  # no "module." prefix
     for name, weight in ranks[0]["model"].items():
         assert torch.equal(last["model"][name], weight), name
-    assert len(list(run_dir.glob("events.out.tfevents.*"))) == 2  # rank 0's writer and its hparams, nobody else's
+    assert len(list(run_dir.glob("events.out.tfevents.*"))) == 1  # rank 0's, hparams included; nobody else's

@@ -9,7 +9,7 @@ A checkpoint is a plain dict of tensors, numbers, strings, lists and dicts, so i
     vocab             the character vocabulary, as one string in id order
     model             the model's state_dict (no `_orig_mod.` or `module.` prefix)
 
-and a training checkpoint adds `training`: optimizer, scheduler, step, best_val_loss, rng and config.
+and a training checkpoint adds `training`: optimizers, schedulers (one per optimiser), step, best_val_loss, rng and config.
 """
 
 import dataclasses
@@ -27,7 +27,7 @@ from .files import write_atomically
 
 FORMAT = "kvgpt-checkpoint"
 VERSION = 2  # bump when the layout changes; older files then get a clear error instead of a wrong model
-TRAINING_KEYS = ("optimizer", "scheduler", "step", "best_val_loss", "rng", "config")
+TRAINING_KEYS = ("optimizers", "schedulers", "step", "best_val_loss", "rng", "config")
 
 
 class CheckpointError(Exception):

@@ -5,6 +5,7 @@ conf/ holds the named choices (model shapes, optimisers, presets); the defaults 
 config into checked objects before any work is done.
 """
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -15,7 +16,7 @@ from omegaconf.errors import OmegaConfBaseException
 from data import SHA256, SOURCE_URL
 from model import GPTConfig
 
-OPTIMIZERS = ("adamw",)
+OPTIMIZERS = ("adamw", "muon")
 MAX_SEED = 2**32 - 1  # numpy's and CUDA's generators take 32-bit seeds
 
 
@@ -42,14 +43,18 @@ class DataConfig:
 class OptimConfig:
     """A linear warm-up to lr, then a cosine decay to min_lr at train.max_iters."""
 
-    name: str = "adamw"  # the conf/optim choice: adamw on every parameter
-    lr: float = 1e-3
+    name: str = "adamw"  # the conf/optim choice: adamw, or muon for the blocks' matrices and adamw for the rest
+    lr: float = 1e-3  # AdamW's peak
+
     min_lr: float = 1e-4
     warmup_iters: int = 100
     beta1: float = 0.9
     beta2: float = 0.99  # not the usual 0.999, as in nanoGPT's shakespeare-char recipe
     weight_decay: float = 0.1  # on matrices and embeddings only, never on biases and LayerNorm gains
     grad_clip: float = 1.0  # largest global gradient norm; inf turns clipping off (the norm is still logged)
+    muon_lr: float = 0.02  # Muon's peak (optim=muon only), decayed like lr
+    muon_momentum: float = 0.95
+    muon_weight_decay: float = 0.0
 
     def __post_init__(self):
         _require(self, lambda v: v in OPTIMIZERS, f"one of {', '.join(OPTIMIZERS)}", "name")
@@ -59,6 +64,13 @@ class OptimConfig:
         _require(self, lambda v: 0 <= v < 1, "in [0, 1)", "beta1", "beta2")
         _require(self, lambda v: 0 <= v < math.inf, "a non-negative number", "weight_decay")
         _require(self, lambda v: v > 0, "a positive number (inf: no clipping)", "grad_clip")
+        _require(self, lambda v: 0 < v < math.inf, "a positive number", "muon_lr")
+        _require(self, lambda v: 0 <= v < 1, "in [0, 1)", "muon_momentum")
+        _require(self, lambda v: 0 <= v < math.inf, "a non-negative number", "muon_weight_decay")
+        if self.name != "muon":
+            for f in dataclasses.fields(self):
+                if f.name.startswith("muon_") and getattr(self, f.name) != f.default:
+                    raise ValueError(f"{f.name} applies to optim=muon only; drop it or add optim=muon")
 
 
 @dataclass

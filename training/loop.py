@@ -6,6 +6,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
+from tensorboard.plugins.hparams.api_pb2 import STATUS_FAILURE, STATUS_SUCCESS
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
@@ -16,7 +17,7 @@ from .checkpoint import build_checkpoint, save_checkpoint
 from .config import Settings
 from .distributed import gather
 from .evaluation import evaluate
-from .optim import make_optimizer, make_scheduler
+from .optim import make_optimizers, make_scheduler
 from .rng import restore_rng, rng_state
 from .signals import StopSignals
 from .summaries import Summaries
@@ -46,8 +47,8 @@ class Trainer:
         self.vocab = data.vocab
         self.prompt = torch.tensor([self.vocab.encode(tc.sample_prompt)], device=device)
         self.batches = Batches(data.train, model.config.block_size, tc.batch_size, device, seed=tc.seed + rank)
-        self.optimizer = make_optimizer(model, settings.optim, fused=device.type == "cuda")
-        self.scheduler = make_scheduler(self.optimizer, settings.optim, tc.max_iters)
+        self.optimizers = make_optimizers(model, settings.optim, fused=device.type == "cuda")
+        self.schedulers = [make_scheduler(o, settings.optim, tc.max_iters) for o in self.optimizers]
         self.step, self.best_val_loss, self.last_val_loss = 0, math.inf, None  # step: optimiser steps taken
         if resumed is not None:
             self.restore(resumed)
@@ -56,14 +57,16 @@ class Trainer:
             if world_size > 1 else compiled
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
         self.tokens_per_step = tc.batch_size * model.config.block_size * tc.grad_accum_steps * world_size
-        self.pending = []  # (loss, grad norm, lr) of the steps since the last log; tensors, read back in one sync
+        self.pending = []  # (loss, grad norm, lr, wall time) of the steps since the last log; read back in one sync
         self.summaries = summaries
 
     def restore(self, resumed: dict) -> None:
         self.raw_model.load_state_dict(resumed["model"])
         state = resumed["training"]
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        for optimizer, optimizer_state in zip(self.optimizers, state["optimizers"], strict=True):
+            optimizer.load_state_dict(optimizer_state)
+        for scheduler, scheduler_state in zip(self.schedulers, state["schedulers"], strict=True):
+            scheduler.load_state_dict(scheduler_state)
         self.step, self.best_val_loss = state["step"], state["best_val_loss"]
         if not restore_rng(state["rng"], self.batches, self.rank, self.world_size, self.device) and self.is_master:
             print(f"resuming {len(state['rng'])} process(es) as {self.world_size}: batches and dropout draw "
@@ -75,8 +78,12 @@ class Trainer:
         bar = tqdm(total=tc.max_iters, initial=self.step, unit="step", dynamic_ncols=True,
                    disable=None if self.is_master else True)  # None: no bar when stderr is not a terminal
         self.timer = time.perf_counter()
+        if self.is_master:
+            self.summaries.start_session(self.config, self.device.type)
         try:
             with StopSignals() as stop:
+                if self.step == 0:  # the untrained model: every curve starts at about ln(vocabulary size)
+                    self.evaluate_and_save()
                 while self.step < tc.max_iters:
                     if stop.agreed(self.step, tc.log_interval, self.device):
                         self.stop(stop.signal_name)
@@ -88,7 +95,7 @@ class Trainer:
                     if evaluating:
                         self.evaluate_and_save()
             if self.is_master:
-                self.summaries.hparams(self.config, self.last_val_loss)
+                self.summaries.end_session(STATUS_SUCCESS)
         finally:
             bar.close()
         return self.last_val_loss
@@ -96,7 +103,7 @@ class Trainer:
     def train_step(self) -> None:
         """One optimiser step over grad_accum_steps micro-batches; its values stay on the device until logged."""
         tc = self.tc
-        lr = self.scheduler.get_last_lr()[0]
+        lr = self.schedulers[0].get_last_lr()[0]  # AdamW's, which every optimiser's schedule follows
         loss_sum = torch.zeros((), device=self.device)
         for micro_step in range(tc.grad_accum_steps):
             x, y = self.batches.next()
@@ -108,10 +115,11 @@ class Trainer:
                 (loss / tc.grad_accum_steps).backward()
             loss_sum += loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), self.settings.optim.grad_clip)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.pending.append((loss_sum / tc.grad_accum_steps, grad_norm, lr))
+        for optimizer, scheduler in zip(self.optimizers, self.schedulers):
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+        self.pending.append((loss_sum / tc.grad_accum_steps, grad_norm, lr, time.time()))
         self.step += 1
 
     def log_pending(self, bar=None) -> None:
@@ -121,13 +129,14 @@ class Trainer:
         losses = torch.stack([p[0] for p in self.pending]).tolist()
         norms = torch.stack([p[1] for p in self.pending]).tolist()
         lrs = [p[2] for p in self.pending]
+        walltimes = [p[3] for p in self.pending]
         first = self.step - len(self.pending)
         for i, (loss, norm) in enumerate(zip(losses, norms)):
             if not (math.isfinite(loss) and math.isfinite(norm)):
                 raise self.diverged(f"non-finite training loss {loss} (gradient norm {norm}) at step {first + i}")
         tokens_per_sec = self.tokens_per_step * len(losses) / (time.perf_counter() - self.timer)
         if self.is_master:
-            self.summaries.train_steps(first, losses, norms, lrs, tokens_per_sec)
+            self.summaries.train_steps(first, losses, norms, lrs, walltimes, tokens_per_sec)
             if bar is not None:
                 bar.set_postfix(loss=f"{sum(losses) / len(losses):.4f}", lr=f"{lrs[-1]:.2e}",
                                 tok_s=f"{tokens_per_sec:,.0f}", refresh=False)
@@ -140,20 +149,22 @@ class Trainer:
         if not all(math.isfinite(v) for v in losses.values()):
             raise self.diverged(f"non-finite evaluation loss {losses} at step {self.step}")
         self.last_val_loss = losses["val"]
-        improved = self.last_val_loss < self.best_val_loss
+        improved = self.last_val_loss < self.best_val_loss and self.step > 0  # the untrained weights are not kept
         self.best_val_loss = min(self.best_val_loss, self.last_val_loss)
-        self.save("last.pt", *(["best.pt"] if improved else []))
+        if self.step > 0:
+            self.save("last.pt", *(["best.pt"] if improved else []))
         if self.is_master:
-            self.summaries.evaluation(self.step, losses)
+            self.summaries.evaluation(self.step, losses, self.best_val_loss)
             self.summaries.sample_and_attention(self.raw_model, self.vocab, self.prompt, tc.sample_tokens,
                                                 tc.seed, self.step)
             tqdm.write(f"step {self.step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
-                       f"{' (best)' if improved else ''}, lr {self.scheduler.get_last_lr()[0]:.2e}")
+                       f"{' (best)' if improved else ''}, lr {self.schedulers[0].get_last_lr()[0]:.2e}")
         self.timer = time.perf_counter()  # tokens/s counts training only
 
     def save(self, *names: str) -> None:
         """Write the checkpoint to each of names in the run directory (rank 0; every process takes part)."""
-        training = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+        training = {"optimizers": [o.state_dict() for o in self.optimizers],
+                    "schedulers": [s.state_dict() for s in self.schedulers],
                     "step": self.step, "best_val_loss": self.best_val_loss,
                     # every process's generators, so that a resumed DDP run draws what this one would
                     "rng": gather(rng_state(self.batches, self.device), self.world_size),
@@ -165,14 +176,14 @@ class Trainer:
 
     def stop(self, signal_name: str):
         self.log_pending()
-        self.save("last.pt")
-        if self.is_master:
-            self.summaries.hparams(self.config, self.last_val_loss)
+        self.save("last.pt")  # its HParams status stays unknown: it can go on
         raise Stopped(f"stopped by {signal_name} at step {self.step}: saved {self.run_dir / 'last.pt'}; "
                       f"continue with the same command plus train.resume={self.run_dir}")
 
     def diverged(self, what: str) -> Diverged:
         last = self.run_dir / "last.pt"
         kept = f"the last good checkpoint is {last}" if last.exists() else "no checkpoint was saved"
+        if self.is_master:
+            self.summaries.end_session(STATUS_FAILURE)
         return Diverged(f"{what}; stopped, {kept}")
 

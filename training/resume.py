@@ -8,7 +8,7 @@ from model import GPT, GPTConfig
 
 from .checkpoint import TRAINING_KEYS, CheckpointError, load_checkpoint
 from .config import ConfigError, OptimConfig, flatten
-from .optim import make_optimizer, make_scheduler
+from .optim import make_optimizers, make_scheduler
 
 # Settings a resumed run must share with the run it continues: the model, the optimiser, the schedule and
 # the data it trains and evaluates on (where the data is kept may differ).
@@ -49,14 +49,17 @@ def check_restorable(contents: dict, optim: OptimConfig, max_iters: int) -> None
     state = contents["training"]
     model = GPT(GPTConfig(**contents["model_config"]))
     model.load_state_dict(contents["model"])  # strict: every tensor present, of its shape
-    optimizer = make_optimizer(model, optim, fused=False)
-    optimizer.load_state_dict(state["optimizer"])
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            for name, value in optimizer.state.get(param, {}).items():
-                if name != "step" and (not isinstance(value, torch.Tensor) or value.shape != param.shape):
-                    raise ValueError(f"the optimizer's {name} does not fit a weight of shape {tuple(param.shape)}")
-    make_scheduler(optimizer, optim, max_iters).load_state_dict(state["scheduler"])
+    optimizers = make_optimizers(model, optim, fused=False)
+    for optimizer, optimizer_state, scheduler_state in zip(optimizers, state["optimizers"], state["schedulers"],
+                                                            strict=True):
+        optimizer.load_state_dict(optimizer_state)
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                for name, value in optimizer.state.get(param, {}).items():
+                    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
+                        raise ValueError(f"the optimizer's {name} does not fit a weight of shape "
+                                         f"{tuple(param.shape)}")
+        make_scheduler(optimizer, optim, max_iters).load_state_dict(scheduler_state)
     best = state["best_val_loss"]
     if not (isinstance(best, float) and not math.isnan(best)):
         raise TypeError(f"best_val_loss is {best!r}, not a number")

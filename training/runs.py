@@ -1,4 +1,6 @@
-"""Run directories: a new one for every run, the newest run's checkpoint, and the `latest` link that points at it."""
+"""Run directories: a new one for every run, and the newest run's checkpoint.
+
+There is no `latest` link: inside runs/ TensorBoard would read it as a second copy of the run it points at."""
 
 import os
 import time
@@ -42,15 +44,3 @@ def find_latest_checkpoint(runs_dir="runs", name: str = "best.pt") -> Path:
                               f"run `python train.py` first, or pass --checkpoint")
     return max(found, key=lambda p: p.stat().st_mtime_ns)
 
-
-def link_latest(run_dir: Path, runs_dir: Path) -> None:
-    """Point runs_dir/latest at run_dir, for tensorboard and for people; best-effort."""
-    link = runs_dir / "latest"
-    tmp = runs_dir / f".latest.{os.getpid()}"
-    try:
-        runs_dir.mkdir(parents=True, exist_ok=True)
-        tmp.unlink(missing_ok=True)
-        tmp.symlink_to(os.path.relpath(run_dir.resolve(), runs_dir.resolve()), target_is_directory=True)
-        os.replace(tmp, link)  # atomic: readers see the old link or the new one
-    except OSError:  # e.g. no symlinks on this file system; sample.py finds the newest best.pt without it
-        tmp.unlink(missing_ok=True)

@@ -1,20 +1,62 @@
-"""What a run shows in TensorBoard: losses, learning rate, throughput, samples, attention maps, hparams."""
+"""What a run shows in TensorBoard: losses, learning rate, throughput, samples, attention maps, hparams.
 
+The tags are named for TensorBoard's layout. The Time Series dashboard sorts tag groups (the part of a tag
+before its first "/") by name and opens only the first two, so `loss` sorts first and `optim` second; the
+attention images (under `sample`) sort after them. Custom Scalars draws the train and val losses on one chart, which no
+other dashboard can. Everything goes to the run's one event file, so that TensorBoard shows one run per run.
+"""
+
+import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+from google.protobuf.struct_pb2 import Value
+from tensorboard.compat.proto.summary_pb2 import Summary
+from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2
+from tensorboard.plugins.image import metadata as image_metadata
+from tensorboard.util.tensor_util import make_tensor_proto
 from torch.utils.tensorboard import SummaryWriter
+from torch.utils.tensorboard.summary import image
 
 from data import CharVocab
 from model import GPT, Sampling, generate
 
-from .config import flatten
+from .config import OPTIMIZERS
+
+DEVICE_TYPES = ("cpu", "cuda", "mps")
+# The HParams table's columns, in this order; it shows the first five at first (the shape and the
+# learning rate) and offers the others. TensorBoard orders columns by name, hence the numbered names.
+HPARAMS = ("model.n_layer", "model.n_head", "model.n_embd", "model.block_size", "optim.lr", "model.dropout",
+           "model.bias", "optim.name", "optim.min_lr", "optim.weight_decay", "train.batch_size",
+           "train.grad_accum_steps", "train.max_iters", "train.seed", "device")
+CHOICES = {"optim.name": OPTIMIZERS, "device": DEVICE_TYPES}  # the string hparams' every possible value
+METRICS = (("loss/val_best", "val loss (best)"), ("loss/val", "val loss (last)"))
+ATTENTION = ("Attention of layer {layer}, head {head} on the last {size} characters of train.sample_prompt. "
+             "Row i is the query at position i, column j the key at position j; the upper triangle is black "
+             "because a query never sees later keys. Each row is scaled to its own maximum, so white marks "
+             "each query's strongest key, not an absolute weight.")
 
 
 def as_code(text: str) -> str:
     """Text as a Markdown code block, which is how TensorBoard shows it verbatim."""
     return "\n".join("    " + line for line in text.splitlines())
+
+
+def hparam_name(key: str) -> str:
+    """"optim.lr" -> "05 optim.lr": TensorBoard sorts the columns by this name and shows the key."""
+    return f"{HPARAMS.index(key) + 1:02d} {key}"
+
+
+def hparams_summary(tag: str, data: plugin_data_pb2.HParamsPluginData) -> Summary:
+    return Summary(value=[Summary.Value(tag=tag, metadata=metadata.create_summary_metadata(data))])
+
+
+def described_image(tag: str, pixels: torch.Tensor, description: str) -> Summary:
+    """A grey-scale image (H, W) in [0, 1] with a description, which TensorBoard shows beside it."""
+    png = image(tag, pixels, dataformats="HW").value[0].image  # torch's add_image takes no description
+    return Summary(value=[Summary.Value(
+        tag=tag, metadata=image_metadata.create_summary_metadata(tag, description),
+        tensor=make_tensor_proto([str(png.width).encode(), str(png.height).encode(), png.encoded_image_string]))])
 
 
 class Summaries:
@@ -23,39 +65,78 @@ class Summaries:
     def __init__(self, run_dir: Path, config_yaml: str):
         self.writer = SummaryWriter(str(run_dir))
         self.writer.add_text("config", as_code(config_yaml))
+        self.writer.add_custom_scalars({"loss": {
+            "train and val loss": ["Multiline", ["^loss/(train|train_eval|val)$"]],
+            "learning rate": ["Multiline", ["^optim/lr$"]]}})
 
-    def train_steps(self, first_step: int, losses: list, grad_norms: list, lrs: list, tokens_per_sec: float):
-        for i, (loss, norm, lr) in enumerate(zip(losses, grad_norms, lrs)):
-            self.writer.add_scalar("train/loss", loss, first_step + i)
-            self.writer.add_scalar("train/grad_norm", norm, first_step + i)
-            self.writer.add_scalar("train/lr", lr, first_step + i)
-        self.writer.add_scalar("perf/tokens_per_sec", tokens_per_sec, first_step + len(losses))
+    def train_steps(self, first_step: int, losses: list, grad_norms: list, lrs: list, walltimes: list,
+                    tokens_per_sec: float):
+        """Each step's values at the time that step finished."""
+        for i, (loss, norm, lr, walltime) in enumerate(zip(losses, grad_norms, lrs, walltimes)):
+            self.writer.add_scalar("loss/train", loss, first_step + i, walltime)
+            self.writer.add_scalar("optim/grad_norm", norm, first_step + i, walltime)
+            self.writer.add_scalar("optim/lr", lr, first_step + i, walltime)
+        self.writer.add_scalar("perf/tokens_per_sec", tokens_per_sec, first_step + len(losses), walltimes[-1])
 
-    def evaluation(self, step: int, losses: dict[str, float]):
-        self.writer.add_scalar("val/loss", losses["val"], step)
-        self.writer.add_scalar("train/eval_loss", losses["train"], step)
+    def evaluation(self, step: int, losses: dict[str, float], best_val_loss: float):
+        self.writer.add_scalar("loss/val", losses["val"], step)
+        self.writer.add_scalar("loss/train_eval", losses["train"], step)  # the same batches at every evaluation
+        self.writer.add_scalar("loss/val_best", best_val_loss, step)
 
     @torch.no_grad()
     def sample_and_attention(self, model: GPT, vocab: CharVocab, prompt: torch.Tensor, n_tokens: int, seed: int,
                              step: int):
-        """A sample continuing the prompt (KV-cache generation, fixed seed) and each layer's attention on it."""
+        """A sample continuing the prompt (KV-cache generation, fixed seed) and each head's attention on it."""
         model.eval()
         generator = torch.Generator(prompt.device).manual_seed(seed)  # leaves the training RNG untouched
         ids = generate(model, prompt, n_tokens, sampling=Sampling(), generator=generator)
         self.writer.add_text("sample", as_code(vocab.decode(ids[0].tolist())), step)
         context = prompt[:, -model.config.block_size:]
         for layer, weights in enumerate(model.attention_weights(context)):  # (1, n_head, T, T)
-            # each query's strongest key white; the heads side by side with a white line between them
-            heads = weights[0] / weights[0].amax(dim=-1, keepdim=True)
-            image = torch.cat([F.pad(head, (0, 1), value=1.0) for head in heads], dim=1)
-            self.writer.add_image(f"attention/layer_{layer}", image.float().cpu(), step, dataformats="HW")
+            rows = weights[0] / weights[0].amax(dim=-1, keepdim=True)  # each query's strongest key 1
+            for head, heatmap in enumerate(rows.float().cpu()):  # (T, T): queries down, keys across
+                tag = f"sample/attention/layer{layer}/head{head}"
+                description = ATTENTION.format(layer=layer, head=head, size=context.shape[1])
+                self.writer.file_writer.add_summary(described_image(tag, heatmap, description), step)
         model.train()
 
-    def hparams(self, config: dict, val_loss: float | None):
-        if val_loss is None:  # stopped before the first evaluation: no result to show
-            return
-        hparams = {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in flatten(config).items()}
-        self.writer.add_hparams(hparams, {"hparam/val_loss": val_loss}, run_name=".")  # ".": the run's own directory
+    def start_session(self, config: dict, device_type: str):
+        """The HParams dashboard's row for this run: its settings now, its metrics read from loss/val_best
+        and loss/val as they are logged."""
+        flat = {"device": device_type, **{f"{section}.{key}": value for section in ("model", "optim", "train")
+                                          for key, value in config[section].items()}}
+        infos, values = [], {}
+        for key in HPARAMS:
+            name, value = hparam_name(key), flat[key]
+            info = api_pb2.HParamInfo(name=name, display_name=key)
+            if isinstance(value, bool):
+                info.type = api_pb2.DATA_TYPE_BOOL
+                info.domain_discrete.extend([False, True])
+                values[name] = Value(bool_value=value)
+            elif isinstance(value, str):
+                info.type = api_pb2.DATA_TYPE_STRING
+                info.domain_discrete.extend(CHOICES[key])
+                values[name] = Value(string_value=value)
+            else:  # no interval: any run's value passes the dashboard's filter
+                info.type = api_pb2.DATA_TYPE_FLOAT64
+                values[name] = Value(number_value=value)
+            infos.append(info)
+        metrics = [api_pb2.MetricInfo(name=api_pb2.MetricName(tag=tag), display_name=shown)
+                   for tag, shown in METRICS]
+        experiment = api_pb2.Experiment(hparam_infos=infos, metric_infos=metrics)
+        start = plugin_data_pb2.SessionStartInfo(start_time_secs=time.time())
+        for name, value in values.items():
+            start.hparams[name].CopyFrom(value)
+        for tag, data in ((metadata.EXPERIMENT_TAG, plugin_data_pb2.HParamsPluginData(experiment=experiment)),
+                          (metadata.SESSION_START_INFO_TAG,
+                           plugin_data_pb2.HParamsPluginData(session_start_info=start))):
+            self.writer.file_writer.add_summary(hparams_summary(tag, data))
+
+    def end_session(self, status: int):
+        """status: api_pb2.STATUS_SUCCESS or STATUS_FAILURE (diverged)."""
+        end = plugin_data_pb2.SessionEndInfo(status=status, end_time_secs=time.time())
+        self.writer.file_writer.add_summary(
+            hparams_summary(metadata.SESSION_END_INFO_TAG, plugin_data_pb2.HParamsPluginData(session_end_info=end)))
 
     def close(self):
         self.writer.close()

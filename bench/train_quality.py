@@ -1,0 +1,82 @@
+"""Quality per minute of training: train.py runs side by side, as a user runs them, in one go.
+
+    python bench/train_quality.py                          # the cpu preset against the AdamW-only recipe
+    python bench/train_quality.py --seeds 1337 1 2         # the preset over three seeds
+    python bench/train_quality.py --candidate wide "model.n_embd=192"   # any train.py overrides
+
+Each candidate is the real command (`python train.py preset=cpu <overrides>`) in a subprocess, timed by the
+wall clock from its start, start-up and data preparation included. The val curve is read back from the run's
+TensorBoard events: the table gives the best and final val loss, the final train loss, the wall time, and
+the seconds until val loss first reached --target (an evaluation at or below it; every run evaluates every
+--eval-interval steps, so that the crossing is seen the same way in each).
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from bench.curve import read_curve  # noqa: E402
+
+# The cpu preset as it was before Muon: AdamW on every parameter, 900 steps (README: val 1.699 in 3 min 40 s).
+ADAMW_RECIPE = ["optim=adamw", "optim.lr=1e-2", "optim.min_lr=1e-3", "optim.warmup_iters=30", "train.max_iters=900",
+                "model.dropout=0.0", "train.batch_size=32", "model.block_size=128", "model.n_layer=4",
+                "model.n_head=4", "model.n_embd=128"]
+CANDIDATES = {"cpu preset": [], "AdamW recipe": ADAMW_RECIPE}
+
+
+def run(name: str, overrides: list[str], seed: int, eval_interval: int | None, workdir: Path) -> dict:
+    run_dir = workdir / f"{name.replace(' ', '_')}-{seed}"
+    command = [sys.executable, str(REPO / "train.py"), "preset=cpu", *overrides, f"train.seed={seed}",
+               f"hydra.run.dir={run_dir}", *([f"train.eval_interval={eval_interval}"] if eval_interval else [])]
+    start = time.time()
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    seconds = time.time() - start
+    if result.returncode != 0:
+        raise SystemExit(f"train_quality.py: {name} failed: {result.stderr.strip().splitlines()[-1]}")
+    curve = read_curve(run_dir)
+    return {"name": name, "seed": seed, "seconds": seconds, "curve": curve, "start": start}
+
+
+def seconds_to(target: float, outcome: dict) -> float | None:
+    return next((row["wall_time"] - outcome["start"] for row in outcome["curve"] if row["val"] <= target), None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--candidate", nargs="+", action="append", metavar=("NAME", "OVERRIDE"),
+                        help="a name and train.py overrides (repeatable); default: the cpu preset and the AdamW recipe")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1337])
+    parser.add_argument("--target", type=float, default=1.70)
+    parser.add_argument("--eval-interval", type=int, help="override every candidate's train.eval_interval")
+    args = parser.parse_args()
+    candidates = {c[0]: c[1:] for c in args.candidate} if args.candidate else CANDIDATES
+
+    print(f"# train.py quality: {os.cpu_count()} cores, seeds {args.seeds}, time to val loss {args.target}")
+    print("| candidate | seed | steps | wall s | best val | final val | final train | "
+          f"s to val {args.target} |")
+    print("|---|---|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in args.seeds:
+            outcomes = []
+            for name, overrides in candidates.items():
+                outcome = run(name, overrides, seed, args.eval_interval, Path(tmp))
+                outcomes.append(outcome)
+                last = outcome["curve"][-1]
+                reached = seconds_to(args.target, outcome)
+                print(f"| {name} | {seed} | {last['step']} | {outcome['seconds']:.0f} | "
+                      f"{min(r['val'] for r in outcome['curve']):.4f} | {last['val']:.4f} | {last['train']:.4f} | "
+                      f"{'-' if reached is None else f'{reached:.0f}'} |", flush=True)
+            times = [seconds_to(args.target, o) for o in outcomes]
+            if len(outcomes) == 2 and None not in times:
+                print(f"\nseed {seed}: {outcomes[0]['name']} reaches val {args.target} in "
+                      f"{times[0] / times[1]:.2f}x the time of {outcomes[1]['name']}\n", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""What a person sees in TensorBoard, read from TensorBoard's own server over its HTTP data API: two tiny
+trainings in one log directory, one of them placed as a multirun job."""
+
+import json
+import math
+import re
+import socket
+import struct
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+import train
+from test_train import config
+
+RUNS = {"2026-01-01_00-00-00": "optim.lr=1e-2", "multirun/2026-01-01_00-01-00/0": "optim.lr=5e-3"}
+STEPS = 10  # evaluated at 0, 5 and 10
+SCALARS = {"loss/train", "loss/train_eval", "loss/val", "loss/val_best", "optim/grad_norm", "optim/lr",
+           "perf/tokens_per_sec"}
+ATTENTION = {f"sample/attention/layer{layer}/head{head}" for layer in range(2) for head in range(2)}
+HPARAMS = ["model.n_layer", "model.n_head", "model.n_embd", "model.block_size", "optim.lr", "model.dropout",
+           "model.bias", "optim.name", "optim.min_lr", "optim.weight_decay", "train.batch_size",
+           "train.grad_accum_steps", "train.max_iters", "train.seed", "device"]
+
+
+class Server:
+    """`tensorboard --logdir` on a free loopback port, as a subprocess."""
+
+    def __init__(self, logdir: Path):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.url = f"http://127.0.0.1:{s.getsockname()[1]}"
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--host", "127.0.0.1",
+             "--port", self.url.rsplit(":", 1)[1], "--reload_interval", "1"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def get(self, path: str, **query):
+        url = f"{self.url}/data/{path}" + (f"?{urllib.parse.urlencode(query)}" if query else "")
+        with urllib.request.urlopen(url, timeout=10) as response:
+            body = response.read()
+        return body if query.get("blob_key") else json.loads(body)
+
+    def post(self, path: str, request: dict):
+        post = urllib.request.Request(f"{self.url}/data/{path}", data=json.dumps(request).encode(),
+                                      headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(post, timeout=10) as response:
+            return json.loads(response.read())
+
+    def wait_until_loaded(self, runs: int, timeout: float = 60):
+        """Until every run's last evaluation has been read (the server loads event files in the background)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise AssertionError(f"tensorboard exited: {self.process.stderr.read()}")
+            try:
+                tags = self.get("plugin/scalars/tags")
+                if len(tags) >= runs and all(
+                        any(step == STEPS for _, step, _ in self.get("plugin/scalars/scalars", run=run, tag="loss/val"))
+                        for run in tags if "loss/val" in tags[run]):
+                    return
+            except OSError:  # not listening yet
+                pass
+            time.sleep(0.5)
+        raise AssertionError(f"tensorboard did not load {runs} runs in {timeout} s")
+
+    def stop(self):
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.process.stderr.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("tensorboard")
+    logdir = tmp_path / "runs"
+    for name, override in RUNS.items():
+        train.main(config(tmp_path, tmp_path / "data", f"train.max_iters={STEPS}", "train.eval_interval=5",
+                          override), logdir / name)
+    server = Server(logdir)
+    try:
+        server.wait_until_loaded(len(RUNS))
+        yield server
+    finally:
+        server.stop()
+
+
+def test_one_run_per_training_run(server):
+    assert sorted(server.get("runs")) == sorted(RUNS)
+
+
+def test_loss_group_opens_first_and_every_loss_starts_at_step_0(server):
+    tags = server.get("plugin/scalars/tags")
+    images = server.get("plugin/images/tags")
+    for run in RUNS:
+        assert set(tags[run]) == SCALARS  # nothing else, e.g. no lone hparams metric
+        # Time Series sorts the tags by name, groups them by their first part, and opens the first two groups
+        groups = list(dict.fromkeys(tag.split("/")[0] for tag in sorted({*tags[run], *images[run]})))
+        assert groups[:2] == ["loss", "optim"]
+        for tag in ("loss/train", "loss/val", "loss/train_eval"):
+            points = server.get("plugin/scalars/scalars", run=run, tag=tag)
+            assert points[0][1] == 0 and points[0][2] == pytest.approx(math.log(65), abs=0.15), tag
+
+
+def test_each_step_has_its_own_wall_time(server):
+    points = server.get("plugin/scalars/scalars", run="2026-01-01_00-00-00", tag="loss/train")
+    assert [step for _, step, _ in points] == list(range(STEPS))
+    walltimes = [walltime for walltime, _, _ in points]
+    # a step takes milliseconds; steps logged together (every 5) at the time of logging would lie microseconds apart
+    assert min(b - a for a, b in zip(walltimes, walltimes[1:])) > 5e-4, walltimes
+
+
+def test_train_and_val_loss_share_a_custom_scalars_chart(server):
+    charts = [chart for category in server.get("plugin/custom_scalars/layout")["category"]
+              for chart in category["chart"]]
+    shared = [chart for chart in charts
+              if all(any(re.search(pattern, tag) for pattern in chart.get("multiline", {}).get("tag", []))
+                     for tag in ("loss/train", "loss/val"))]
+    assert shared, charts
+
+
+def test_hparams_columns_and_metrics(server):
+    experiment = server.post("plugin/hparams/experiment", {"experimentName": ""})
+    assert [info["displayName"] for info in experiment["hparamInfos"]] == HPARAMS  # shown in this order
+    types = {info["displayName"]: info["type"] for info in experiment["hparamInfos"]}
+    assert types["model.bias"] == "DATA_TYPE_BOOL" and types["device"] == "DATA_TYPE_STRING"
+    assert types["optim.lr"] == "DATA_TYPE_FLOAT64"
+    assert [(m["name"]["tag"], m["displayName"]) for m in experiment["metricInfos"]] == \
+           [("loss/val_best", "val loss (best)"), ("loss/val", "val loss (last)")]
+
+    names = {info["displayName"]: info["name"] for info in experiment["hparamInfos"]}
+    groups = server.post("plugin/hparams/session_groups", {
+        "experimentName": "", "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE",
+                                                  "STATUS_RUNNING"],
+        "colParams": [{"hparam": info["name"]} for info in experiment["hparamInfos"]] +
+                     [{"metric": m["name"]} for m in experiment["metricInfos"]],
+        "aggregationType": "AGGREGATION_AVG", "startIndex": 0, "sliceSize": 10})["sessionGroups"]
+    assert len(groups) == len(RUNS)
+    for group in groups:
+        (session,) = group["sessions"]
+        hparams = group["hparams"]
+        assert session["status"] == "STATUS_SUCCESS"
+        assert hparams[names["model.bias"]] is False and hparams[names["device"]] == "cpu"  # typed; the device used
+        assert hparams[names["model.n_layer"]] == 2 and hparams[names["train.max_iters"]] == STEPS
+        val = [value for _, _, value in server.get("plugin/scalars/scalars", run=session["name"], tag="loss/val")]
+        metrics = {m["name"]["tag"]: m["value"] for m in session["metricValues"]}
+        assert metrics == {"loss/val_best": pytest.approx(min(val)), "loss/val": pytest.approx(val[-1])}
+    assert sorted(g["hparams"][names["optim.lr"]] for g in groups) == [5e-3, 1e-2]
+
+
+def test_attention_images_one_per_head_with_their_layout_explained(server):
+    images = server.get("plugin/images/tags")
+    for run in RUNS:
+        assert set(images[run]) == ATTENTION
+        for tag in ATTENTION:
+            assert "Row i is the query" in images[run][tag]["description"]
+    (layer0head1,) = [tag for tag in ATTENTION if tag.endswith("layer0/head1")]
+    shown = server.get("plugin/images/images", run="2026-01-01_00-00-00", tag=layer0head1, sample=0)
+    assert [image["step"] for image in shown] == [0, 5, 10]
+    png = server.get("plugin/images/individualImage", blob_key=shown[-1]["query"].split("blob_key=")[1])
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", png[16:24]) == (16, 16)  # block_size square
