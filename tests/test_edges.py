@@ -85,9 +85,11 @@ def test_runs_started_at_once_each_write_their_own_directory(tmp_path, data_root
         process.stderr.close()
     run_dirs = sorted(set((tmp_path / "runs").iterdir()) - before)
     assert len(run_dirs) == 3
+    writers = []  # the pids in each directory's events file names: events.out.tfevents.<time>.<host>.<pid>.<n>
     for run_dir in run_dirs:
         assert (run_dir / "last.pt").is_file() and (run_dir / ".hydra/config.yaml").is_file()
-        assert len(list(run_dir.glob("events.out.tfevents.*"))) == 2  # its own writer and hparams, nobody else's
+        writers.append({p.name.split(".")[-2] for p in run_dir.glob("events.out.tfevents.*")})
+    assert all(len(pids) == 1 for pids in writers) and len(set.union(*writers)) == 3  # one run each
 
 
 def test_a_refused_run_changes_nothing_in_the_directory_it_names(tmp_path):
