@@ -8,10 +8,12 @@
 
 Text streams to the terminal as it is generated; piped or redirected, each sample is written whole at
 the end. A one-line summary (tokens, seconds, tokens/s, cache size) goes to stderr. Every mistake in
-the command line or its inputs is reported as one line on stderr with exit status 2.
+the command line or its inputs is reported as one line on stderr with exit status 2, as is an output that
+cannot be written (a full disk); a reader that stops early (`| head`) ends sampling quietly.
 """
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -19,13 +21,15 @@ from pathlib import Path
 import torch
 
 from data import CharVocab, UnknownCharacterError
-from model import Sampling, generate_tokens
+from model import KVCache, Sampling, generate_tokens
 from model.quantize import PRECISIONS
 from training.checkpoint import CheckpointError, load_model, resolve_checkpoint
 from training.devices import choose_device
 from training.runs import find_latest_checkpoint
 
 SAMPLE_SEPARATOR = "---------------\n"
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
+MEMORY_SHARE = 0.5  # the largest share of the device's memory that the samples' KV cache may take
 
 
 class UsageError(Exception):
@@ -84,9 +88,28 @@ def check_args(args) -> None:
         raise UsageError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if args.num_samples < 1:
         raise UsageError(f"--num-samples must be >= 1, got {args.num_samples}")
+    if args.seed is not None and not 0 <= args.seed <= MAX_SEED:
+        raise UsageError(f"--seed must be in [0, {MAX_SEED}], got {args.seed}")
     if args.compile and args.no_kv_cache:
         raise UsageError("--compile compiles the cached one-token step, which --no-kv-cache does not use; "
                          "drop one of them")
+
+
+def check_memory(num_samples: int, model, device: torch.device) -> None:
+    """Refuse up front a batch whose KV cache alone would not fit, rather than run out of memory midway. Without
+    the cache, the forward passes hold at least as much."""
+    c = model.config
+    per_sample = KVCache(c.n_layer, 1, c.n_head, c.block_size, c.n_embd // c.n_head, dtype=model.wte.weight.dtype,
+                         device="meta").nbytes  # sizes only, nothing allocated
+    if device.type == "cuda":
+        memory = torch.cuda.mem_get_info(device)[1]
+    else:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if num_samples * per_sample > MEMORY_SHARE * memory:
+        most = max(1, int(MEMORY_SHARE * memory // per_sample))
+        raise UsageError(f"--num-samples {num_samples} needs {num_samples * per_sample / 2**30:.1f} GiB of KV cache, "
+                         f"more than {MEMORY_SHARE:.0%} of the {memory / 2**30:.1f} GiB of {device.type} memory; "
+                         f"use at most {most}")
 
 
 def read_prompt(args) -> str:
@@ -149,6 +172,9 @@ def main(argv=None) -> int:
         block_size = model.config.block_size
         if args.window is not None and not 1 <= args.window <= block_size:
             raise UsageError(f"--window must be in [1, {block_size}] (the model's block_size), got {args.window}")
+        check_memory(args.num_samples, model, device)
+        if sys.stdout is None:  # started with stdout closed (`>&-`)
+            raise UsageError("standard output is closed; send it to a file or a pipe")
     except (UsageError, CheckpointError) as e:
         parser.error(str(e))
 
@@ -171,20 +197,35 @@ def main(argv=None) -> int:
             stream_sample(steps, prompt, vocab, sys.stdout)
         else:
             samples = collect_samples(steps, prompt, vocab, args.num_samples)
+        seconds = time.perf_counter() - start
+        if not stream:
+            sys.stdout.write(SAMPLE_SEPARATOR.join(sample + "\n" for sample in samples))
+        sys.stdout.flush()
     except KeyboardInterrupt:  # Ctrl-C ends a long sample early, without a traceback
         if stream:
             print()
         return 130
-    seconds = time.perf_counter() - start
-    if not stream:
-        sys.stdout.write(SAMPLE_SEPARATOR.join(sample + "\n" for sample in samples))
-    sys.stdout.flush()
+    except BrokenPipeError:  # the reader stopped early (`| head`): nothing more is wanted
+        silence_stdout()
+        return 0
+    except OSError as e:  # a full disk, ...
+        silence_stdout()
+        print(f"{parser.prog}: error: cannot write the samples to standard output ({e.strerror or e})",
+              file=sys.stderr)
+        return 2
 
     tokens = args.num_samples * args.max_new_tokens
     cache_size = f"KV cache {cache.nbytes / 2**20:.2f} MiB" if use_cache else "no cache"
     print(f"{tokens} tokens in {seconds:.2f} s, {tokens / max(seconds, 1e-9):.1f} tokens/s, {cache_size} "
           f"({device.type}, {checkpoint_path})", file=sys.stderr)
     return 0
+
+
+def silence_stdout() -> None:
+    """Point stdout at /dev/null, so that the flush at exit does not fail a second time on what is left unwritten."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 if __name__ == "__main__":

@@ -7,13 +7,15 @@
     torchrun --standalone --nproc_per_node=2 train.py # DDP: NCCL on CUDA, gloo on CPU
     tensorboard --logdir runs
 
-A run writes everything to its directory runs/<date>_<time>/: .hydra/ (the composed config), TensorBoard
-events, last.pt (at every evaluation) and best.pt (at the best val loss so far).
-Ctrl-C or SIGTERM saves last.pt and exits cleanly.
+A run writes everything to its directory runs/<date>_<time>/ (runs started in the same second get -2, -3, ...):
+.hydra/ (the composed config), TensorBoard events, last.pt (at every evaluation) and best.pt (at the best val loss
+so far). A run that fails before its first step leaves no directory. Ctrl-C or SIGTERM saves last.pt and exits
+cleanly.
 """
 
 import dataclasses
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -26,25 +28,34 @@ from hydra.errors import HydraException, MissingConfigException, OverrideParseEx
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from data import DataError, prepare_shakespeare
+from data import Batches, DataError, prepare_shakespeare
 from model import GPT
+from training.checkpoint import CheckpointError, resolve_checkpoint
 from training.config import ConfigError, first_line, register, validate
 from training.devices import choose_device
 from training.distributed import init_distributed, is_rank_zero
+from training.files import remove_stale_temporaries
 from training.loop import Diverged, Stopped, Trainer
 from training.resume import load_resume_checkpoint
+from training.runs import claim_run_dir
 from training.summaries import Summaries
 
 register()
+OmegaConf.register_new_resolver("new_run_dir", claim_run_dir)  # conf/config.yaml's hydra.run.dir and sweep.dir
 
 
 def main(cfg: DictConfig, run_dir) -> float | None:
     """Train as `cfg` says, writing events and checkpoints to run_dir; return the last val loss."""
     run_dir = Path(run_dir)
+    earlier_events = set(run_dir.glob("events.out.tfevents.*"))
     settings = validate(cfg)
     config = OmegaConf.to_container(cfg, resolve=True)
     tc = settings.train
-    resumed = None if tc.resume is None else load_resume_checkpoint(tc.resume, config, tc.max_iters)
+    resumed = None
+    if tc.resume is not None:
+        resumed = load_resume_checkpoint(tc.resume, config, tc.max_iters, settings.optim)
+        if is_rank_zero():  # what a run killed mid-save left beside its checkpoints
+            remove_stale_temporaries(resolve_checkpoint(tc.resume, prefer="last.pt").parent)
     for name in ("last.pt", "best.pt"):
         if (run_dir / name).exists():
             raise ConfigError(f"{run_dir} already holds {name}; continue it with train.resume={run_dir}, "
@@ -59,17 +70,24 @@ def main(cfg: DictConfig, run_dir) -> float | None:
                                        val_fraction=settings.data.val_fraction)
         except DataError as e:
             raise ConfigError(str(e)) from None
+        for split in ("train", "val"):  # found now rather than at the first evaluation
+            try:
+                Batches(getattr(data, split), settings.model.block_size, batch_size=1)
+            except DataError as e:
+                raise ConfigError(f"the {split} split of {settings.data.root} is too short: {e}") from None
         if resumed is not None and resumed["vocab"] != data.vocab.chars:
             raise ConfigError(f"the checkpoint's vocabulary differs from that of {settings.data.root}; "
                               f"resume with the data it was trained on")
         model = GPT(dataclasses.replace(settings.model, vocab_size=len(data.vocab))).to(device)
         summaries = Summaries(run_dir, OmegaConf.to_yaml(config)) if rank == 0 else None
+        started = False
         try:
             try:
                 trainer = Trainer(settings, model, data, device, run_dir, config, summaries, resumed, rank,
                                   world_size)
             except DataError as e:
                 raise ConfigError(f"train.sample_prompt: {e}") from None
+            started = True
             if rank == 0:
                 print(f"training {model.num_params() / 1e6:.2f}M parameters on {device} ({world_size} "
                       f"process(es), {trainer.tokens_per_step} tokens per step) from step {trainer.step} to "
@@ -78,6 +96,9 @@ def main(cfg: DictConfig, run_dir) -> float | None:
         finally:
             if summaries is not None:
                 summaries.close()
+                if not started:  # a run that never took a step leaves no events behind
+                    for path in set(run_dir.glob("events.out.tfevents.*")) - earlier_events:
+                        path.unlink(missing_ok=True)
         if rank == 0:
             print(f"done: val loss {last_val_loss:.4f} (best {trainer.best_val_loss:.4f}); checkpoints in {run_dir}")
         return last_val_loss
@@ -98,6 +119,9 @@ def config_error_line(error: Exception) -> str:
     lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
     if isinstance(error, OverrideParseException):  # the last line links to the override grammar
         return f"cannot parse {error.override!r} ({lines[0]}); {lines[-1]}"
+    ours = "ConfigError raised while resolving interpolation: "  # a resolver's own one-line error
+    if lines[0].startswith(ours):
+        return lines[0].removeprefix(ours)
     parts = [lines[0].rstrip(".")]
     if error.__cause__ is not None:
         parts.append(first_line(error.__cause__))
@@ -112,21 +136,42 @@ def hydra_main(cfg: DictConfig) -> float | None:
     try:
         return main(cfg, run_dir)
     except ConfigError as e:
-        if {p.name for p in run_dir.iterdir()} == {".hydra"}:  # a run that never started leaves no directory
-            shutil.rmtree(run_dir)
         fail(str(e))
-    except Diverged as e:
+    except (Diverged, CheckpointError) as e:  # CheckpointError: a checkpoint could not be saved
         fail(str(e), status=1)
+    except OSError as e:  # a full disk, a closed stdout, ...: the machine failed, not the settings
+        fail(os_error_line(e), status=1)
     except Stopped as e:
         if is_rank_zero():
             print(e, file=sys.stderr)
         sys.exit(0)  # also ends a multirun: one Ctrl-C stops the whole sweep
+    finally:
+        if is_rank_zero() and run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {".hydra"}:
+            shutil.rmtree(run_dir, ignore_errors=True)  # a run that never started leaves no directory
+
+
+def os_error_line(error: OSError) -> str:
+    return f"{error.strerror or error}{': ' + str(error.filename) if error.filename else ''}"
 
 
 def fail(message: str, status: int = 2):
     if is_rank_zero():  # under torchrun every process fails alike: one message is enough
         print(f"train.py: error: {message}", file=sys.stderr)
     sys.exit(status)
+
+
+def check_new_dirs(argv: list[str]) -> None:
+    """Refuse, before Hydra writes its .hydra/ there, a hydra.run.dir or hydra.sweep.dir that already holds
+    files: they belong to another run."""
+    for arg in argv:
+        match = re.fullmatch(r"\+{0,2}hydra\.(run|sweep)\.dir=(.+)", arg)
+        if match and "${" not in match[2]:
+            path = Path(match[2])
+            if path.is_dir() and any(path.iterdir()):
+                raise ConfigError(f"hydra.{match[1]}.dir={path} already holds another run's files; continue that "
+                                  f"run with train.resume={path}, or give a new hydra.{match[1]}.dir")
+            if path.exists() and not path.is_dir():
+                raise ConfigError(f"hydra.{match[1]}.dir={path} is a file, not a folder")
 
 
 def added_overrides(argv: list[str]) -> list[str]:
@@ -154,10 +199,14 @@ if __name__ == "__main__":
     os.environ["HYDRA_FULL_ERROR"] = "1"
     sys.stdout.reconfigure(line_buffering=True)  # evaluation lines reach a log file as they happen
     try:
+        if is_rank_zero():
+            check_new_dirs(sys.argv[1:])
         sys.argv += added_overrides(sys.argv[1:])
         hydra_main()
     except ConfigError as e:
         fail(str(e))
+    except OSError as e:  # Hydra could not write the run's .hydra/: runs_dir is read-only, a file, ...
+        fail(f"cannot create the run directory ({os_error_line(e)})")
     except (HydraException, OmegaConfBaseException) as e:
         fail(config_error_line(e))
     except KeyboardInterrupt:

@@ -8,11 +8,10 @@ import numpy as np
 import pytest
 import torch
 
+from corpus import NO_REAL_DATA, REAL_INPUT
 from data import (SHA256, Batches, CharVocab, DataError, PreparedData, UnknownCharacterError, prepare_shakespeare,
                   shakespeare)
 
-# CI keeps the real data set in ../shared beside the repository
-REAL_INPUT = Path(__file__).resolve().parents[1].parent / "shared/data/tiny_shakespeare/input.txt"
 
 SMALL_TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n" * 20
 
@@ -70,7 +69,7 @@ def test_bad_vocabulary_and_ids_are_rejected():
 
 # --- obtaining and preparing the data -----------------------------------------------------------------------------
 
-@pytest.mark.skipif(not REAL_INPUT.is_file(), reason=f"real tiny_shakespeare not found at {REAL_INPUT}")
+@pytest.mark.skipif(REAL_INPUT is None, reason=NO_REAL_DATA)
 def test_real_data_set_splits_90_10(tmp_path):
     prepared = prepare_shakespeare(tmp_path, url=REAL_INPUT.as_uri())  # the default sha256 must match it
     text = REAL_INPUT.read_text(encoding="utf-8")

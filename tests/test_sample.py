@@ -276,10 +276,28 @@ class OpensMarkerFile:
 def test_checkpoint_that_would_run_code_is_refused_as_unsafe(tmp_path):
     marker, path = tmp_path / "code-ran", tmp_path / "evil.pt"
     torch.save({"format": FORMAT, "model_config": {}, "vocab": "ab", "model": OpensMarkerFile(marker)}, path)
-    assert_usage_error(run_sample("--checkpoint", path), str(path), "unsafe")
+    assert_usage_error(run_sample("--checkpoint", path), str(path), "unsafe", "io.open")  # names the callable
     assert not marker.exists()
     torch.load(path, weights_only=False)  # the test's own check that loading it unsafely does run the code
     assert marker.exists()
+
+
+def events_file(path: Path) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(str(path.parent)) as writer:
+        writer.add_scalar("loss", 1.0, 0)
+    next(path.parent.glob("events.out.tfevents.*")).rename(path)
+
+
+@pytest.mark.parametrize("make_file", [lambda path: path.write_text("JULIET:\nO Romeo, Romeo!\n"), events_file],
+                         ids=["text", "events"])
+def test_a_file_that_is_no_pickle_is_not_called_unsafe(tmp_path, make_file):
+    path = tmp_path / "not-a-checkpoint" / "file.pt"
+    path.parent.mkdir()
+    make_file(path)
+    line = assert_usage_error(run_sample("--checkpoint", path), str(path), "corrupt or not a PyTorch checkpoint")
+    assert "unsafe" not in line and "run code" not in line
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """train.py and training/: tiny runs in-process (loss, TensorBoard events, checkpoints, resume, divergence), the presets, the
-command line's errors and SIGTERM in a subprocess, and DDP with two gloo processes."""
+command line's errors and SIGTERM in a subprocess, and DDP with two gloo processes. They train on tests/corpus.py's
+text, so they need neither the network nor the real data set."""
 
 import math
 import os
@@ -14,18 +15,18 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 
+import corpus
 import train
 import training.loop
 from model import GPT, GPTConfig
 from training.config import validate
 from training.loop import Diverged, Stopped
 
-REPO = Path(__file__).resolve().parents[1]
-# CI points KVGPT_DATA_URL at the shared copy of tiny_shakespeare beside the repository; so do we without it
-DATA_URL = os.environ.get("KVGPT_DATA_URL") or (REPO.parent / "shared/data/tiny_shakespeare/input.txt").as_uri()
+REPO = corpus.REPO
 TINY = ["preset=cpu", "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16",
         "model.dropout=0.1", "train.batch_size=8", "train.max_iters=40", "train.eval_interval=20",
         "train.eval_iters=4", "train.log_interval=5", "train.sample_tokens=20", "optim.lr=1e-2",
@@ -36,14 +37,24 @@ SCALARS = ["loss/train", "loss/val", "loss/train_eval", "loss/val_best", "optim/
 
 @pytest.fixture(scope="module")
 def data_root(tmp_path_factory) -> Path:
-    """One prepared copy of tiny_shakespeare for every run of this module."""
+    """One prepared copy of the corpus for every run of this module."""
     return tmp_path_factory.mktemp("data")
+
+
+def data_overrides(data_root: Path) -> list[str]:
+    """The corpus, downloaded from a file:// URL into data_root by the first run that needs it."""
+    return [f"data.url={corpus_url(data_root)}", f"data.sha256={corpus.SHA256}", f"data.root={data_root}"]
+
+
+def corpus_url(data_root: Path) -> str:
+    source = data_root.parent / f"{data_root.name}-source" / "input.txt"
+    return source.as_uri() if source.is_file() else corpus.write_corpus(source)
 
 
 def config(tmp_path: Path, data_root: Path, *overrides: str):
     with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
-        return compose("config", overrides=[*TINY, f"data.url={DATA_URL}", f"data.root={data_root}",
-                                            f"runs_dir={tmp_path / 'runs'}", *overrides])
+        return compose("config", overrides=[*TINY, *data_overrides(data_root), f"runs_dir={tmp_path / 'runs'}",
+                                            *overrides])
 
 
 def events(run_dir: Path) -> EventAccumulator:
@@ -110,13 +121,13 @@ def test_events_hold_every_tag(tiny_run):
     assert not [tag for tag in tags["scalars"] if tag not in SCALARS]  # no lone hparams metric scalar
 
 
-def test_checkpoints_load_with_weights_only(tiny_run):
+def test_checkpoints_load_with_weights_only(tiny_run, data_root):
     run_dir, val_loss = tiny_run
     last = torch.load(run_dir / "last.pt", weights_only=True)
     best = torch.load(run_dir / "best.pt", weights_only=True)
     assert last["training"]["step"] == 40 and best["training"]["step"] in (20, 40)
     assert last["training"]["best_val_loss"] == best["training"]["best_val_loss"] == pytest.approx(min(scalars(run_dir, "loss/val").values()))
-    assert last["training"]["config"]["model"]["n_layer"] == 2 and last["training"]["config"]["data"]["url"] == DATA_URL
+    assert last["training"]["config"]["model"]["n_layer"] == 2 and last["training"]["config"]["data"]["url"] == corpus_url(data_root)
     assert set(last["training"]["rng"][0]) == {"torch", "batches"}
     model = GPT(GPTConfig(**last["model_config"]))
     model.load_state_dict(last["model"])  # strict: same keys, no wrapper prefixes
@@ -220,7 +231,8 @@ def test_every_preset_composes(preset):
     with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=[f"preset={preset}"], return_hydra_config=True)
     assert cfg.hydra.job.chdir is False
-    assert cfg.hydra.run.dir.startswith("runs/") and cfg.hydra.sweep.dir.startswith("runs/multirun/")
+    dirs = {mode: OmegaConf.to_container(cfg.hydra[mode], resolve=False)["dir"] for mode in ("run", "sweep")}
+    assert dirs == {"run": "${new_run_dir:${runs_dir}}", "sweep": "${new_run_dir:${runs_dir}/multirun}"}
     assert cfg.data.root == "datasets/tiny_shakespeare" and cfg.train.resume is None
     model_config = validate(cfg).model  # a preset is a config that can work
     if preset == "gpu":  # nanoGPT's shakespeare-char recipe
@@ -243,7 +255,7 @@ def test_preset_is_picked_from_the_device(monkeypatch, capsys):
 
 
 def train_env() -> dict:
-    return {**os.environ, "KVGPT_DATA_URL": DATA_URL, "OMP_NUM_THREADS": "1"}
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 @pytest.mark.parametrize("override, message", [
@@ -262,7 +274,7 @@ def test_bad_override_fails_fast(tmp_path, override, message):
 
 def test_sigterm_leaves_loadable_last_pt(tmp_path, data_root):
     run_dir = tmp_path / "run"
-    process = subprocess.Popen([sys.executable, str(REPO / "train.py"), *TINY, f"data.root={data_root}",
+    process = subprocess.Popen([sys.executable, str(REPO / "train.py"), *TINY, *data_overrides(data_root),
                                 "train.max_iters=1000000", "train.eval_interval=1000000", f"hydra.run.dir={run_dir}"],
                                cwd=tmp_path, env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True)

@@ -14,6 +14,8 @@ and a training checkpoint adds `training`: optimizers, schedulers (one per optim
 
 import dataclasses
 import pickle
+import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -46,10 +48,15 @@ def build_checkpoint(model: GPT, vocab: CharVocab, training: dict | None = None)
 
 
 def save_checkpoint(contents: dict, path) -> Path:
-    """Write a checkpoint atomically: a crash mid-write leaves the previous file intact."""
+    """Write a checkpoint atomically: a crash mid-write leaves the previous file intact. A failed write (a full
+    disk) is a CheckpointError."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return write_atomically(path, lambda file: torch.save(contents, file))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return write_atomically(path, lambda file: torch.save(contents, file))
+    except OSError as e:  # a full disk, a read-only folder, ...
+        raise CheckpointError(f"cannot save {path} ({e.strerror or e}); "
+                              f"{'the previous one is kept' if path.exists() else 'nothing was saved'}") from None
 
 
 def resolve_checkpoint(path, prefer: str = "best.pt") -> Path:
@@ -72,12 +79,18 @@ def load_checkpoint(path, prefer: str = "best.pt", map_location="cpu") -> dict:
     one-line message."""
     path = resolve_checkpoint(path, prefer)
     try:
-        contents = torch.load(path, map_location=map_location, weights_only=True)
+        with warnings.catch_warnings():  # e.g. about the pickle protocol of a file that is no checkpoint at all
+            warnings.simplefilter("ignore")
+            contents = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
-        if "weights only" in str(e).lower():
-            raise CheckpointError(f"refusing unsafe checkpoint {path}: it holds Python objects that would run code "
+        # weights_only=True refuses a pickle that names a function or class ("GLOBAL module.name"): loading it
+        # would call that. Any other refusal is a file that is no pickle torch.load can read.
+        unsafe = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        if unsafe:
+            raise CheckpointError(f"refusing unsafe checkpoint {path}: it names {unsafe[1]}, which would run "
                                   f"when loaded (torch.load weights_only=True rejected it)") from None
-        raise CheckpointError(f"{path} is corrupt or not a PyTorch checkpoint ({_first_line(e)})") from None
+        raise CheckpointError(f"{path} is corrupt or not a PyTorch checkpoint; pass a best.pt or last.pt "
+                              f"written by train.py") from None
     except Exception as e:  # a damaged file can fail anywhere inside the unpickler
         raise CheckpointError(f"{path} is truncated or corrupt ({_first_line(e)}); "
                               f"use another checkpoint, e.g. the run's last.pt") from None

@@ -1,17 +1,27 @@
 """Atomic file writes: a reader sees the old file or the new one, never half of one."""
 
 import os
+import re
+import socket
 import uuid
 from pathlib import Path
+
+# A temporary file's name says which process wrote it: .<name>.<host>-<pid>.<hex>.tmp beside the target
+_TEMPORARY = re.compile(r"\..+\.(?P<host>[^.]+)-(?P<pid>\d+)\.[0-9a-f]{32}\.tmp")
+
+
+def _writer() -> str:
+    return f"{socket.gethostname().replace('.', '_')}-{os.getpid()}"
 
 
 def write_atomically(path, write) -> Path:
     """Call write(file) on a temporary file beside `path`, then rename it to `path`; on any error remove it.
 
     The temporary file is created like any other file (mode 0666 less the umask), under a name no other
-    writer uses, and synced to disk before the rename, so that a crash leaves the previous file intact."""
+    writer uses, and synced to disk before the rename, so that a crash leaves the previous file intact.
+    A process killed mid-write leaves its temporary file; remove_stale_temporaries() clears it later."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    tmp = path.with_name(f".{path.name}.{_writer()}.{uuid.uuid4().hex}.tmp")
     try:
         with open(tmp, "xb") as file:
             write(file)
@@ -22,3 +32,27 @@ def write_atomically(path, write) -> Path:
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def remove_stale_temporaries(folder) -> list[Path]:
+    """Remove the temporary files in folder that write_atomically left behind in processes that died (killed
+    mid-write), and return them. Only the files of this host's processes are judged: a live writer elsewhere on
+    a shared file system keeps its own."""
+    removed = []
+    host = _writer().rsplit("-", 1)[0]
+    for path in Path(folder).glob(".*.tmp"):
+        match = _TEMPORARY.fullmatch(path.name)
+        if match and match["host"] == host and not _alive(int(match["pid"])):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, owned by someone else
+        return True
+    return True

@@ -1,7 +1,14 @@
 """Continuing a run: the checkpoint train.resume names, checked to fit the config it continues with."""
 
+import math
+
+import torch
+
+from model import GPT, GPTConfig
+
 from .checkpoint import TRAINING_KEYS, CheckpointError, load_checkpoint
-from .config import ConfigError, flatten
+from .config import ConfigError, OptimConfig, flatten
+from .optim import make_optimizers, make_scheduler
 
 # Settings a resumed run must share with the run it continues: the model, the optimiser, the schedule and
 # the data it trains and evaluates on (where the data is kept may differ).
@@ -9,9 +16,9 @@ MUST_MATCH = ("model.", "optim.", "train.max_iters", "train.batch_size", "train.
               "data.sha256", "data.val_fraction")
 
 
-def load_resume_checkpoint(path, config: dict, max_iters: int) -> dict:
+def load_resume_checkpoint(path, config: dict, max_iters: int, optim: OptimConfig) -> dict:
     """The checkpoint at path (a run directory means its last.pt), checked to fit config (the resolved,
-    composed config as a dict)."""
+    composed config as a dict) and to be whole: a damaged one is a ConfigError, not a crash mid-restore."""
     try:
         contents = load_checkpoint(path, prefer="last.pt")
     except CheckpointError as e:
@@ -28,7 +35,38 @@ def load_resume_checkpoint(path, config: dict, max_iters: int) -> dict:
     if not (isinstance(state["step"], int) and 0 <= state["step"] < max_iters):
         raise ConfigError(f"train.resume: the checkpoint is at step {state['step']}, the end of its schedule "
                           f"(train.max_iters={max_iters}); there is nothing left to train")
+    try:
+        check_restorable(contents, optim, max_iters)
+    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, IndexError) as e:
+        reason = " ".join(str(e).split())[:200] or type(e).__name__  # load_state_dict's lists span lines
+        raise ConfigError(f"train.resume: {path} is damaged ({reason}); resume from another checkpoint") from None
     return contents
+
+
+def check_restorable(contents: dict, optim: OptimConfig, max_iters: int) -> None:
+    """Restore the checkpoint's weights, optimiser and schedule into throwaway copies, as the Trainer will, and
+    check the values that are restored as they are; whatever does not fit raises."""
+    state = contents["training"]
+    model = GPT(GPTConfig(**contents["model_config"]))
+    model.load_state_dict(contents["model"])  # strict: every tensor present, of its shape
+    optimizers = make_optimizers(model, optim, fused=False)
+    for optimizer, optimizer_state, scheduler_state in zip(optimizers, state["optimizers"], state["schedulers"],
+                                                            strict=True):
+        optimizer.load_state_dict(optimizer_state)
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                for name, value in optimizer.state.get(param, {}).items():
+                    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
+                        raise ValueError(f"the optimizer's {name} does not fit a weight of shape "
+                                         f"{tuple(param.shape)}")
+        make_scheduler(optimizer, optim, max_iters).load_state_dict(scheduler_state)
+    best = state["best_val_loss"]
+    if not (isinstance(best, float) and not math.isnan(best)):
+        raise TypeError(f"best_val_loss is {best!r}, not a number")
+    rng = state["rng"]
+    if not (isinstance(rng, list) and all(isinstance(r, dict) and isinstance(r.get("torch"), torch.Tensor)
+                                          and isinstance(r.get("batches"), dict) for r in rng)):
+        raise TypeError("rng is not a list of each process's generator states")
 
 
 def as_override(value) -> str:

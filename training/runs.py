@@ -1,10 +1,38 @@
-"""Run directories: the newest run's checkpoint.
+"""Run directories: a new one for every run, and the newest run's checkpoint.
 
 There is no `latest` link: inside runs/ TensorBoard would read it as a second copy of the run it points at."""
 
+import os
+import time
 from pathlib import Path
 
 from .checkpoint import CheckpointError
+from .config import ConfigError
+
+_claimed: dict[str, str] = {}  # parent -> the run directory this process claimed in it
+
+
+def claim_run_dir(parent) -> str:
+    """parent/<date>_<time>, created here so that no other run can have it: runs that start in the same second
+    (a sweep's, an array job's) get <date>_<time>-2, -3, ... The same parent gives the same directory for the
+    rest of the process, however often the config that names it is resolved."""
+    parent = str(parent)
+    if parent not in _claimed:
+        stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+        try:
+            Path(parent).mkdir(parents=True, exist_ok=True)
+            for n in range(1, 1_000_000):
+                candidate = os.path.join(parent, stamp if n == 1 else f"{stamp}-{n}")
+                try:
+                    os.mkdir(candidate)
+                except FileExistsError:
+                    continue
+                _claimed[parent] = candidate
+                break
+        except OSError as e:  # read-only, a file where the folder should be, ...
+            raise ConfigError(f"runs_dir: cannot create a run directory in {parent} ({e.strerror or e}); "
+                              f"give runs_dir a writable folder") from None
+    return _claimed[parent]
 
 
 def find_latest_checkpoint(runs_dir="runs", name: str = "best.pt") -> Path:

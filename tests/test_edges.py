@@ -1,0 +1,429 @@
+"""Edges: no run loses another's files or leaves debris, every failure is one line, and the GPU's code paths
+(bf16 autocast, fused AdamW, a bf16 KV cache, the gpu preset compiled) run here on the CPU."""
+
+import dataclasses
+import errno
+import math
+import os
+import socket
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+import corpus
+import train
+import training.runs
+from data import CharVocab, prepare_shakespeare
+from model import GPT, GREEDY, GPTConfig, Sampling, generate
+from test_train import TINY, config, data_overrides
+from tiny_models import random_model, random_tokens
+from training.checkpoint import CheckpointError, build_checkpoint, save_checkpoint
+from training.config import ConfigError, OptimConfig, validate
+from training.files import remove_stale_temporaries, write_atomically
+from training.loop import Trainer
+from training.optim import make_optimizers
+from training.runs import claim_run_dir
+
+REPO = corpus.REPO
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+SHORT = ["train.max_iters=4", "train.eval_interval=2", "train.eval_iters=1", "train.log_interval=1",
+         "optim.warmup_iters=1"]
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("data")
+
+
+def train_cli(*args, cwd, timeout=180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "train.py"), *map(str, args)], cwd=cwd, env=ENV,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, prog: str, *fragments: str, status: int = 2) -> str:
+    assert result.returncode == status, result.stderr
+    lines = [line for line in result.stderr.splitlines() if not line.startswith("preset=")]
+    assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+def tree(folder: Path) -> dict:
+    """Every file under folder with its contents and modification time."""
+    return {p.relative_to(folder): (p.read_bytes(), p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file()}
+
+
+# --- run directories ----------------------------------------------------------------------------------------------
+
+def test_runs_claimed_in_the_same_second_get_their_own_directories(tmp_path, monkeypatch):
+    monkeypatch.setattr(training.runs, "_claimed", {})
+    monkeypatch.setattr(training.runs.time, "strftime", lambda pattern: "2030-01-01_00-00-00")
+    claimed = []
+    for _ in range(3):  # as if three processes: each starts with nothing claimed
+        training.runs._claimed.clear()
+        claimed.append(claim_run_dir(tmp_path / "runs"))
+    assert [Path(c).name for c in claimed] == ["2030-01-01_00-00-00", "2030-01-01_00-00-00-2",
+                                               "2030-01-01_00-00-00-3"]
+    assert all(Path(c).is_dir() for c in claimed)
+    assert claim_run_dir(tmp_path / "runs") == claimed[-1]  # the same run resolving its config again
+
+
+def test_runs_started_at_once_each_write_their_own_directory(tmp_path, data_root):
+    command = [sys.executable, str(REPO / "train.py"), *TINY, *SHORT, *data_overrides(data_root)]
+    train_cli(*command[2:], cwd=tmp_path)  # prepares the data once, so that the runs below start together
+    before = set((tmp_path / "runs").iterdir())
+    processes = [subprocess.Popen(command, cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                  text=True) for _ in range(3)]
+    for process in processes:
+        assert process.wait(timeout=180) == 0, process.stderr.read()
+        process.stderr.close()
+    run_dirs = sorted(set((tmp_path / "runs").iterdir()) - before)
+    assert len(run_dirs) == 3
+    writers = []  # the pids in each directory's events file names: events.out.tfevents.<time>.<host>.<pid>.<n>
+    for run_dir in run_dirs:
+        assert (run_dir / "last.pt").is_file() and (run_dir / ".hydra/config.yaml").is_file()
+        writers.append({p.name.split(".")[-2] for p in run_dir.glob("events.out.tfevents.*")})
+    assert all(len(pids) == 1 for pids in writers) and len(set.union(*writers)) == 3  # one run each
+
+
+def test_a_refused_run_changes_nothing_in_the_directory_it_names(tmp_path):
+    run_dir = tmp_path / "runs/earlier"
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra/config.yaml").write_text("the earlier run's config\n")
+    (run_dir / "last.pt").write_bytes(b"the earlier run's checkpoint")
+    before = tree(run_dir)
+    result = train_cli(*TINY, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert_one_line_error(result, "train.py", f"hydra.run.dir={run_dir} already holds another run's files",
+                          f"train.resume={run_dir}")
+    assert tree(run_dir) == before
+
+
+@pytest.mark.parametrize("override, fragments", [
+    ("train.sample_prompt='Romeo#'", ["train.sample_prompt", "'#'"]),  # found after the events file is opened
+    ("model.block_size=2048", ["the val split", "too short", "2048"]),  # only at the first evaluation, before
+])
+def test_a_run_that_fails_before_its_first_step_leaves_no_directory(tmp_path, data_root, override, fragments):
+    result = train_cli(*TINY, *data_overrides(data_root), override, cwd=tmp_path)
+    assert_one_line_error(result, "train.py", *fragments)
+    assert list((tmp_path / "runs").iterdir()) == []
+    with pytest.raises(CheckpointError):
+        training.runs.find_latest_checkpoint(tmp_path / "runs")
+
+
+@pytest.mark.parametrize("where, fragments", [
+    ("runs_dir=a-file", ["runs_dir: cannot create a run directory in a-file"]),
+    ("runs_dir=/proc/kvgpt-runs", ["runs_dir: cannot create a run directory in /proc/kvgpt-runs"]),
+    ("runs_dir=null", ["runs_dir", "not Optional"]),
+    ("hydra.run.dir=a-file", ["hydra.run.dir=a-file is a file"]),
+    ("data.root=a-file", ["cannot prepare the data in a-file"]),
+    ("data.root=/proc/kvgpt-data", ["cannot prepare the data in /proc/kvgpt-data"]),
+])
+def test_unusable_folders_are_one_line_errors(tmp_path, data_root, where, fragments):
+    """/proc: a place that even root cannot write to."""
+    (tmp_path / "a-file").write_text("not a folder\n")
+    overrides = [o for o in data_overrides(data_root) if not o.startswith("data.root")] \
+        if where.startswith("data.root") else data_overrides(data_root)
+    result = train_cli(*TINY, *overrides, where, cwd=tmp_path)
+    assert_one_line_error(result, "train.py", *fragments)
+    assert not (tmp_path / "runs").exists() or list((tmp_path / "runs").iterdir()) == []
+
+
+def test_a_read_only_runs_dir_is_one_line(tmp_path, monkeypatch):
+    def read_only(path, *args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    (tmp_path / "runs").mkdir()
+    monkeypatch.setattr(training.runs, "_claimed", {})
+    monkeypatch.setattr(training.runs.os, "mkdir", read_only)
+    with pytest.raises(ConfigError, match=r"^runs_dir: cannot create a run directory in .*runs \(Permission denied\)"):
+        claim_run_dir(tmp_path / "runs")
+
+
+def test_a_full_disk_at_a_checkpoint_keeps_the_previous_one_in_one_line(tmp_path, data_root):
+    """The third save (step 4's last.pt, after step 2's last.pt and best.pt) finds the disk full mid-write."""
+    run_dir = tmp_path / "run"
+    script = f"""
+import errno, runpy, sys, torch
+sys.path.insert(0, {str(REPO)!r})
+save, calls = torch.save, []
+def save_on_a_disk_that_fills(obj, f, *args, **kwargs):
+    calls.append(None)
+    if len(calls) == 3:
+        f.write(b"half a checkpoint")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return save(obj, f, *args, **kwargs)
+torch.save = save_on_a_disk_that_fills
+sys.argv = ["train.py", *{[*TINY, *SHORT, *data_overrides(data_root), f"hydra.run.dir={run_dir}"]!r}]
+runpy.run_path({str(REPO / "train.py")!r}, run_name="__main__")
+"""
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=ENV, capture_output=True, text=True,
+                            timeout=180)
+    assert_one_line_error(result, "train.py", f"cannot save {run_dir}/last.pt (No space left on device)",
+                          "the previous one is kept", status=1)
+    assert torch.load(run_dir / "last.pt", weights_only=True)["training"]["step"] == 2
+    assert not list(run_dir.glob(".*.tmp"))
+
+
+# --- debris -------------------------------------------------------------------------------------------------------
+
+def dead_pid() -> int:
+    process = subprocess.Popen([sys.executable, "-c", ""])
+    process.wait()
+    return process.pid
+
+
+def temporary(folder: Path, name: str, host: str, pid: int) -> Path:
+    path = folder / f".{name}.{host}-{pid}.{uuid.uuid4().hex}.tmp"
+    path.write_bytes(b"half a checkpoint")
+    return path
+
+
+def test_only_temporaries_of_dead_writers_on_this_host_are_removed(tmp_path):
+    host = socket.gethostname().replace(".", "_")
+    dead = temporary(tmp_path, "last.pt", host, dead_pid())
+    live = temporary(tmp_path, "last.pt", host, os.getpid())
+    elsewhere = temporary(tmp_path, "best.pt", "another-host", dead_pid())
+    other = tmp_path / ".notes.tmp"
+    other.write_text("not ours")
+    assert remove_stale_temporaries(tmp_path) == [dead]
+    assert not dead.exists() and live.exists() and elsewhere.exists() and other.exists()
+
+
+def test_a_write_names_its_temporary_after_its_process(tmp_path):
+    seen = []
+    write_atomically(tmp_path / "last.pt", lambda file: seen.extend(Path(tmp_path).glob(".last.pt.*.tmp")))
+    assert len(seen) == 1 and f"-{os.getpid()}." in seen[0].name
+    assert remove_stale_temporaries(tmp_path) == []  # a live writer's, had it still been there
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory, data_root) -> Path:
+    """A run stopped at step 2 of 4: its last.pt can be resumed."""
+    tmp_path = tmp_path_factory.mktemp("short")
+    run_dir = tmp_path / "runs/short"
+    train.main(config(tmp_path, data_root, *SHORT), run_dir)
+    last = torch.load(run_dir / "last.pt", weights_only=True)
+    last["training"]["step"] = 2
+    save_checkpoint(last, run_dir / "last.pt")
+    return run_dir
+
+
+def test_resuming_a_run_clears_what_a_killed_save_left_there(tmp_path, data_root, short_run):
+    source = tmp_path / "killed"
+    source.mkdir()
+    (source / "last.pt").write_bytes((short_run / "last.pt").read_bytes())
+    host = socket.gethostname().replace(".", "_")
+    stale = temporary(source, "last.pt", host, dead_pid())
+    live = temporary(source, "best.pt", host, os.getpid())
+    train.main(config(tmp_path, data_root, *SHORT, f"train.resume={source}"), tmp_path / "runs/resumed")
+    assert not stale.exists() and live.exists()
+
+
+def damage(contents: dict, how: str) -> dict:
+    model, state = contents["model"], contents["training"]
+    if how == "a weight missing":
+        del model["lm_head.weight"]
+    elif how == "a weight of the wrong shape":
+        model["wte.weight"] = model["wte.weight"][:, :3]
+    elif how == "a weight that is no tensor":
+        model["wpe.weight"] = "weights"
+    elif how == "an optimizer of other weights":
+        state["optimizers"][0]["param_groups"] = state["optimizers"][0]["param_groups"][:1]
+    elif how == "optimizer moments of the wrong shape":
+        moments = next(iter(state["optimizers"][0]["state"].values()))
+        moments["exp_avg"] = moments["exp_avg"].flatten()[:1]
+    elif how == "one optimizer too many":
+        state["optimizers"].append(state["optimizers"][0])
+    elif how == "a scheduler that is no dict":
+        state["schedulers"] = [[1, 2]]
+    elif how == "best_val_loss of the wrong type":
+        state["best_val_loss"] = "low"
+    elif how == "rng of the wrong type":
+        state["rng"] = {"torch": 1}
+    return contents
+
+
+@pytest.mark.parametrize("how", ["a weight missing", "a weight of the wrong shape", "a weight that is no tensor",
+                                 "an optimizer of other weights", "optimizer moments of the wrong shape",
+                                 "one optimizer too many",
+                                 "a scheduler that is no dict", "best_val_loss of the wrong type",
+                                 "rng of the wrong type"])
+def test_a_damaged_checkpoint_that_still_loads_is_refused_in_one_line(tmp_path, data_root, short_run, how):
+    path = tmp_path / "damaged.pt"
+    save_checkpoint(damage(torch.load(short_run / "last.pt", weights_only=True), how), path)
+    with pytest.raises(ConfigError) as caught:
+        train.main(config(tmp_path, data_root, *SHORT, f"train.resume={path}"), tmp_path / "runs/resumed")
+    message = str(caught.value)
+    assert message.startswith(f"train.resume: {path} is damaged (") and "\n" not in message
+
+
+# --- sample.py ----------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    vocab = CharVocab.from_text(corpus.TEXT)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=len(vocab), block_size=16, n_layer=1, n_head=2, n_embd=16))
+    return save_checkpoint(build_checkpoint(model, vocab), tmp_path_factory.mktemp("run") / "best.pt")
+
+
+def sample_command(checkpoint: Path, *args) -> list[str]:
+    return [sys.executable, str(REPO / "sample.py"), "--checkpoint", str(checkpoint), *map(str, args)]
+
+
+def test_a_reader_that_stops_early_ends_sampling_quietly(checkpoint):
+    process = subprocess.Popen(sample_command(checkpoint, "--max-new-tokens", 300, "--num-samples", 2), env=ENV,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process.stdout.close()  # like `| head -c 0`: gone before the first sample is written
+    stderr = process.stderr.read()
+    process.stderr.close()
+    assert process.wait(timeout=120) == 0 and stderr == ""
+
+
+def test_a_closed_stdout_is_one_line(checkpoint):
+    command = " ".join(f"'{arg}'" for arg in sample_command(checkpoint, "--max-new-tokens", 5))
+    result = subprocess.run(["bash", "-c", f"{command} >&-"], env=ENV, capture_output=True, text=True, timeout=120)
+    assert_one_line_error(result, "sample.py", "standard output is closed")
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_full_stdout_is_one_line(checkpoint):
+    with open("/dev/full", "w") as full:
+        result = subprocess.run(sample_command(checkpoint, "--max-new-tokens", 5), env=ENV, stdout=full,
+                                stderr=subprocess.PIPE, text=True, timeout=120)
+    assert_one_line_error(result, "sample.py", "cannot write the samples to standard output",
+                          "No space left on device")
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["--seed", 10**23], ["--seed must be in [0, 18446744073709551615], got 100000000000000000000000"]),
+    (["--seed", -1], ["--seed must be in [0, "]),
+    (["--num-samples", 10**12], ["--num-samples 1000000000000 needs", "GiB of KV cache", "use at most"]),
+    (["--temperature", 1e-38], ["--temperature must be 0 (greedy) or a finite number >= 1e-06, got 1e-38"]),
+    (["--temperature", "nan"], ["--temperature must be 0 (greedy) or a finite number"]),
+])
+def test_sample_values_that_cannot_work_are_one_line(checkpoint, args, fragments):
+    result = subprocess.run(sample_command(checkpoint, *args), env=ENV, capture_output=True, text=True, timeout=120)
+    assert_one_line_error(result, "sample.py", *fragments)
+    assert result.stdout == ""
+
+
+def test_the_largest_seed_is_taken(checkpoint):
+    result = subprocess.run(sample_command(checkpoint, "--seed", 2**64 - 1, "--max-new-tokens", 5), env=ENV,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
+# --- the model's API ----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def model() -> GPT:
+    return random_model()
+
+
+@pytest.mark.parametrize("case, argument", [
+    ("a cache of another batch size", "cache"), ("a cache shorter than block_size", "cache"),
+    ("a cache in another dtype", "cache"), ("float idx", "idx"), ("empty idx", "idx"), ("1-D idx", "idx"),
+    ("n_pad of the wrong length", "n_pad"), ("n_pad as a (B, 1) tensor", "n_pad"),
+    ("negative max_new_tokens", "max_new_tokens"),
+])
+def test_generate_misuse_is_a_value_error_naming_the_argument(model, case, argument):
+    idx, kwargs = random_tokens(2, 4), {}
+    if case == "a cache of another batch size":
+        kwargs["cache"] = model.new_kv_cache(3)
+    elif case == "a cache shorter than block_size":
+        kwargs["cache"] = model.new_kv_cache(2, max_len=model.config.block_size - 1)
+    elif case == "a cache in another dtype":  # fp32 weights, no autocast: attention would fail mid-way
+        kwargs["cache"] = model.new_kv_cache(2, dtype=torch.bfloat16)
+    elif case == "float idx":
+        idx = idx.float()
+    elif case == "empty idx":
+        idx = idx[:, :0]
+    elif case == "1-D idx":
+        idx = idx[0]
+    elif case == "n_pad of the wrong length":
+        kwargs["n_pad"] = [0, 0, 0]
+    elif case == "n_pad as a (B, 1) tensor":
+        kwargs["n_pad"] = torch.zeros(2, 1, dtype=torch.long)
+    max_new_tokens = -1 if case == "negative max_new_tokens" else 2
+    with pytest.raises(ValueError, match=f"^{argument} "):
+        generate(model, idx, max_new_tokens, sampling=GREEDY, **kwargs)
+
+
+@pytest.mark.parametrize("temperature", [math.nan, math.inf, 1e-38, -1.0])
+def test_a_temperature_that_cannot_work_is_a_value_error(temperature):
+    with pytest.raises(ValueError, match="^temperature must be"):
+        Sampling(temperature=temperature)
+
+
+# --- the GPU's code paths, on the CPU -----------------------------------------------------------------------------
+
+def test_a_bf16_kv_cache_beside_fp32_weights_under_autocast_decodes_the_same_tokens(model):
+    prompt = random_tokens(2, 5)
+    uncached = generate(model, prompt, 40, sampling=GREEDY, use_cache=False)  # fp32 throughout
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cache = model.new_kv_cache(2, dtype=torch.bfloat16)
+        cached = generate(model, prompt, 40, sampling=GREEDY, cache=cache)
+    assert cache.k.dtype == torch.bfloat16 and model.wte.weight.dtype == torch.float32
+    assert torch.equal(cached, uncached)  # bf16's rounding does not change this model's argmax
+
+
+def test_fused_adamw_steps_like_the_unfused_one():
+    models = [random_model(seed=1) for _ in range(2)]
+    optimizers = [make_optimizers(m, OptimConfig(lr=1e-2), fused=fused)[0] for m, fused in zip(models, (False, True))]
+    assert optimizers[1].defaults["fused"] is True
+    losses = [[], []]
+    for _ in range(3):
+        for m, optimizer, trajectory in zip(models, optimizers, losses):
+            m.train()
+            _, loss = m(random_tokens(4, 8), random_tokens(4, 8, seed=1))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            trajectory.append(loss.item())
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    # The matrices only: the keys' bias has a zero gradient in exact arithmetic (softmax ignores a shift shared
+    # by every key), so Adam scales rounding noise there, differently in each implementation.
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+        if a.dim() >= 2:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_training_step_and_an_evaluation_under_bf16_autocast(tmp_path, data_root):
+    settings = validate(config(tmp_path, data_root, *SHORT))
+    data = prepare_shakespeare(data_root, url=settings.data.url, sha256=settings.data.sha256)
+    model = GPT(dataclasses.replace(settings.model, vocab_size=len(data.vocab)))
+
+    class NoSummaries:
+        def __getattr__(self, name):
+            return lambda *args, **kwargs: None
+
+    trainer = Trainer(settings, model, data, torch.device("cpu"), tmp_path, {}, NoSummaries())
+    trainer.autocast = torch.autocast("cpu", dtype=torch.bfloat16)  # what the Trainer uses on CUDA
+    logits_dtypes = []
+    model.register_forward_hook(lambda module, args, out: logits_dtypes.append(out[0].dtype))
+    trainer.train_step()
+    trainer.train_step()
+    trainer.evaluate_and_save()
+    assert logits_dtypes[0] == torch.bfloat16  # the step really ran in bf16
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # the weights stay fp32
+    assert math.isfinite(trainer.last_val_loss) and trainer.last_val_loss < math.log(65) + 0.5
+    assert torch.load(tmp_path / "last.pt", weights_only=True)["training"]["step"] == 2
+
+
+@pytest.mark.slow
+def test_the_gpu_preset_compiled_trains_a_few_steps_at_a_tiny_size(tmp_path, data_root):
+    tiny_gpu = ["preset=gpu", "model.n_layer=1", "model.n_head=2", "model.n_embd=16", "model.block_size=16",
+                "train.batch_size=4", "train.sample_tokens=4", *SHORT]
+    with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[*tiny_gpu, *data_overrides(data_root), f"runs_dir={tmp_path / 'runs'}"])
+    assert cfg.train.compile is True
+    val_loss = train.main(cfg, tmp_path / "runs/gpu")
+    assert math.isfinite(val_loss)
+    assert torch.load(tmp_path / "runs/gpu/last.pt", weights_only=True)["training"]["step"] == 4
