@@ -102,14 +102,6 @@ def _check(model: GPT, idx, max_new_tokens, window, n_pad, use_cache, cache, com
     if cache is not None and (cache.batch_size != B or cache.max_len < block_size):
         raise ValueError(f"cache holds {cache.batch_size} rows of {cache.max_len} tokens; this generation "
                          f"needs {B} rows of block_size={block_size}: use model.new_kv_cache({B})")
-    if cache is not None:
-        # attention needs keys and values in the dtype its queries come in: autocast's, or the weights'
-        kind = idx.device.type
-        compute = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else model.wte.weight.dtype
-        if cache.k.dtype != compute:
-            raise ValueError(f"cache holds {cache.k.dtype} keys and values, but the model computes in {compute}: "
-                             f"use model.new_kv_cache({B}, dtype={compute}), or generate under "
-                             f"torch.autocast(dtype={cache.k.dtype})")
     if n_pad is None:
         return [0] * B
     pads = n_pad.tolist() if isinstance(n_pad, torch.Tensor) else list(n_pad)

@@ -329,7 +329,7 @@ def model() -> GPT:
 
 @pytest.mark.parametrize("case, argument", [
     ("a cache of another batch size", "cache"), ("a cache shorter than block_size", "cache"),
-    ("a cache in another dtype", "cache"), ("float idx", "idx"), ("empty idx", "idx"), ("1-D idx", "idx"),
+    ("float idx", "idx"), ("empty idx", "idx"), ("1-D idx", "idx"),
     ("n_pad of the wrong length", "n_pad"), ("n_pad as a (B, 1) tensor", "n_pad"),
     ("negative max_new_tokens", "max_new_tokens"),
 ])
@@ -339,8 +339,6 @@ def test_generate_misuse_is_a_value_error_naming_the_argument(model, case, argum
         kwargs["cache"] = model.new_kv_cache(3)
     elif case == "a cache shorter than block_size":
         kwargs["cache"] = model.new_kv_cache(2, max_len=model.config.block_size - 1)
-    elif case == "a cache in another dtype":  # fp32 weights, no autocast: attention would fail mid-way
-        kwargs["cache"] = model.new_kv_cache(2, dtype=torch.bfloat16)
     elif case == "float idx":
         idx = idx.float()
     elif case == "empty idx":
@@ -364,10 +362,11 @@ def test_a_temperature_that_cannot_work_is_a_value_error(temperature):
 
 # --- the GPU's code paths, on the CPU -----------------------------------------------------------------------------
 
-def test_a_bf16_kv_cache_beside_fp32_weights_under_autocast_decodes_the_same_tokens(model):
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32 activations", "bf16 autocast"])
+def test_a_bf16_kv_cache_beside_fp32_weights_decodes_the_same_tokens(model, autocast):
     prompt = random_tokens(2, 5)
     uncached = generate(model, prompt, 40, sampling=GREEDY, use_cache=False)  # fp32 throughout
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         cache = model.new_kv_cache(2, dtype=torch.bfloat16)
         cached = generate(model, prompt, 40, sampling=GREEDY, cache=cache)
     assert cache.k.dtype == torch.bfloat16 and model.wte.weight.dtype == torch.float32
