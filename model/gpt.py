@@ -117,9 +117,8 @@ class GPT(nn.Module):
     def _trunk(self, idx, cache=None, n_pad=None, need_weights=False):
         """Embeddings and blocks: (final normalised hidden states (B, T, C), per-layer weights)."""
         B, T = idx.shape
-        layer_caches = [None] * len(self.blocks)
         if cache is not None:
-            pos, attn_mask, layer_caches = cache.for_tokens(T)  # (B, T) or (T,); (B, 1, T, T_k) or None
+            pos, attn_mask, slots = cache.for_tokens(T)  # (B, T) or (T,); (B, 1, T, T_k) or None
         elif n_pad is not None:
             steps = torch.arange(T, device=idx.device)
             pos = (steps[None, :] - n_pad[:, None]).clamp(min=0)  # (B, T), counted from each row's first token
@@ -130,8 +129,8 @@ class GPT(nn.Module):
             attn_mask = None  # plain causal attention: the fastest SDPA kernels
         x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
         weights = []
-        for block, layer_cache in zip(self.blocks, layer_caches):
-            x, w = block(x, attn_mask, layer_cache, need_weights)
+        for i, block in enumerate(self.blocks):
+            x, w = block(x, attn_mask, cache.layer(i, slots) if cache is not None else None, need_weights)
             weights.append(w)
         if cache is not None:
             cache.advance(T)

@@ -18,9 +18,10 @@ class LayerKV(NamedTuple):
     def update(self, k_new, v_new):
         """Write the new keys/values (B, nh, T, hs) in place; return the slots that attention reads."""
         if isinstance(self.slots, slice):
-            self.k[:, :, self.slots] = k_new
-            self.v[:, :, self.slots] = v_new
-            return self.k[:, :, :self.slots.stop], self.v[:, :, :self.slots.stop]
+            start, end = self.slots.start, self.slots.stop
+            self.k.narrow(2, start, end - start).copy_(k_new)
+            self.v.narrow(2, start, end - start).copy_(v_new)
+            return self.k[:, :, :end], self.v[:, :, :end]
         self.k.index_copy_(2, self.slots, k_new.to(self.k.dtype))
         self.v.index_copy_(2, self.slots, v_new.to(self.v.dtype))
         return self.k, self.v
@@ -85,9 +86,9 @@ class KVCache(nn.Module):
         once), and off the CPU (the other way reads `pos` back, which waits for the device)."""
         return torch.compiler.is_compiling() or self.pos.device.type != "cpu"
 
-    def for_tokens(self, t: int) -> tuple[torch.Tensor, torch.Tensor | None, list[LayerKV]]:
+    def for_tokens(self, t: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | slice]:
         """What a forward pass of the next t tokens needs: (their positions (B, t) or (t,), the attention
-        mask (B, 1, t, T_k) or None for plain causal attention, each layer's LayerKV).
+        mask (B, 1, t, T_k) or None for plain causal attention, their slots for layer()).
 
         With static_shapes attention reads all max_len slots through the mask. Otherwise it reads the filled
         slots [:end] only, and unpadded rows need no mask: the model's causal attention, aligned bottom-right,
@@ -96,14 +97,13 @@ class KVCache(nn.Module):
         """
         if self.static_shapes:
             slots = self.next_slots(t)
-            return self.positions(slots), self.attn_mask(slots), [self.layer(i, slots) for i in range(len(self.k))]
+            return self.positions(slots), self.attn_mask(slots), slots
         start = int(self.pos)
         end = start + t
-        slots = self.slot_ids[start:end]  # (t,)
-        layers = [self.layer(i, slice(start, end)) for i in range(len(self.k))]
+        new = self.slot_ids[start:end]  # (t,)
         if not self.padded:
-            return slots, None, layers
-        return self.positions(slots), self.attn_mask(slots)[..., :end], layers
+            return new, None, slice(start, end)
+        return self.positions(new), self.attn_mask(new)[..., :end], slice(start, end)
 
     def next_slots(self, t: int):
         """(t,) the slots the next t tokens go to."""
