@@ -53,9 +53,10 @@ class MultiHeadAttention(nn.Module):
                 need_weights=False, cache=None):
         """Attend from x (B, T_q, embed_dim) to itself, or to context (B, T_k, embed_dim) if given.
 
-        cache: a LayerKV. The new keys and values are written into it and the queries attend to
-        all of its slots; attn_mask must then say which slots each query may see, and let each query see
-        at least one (KVCache.attn_mask lets each see its own). Attention runs in the cache's dtype.
+        cache: a LayerKV. The new keys and values are written into it and the queries attend to the
+        slots it returns: all max_len of them, and then attn_mask must say which slots each query may see,
+        and let each query see at least one (KVCache.attn_mask lets each see its own); or the filled ones,
+        which is_causal alone may mask. Attention runs in the cache's dtype.
         need_weights: take the explicit path and also return the attention weights.
         Returns (out (B, T_q, out_dim), weights (B, n_head, T_q, T_k) or None).
         """
@@ -70,11 +71,12 @@ class MultiHeadAttention(nn.Module):
         T_k = k.size(2)
 
         dropout_p = self.attn_dropout if self.training else 0.0
-        plain = attn_mask is None and key_padding_mask is None and (not is_causal or T_q == T_k)
+        # causal needs no mask tensor when T_q == T_k (SDPA's own is_causal is then the same as ours) or when
+        # one query comes last and so sees every key (one decoding step)
+        plain = attn_mask is None and key_padding_mask is None and (not is_causal or T_q in (1, T_k))
         if plain and not need_weights:
-            # no mask tensor at all (SDPA's own is_causal is the same as ours when T_q == T_k): lets SDPA
-            # pick its fastest kernel, and builds no T x T mask
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal)
+            # no mask tensor at all: lets SDPA pick its fastest kernel, and builds no T x T mask
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal and T_q > 1)
             weights = None
         else:
             mask = self.combined_mask(T_q, T_k, x.device, attn_mask, key_padding_mask, is_causal)

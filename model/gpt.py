@@ -118,9 +118,7 @@ class GPT(nn.Module):
         """Embeddings and blocks: (final normalised hidden states (B, T, C), per-layer weights)."""
         B, T = idx.shape
         if cache is not None:
-            slots = cache.next_slots(T)
-            pos = cache.positions(slots)  # (B, T)
-            attn_mask = cache.attn_mask(slots)  # (B, 1, T, max_len)
+            pos, attn_mask, slots = cache.for_tokens(T)  # (B, T) or (T,); (B, 1, T, T_k) or None
         elif n_pad is not None:
             steps = torch.arange(T, device=idx.device)
             pos = (steps[None, :] - n_pad[:, None]).clamp(min=0)  # (B, T), counted from each row's first token

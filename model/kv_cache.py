@@ -11,10 +11,17 @@ class LayerKV(NamedTuple):
 
     k: torch.Tensor  # (B, nh, max_len, hs)
     v: torch.Tensor  # (B, nh, max_len, hs)
-    slots: torch.Tensor  # (T,) where the T new keys and values go
+    # where the T new keys and values go: (T,) slot ids, and attention reads all max_len slots, masked (static
+    # shapes); or the slice start:end, and attention reads the filled slots [:end] only
+    slots: torch.Tensor | slice
 
     def update(self, k_new, v_new):
-        """Write the new keys/values (B, nh, T, hs) in place; return every slot of this layer."""
+        """Write the new keys/values (B, nh, T, hs) in place; return the slots that attention reads."""
+        if isinstance(self.slots, slice):
+            start, end = self.slots.start, self.slots.stop
+            self.k.narrow(2, start, end - start).copy_(k_new)
+            self.v.narrow(2, start, end - start).copy_(v_new)
+            return self.k[:, :, :end], self.v[:, :, :end]
         self.k.index_copy_(2, self.slots, k_new.to(self.k.dtype))
         self.v.index_copy_(2, self.slots, v_new.to(self.v.dtype))
         return self.k, self.v
@@ -27,7 +34,9 @@ class KVCache(nn.Module):
     decides where new keys and values are written, which slots a query may attend (its own and
     those before it: causal, aligned bottom-right, whether one token or a chunk is fed) and each
     token's position. `pos` is a 0-d tensor, so that a compiled one-token step has static shapes
-    and does not recompile as it advances; queries attend to all max_len slots, masked.
+    and does not recompile as it advances: compiled, queries attend to all max_len slots, masked.
+    Eagerly on the CPU, where reading `pos` back costs nothing, they attend to the filled slots only,
+    with no mask at all unless rows are padded (see for_tokens).
 
     Left-padded batches: row b's first n_pad[b] slots hold padding, which no query attends, and its
     tokens' positions count from its first real token.
@@ -43,6 +52,7 @@ class KVCache(nn.Module):
         self.register_buffer("pos", torch.zeros((), dtype=torch.long, device=device), persistent=False)
         self.register_buffer("n_pad", torch.zeros(batch_size, dtype=torch.long, device=device), persistent=False)
         self.register_buffer("slot_ids", torch.arange(max_len, device=device), persistent=False)
+        self.padded = False  # whether reset() was given left padding: then every step needs a mask
 
     @property
     def max_len(self) -> int:
@@ -65,9 +75,35 @@ class KVCache(nn.Module):
         """Empty the cache; n_pad (B,) gives how many left-padding tokens each row will start with."""
         self.pos.zero_()
         self.n_pad.zero_() if n_pad is None else self.n_pad.copy_(n_pad)
+        self.padded = n_pad is not None
 
     def layer(self, i: int, slots) -> LayerKV:
         return LayerKV(self.k[i], self.v[i], slots)
+
+    @property
+    def static_shapes(self) -> bool:
+        """Whether a forward pass attends to all max_len slots, masked: when compiled (static shapes compile
+        once), and off the CPU (the other way reads `pos` back, which waits for the device)."""
+        return torch.compiler.is_compiling() or self.pos.device.type != "cpu"
+
+    def for_tokens(self, t: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | slice]:
+        """What a forward pass of the next t tokens needs: (their positions (B, t) or (t,), the attention
+        mask (B, 1, t, T_k) or None for plain causal attention, their slots for layer()).
+
+        With static_shapes attention reads all max_len slots through the mask. Otherwise it reads the filled
+        slots [:end] only, and unpadded rows need no mask: the model's causal attention, aligned bottom-right,
+        is exactly the cache's mask there. That spares each one-token step building the mask, and every
+        layer converting it.
+        """
+        if self.static_shapes:
+            slots = self.next_slots(t)
+            return self.positions(slots), self.attn_mask(slots), slots
+        start = int(self.pos)
+        end = start + t
+        new = self.slot_ids[start:end]  # (t,)
+        if not self.padded:
+            return new, None, slice(start, end)
+        return self.positions(new), self.attn_mask(new)[..., :end], slice(start, end)
 
     def next_slots(self, t: int):
         """(t,) the slots the next t tokens go to."""

@@ -52,6 +52,15 @@ def test_brief_training_lowers_the_loss(trained, config_name):
 
 # --- every decode step equals a full forward -------------------------------------------------------------
 
+@pytest.fixture(params=["filled slots", "all slots, masked"])
+def attention_path(request, monkeypatch):
+    """Both ways a cached forward attends: to the filled slots only (eager, on the CPU), and to all max_len
+    slots through the cache's mask (static shapes: what a compiled step runs), forced here without compiling."""
+    if request.param == "all slots, masked":
+        monkeypatch.setattr(KVCache, "static_shapes", property(lambda self: True))
+    yield request.param
+
+
 def assert_every_step_matches_full_forward(model, prompt):
     """Prefill prompt, then decode greedily until the cache is full. At every step the cached logits must
     equal those of a full forward over exactly the same context."""
@@ -72,7 +81,7 @@ def assert_every_step_matches_full_forward(model, prompt):
 @pytest.mark.parametrize("prompt_len", [1, 7, BLOCK_SIZE])
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("config_name", CONFIGS)
-def test_cached_logits_equal_full_forward_at_every_step_random_model(config_name, batch, prompt_len):
+def test_cached_logits_equal_full_forward_at_every_step_random_model(config_name, batch, prompt_len, attention_path):
     model = random_model(**CONFIGS[config_name])
     assert_every_step_matches_full_forward(model, random_tokens(batch, prompt_len))
 
@@ -147,7 +156,7 @@ def test_prefill_then_continue_equals_one_shot_prefill():
 
 
 @pytest.mark.parametrize("chunks", [[3, 4, BLOCK_SIZE - 7], [1] * 5 + [BLOCK_SIZE - 5]], ids=["3+4+rest", "1x5+rest"])
-def test_chunked_prefill_equals_whole_prefill(chunks):
+def test_chunked_prefill_equals_whole_prefill(chunks, attention_path):
     model = random_model()
     tokens = random_tokens(3, BLOCK_SIZE)
     whole_logits, whole = prefill_in_chunks(model, tokens, [BLOCK_SIZE])
@@ -269,7 +278,7 @@ def test_the_cache_is_scratch_space_not_part_of_any_checkpoint():
 
 # --- left-padded rows ------------------------------------------------------------------------------------
 
-def test_a_left_padded_row_gets_the_logits_it_gets_alone_with_and_without_the_cache():
+def test_a_left_padded_row_gets_the_logits_it_gets_alone_with_and_without_the_cache(attention_path):
     model = random_model()
     lengths = [3, 7, 5]
     prompts = [random_tokens(1, n, seed=n) for n in lengths]

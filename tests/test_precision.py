@@ -113,13 +113,14 @@ def test_the_held_out_loss_stays_close_to_fp32(precision):
     assert abs(held_out_loss(converted(precision, LOSS_STEPS)) - fp32) < LOSS_TOLERANCE
 
 
-def test_int8_holds_int8_weights_with_a_scale_per_output_channel_in_every_block_linear():
+def test_int8_holds_int8_weights_with_a_scale_per_output_channel_in_every_block_linear_and_the_head():
     model = converted("int8")
     reference = trained_fp32().blocks[0].mlp.fc
     for block in model.blocks:
         for linear in (block.attn.qkv, block.attn.out_proj, block.mlp.fc, block.mlp.proj):
             assert isinstance(linear, Int8Linear)
             assert linear.weight.dtype == torch.int8 and linear.scales.shape == (linear.out_features,)
+    assert isinstance(model.lm_head, Int8Linear) and model.lm_head.weight.shape == (len(VOCAB), 48)
     assert not any(p.dtype == torch.int8 for p in model.parameters())  # buffers, nothing to train
     fc = model.blocks[0].mlp.fc
     dequantized = fc.weight.float() * fc.scales.float()[:, None]
