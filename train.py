@@ -15,7 +15,6 @@ cleanly.
 
 import dataclasses
 import os
-import re
 import shutil
 import sys
 from pathlib import Path
@@ -24,20 +23,20 @@ import hydra
 import torch
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from data import Batches, DataError, prepare_shakespeare
+from data import Batches, DataError, PreparedData, prepare_shakespeare
 from model import GPT
 from training.checkpoint import CheckpointError, resolve_checkpoint
-from training.config import ConfigError, first_line, register, validate
+from training.config import ConfigError, config_error_line, register, validate
 from training.devices import choose_device
 from training.distributed import init_distributed, is_rank_zero
-from training.files import remove_stale_temporaries
+from training.files import os_error_line, remove_stale_temporaries
 from training.loop import Diverged, Stopped, Trainer
 from training.resume import load_resume_checkpoint
-from training.runs import claim_run_dir
+from training.runs import claim_run_dir, refuse_used_dirs
 from training.summaries import Summaries
 
 register()
@@ -65,16 +64,7 @@ def main(cfg: DictConfig, run_dir) -> float | None:
         torch.manual_seed(tc.seed + rank)  # dropout differs between processes, like their batches
         if device.type == "cuda":
             torch.set_float32_matmul_precision("high")  # TF32 matmuls where bf16 autocast does not reach
-        try:
-            data = prepare_shakespeare(settings.data.root, url=settings.data.url, sha256=settings.data.sha256,
-                                       val_fraction=settings.data.val_fraction)
-        except DataError as e:
-            raise ConfigError(str(e)) from None
-        for split in ("train", "val"):  # found now rather than at the first evaluation
-            try:
-                Batches(getattr(data, split), settings.model.block_size, batch_size=1)
-            except DataError as e:
-                raise ConfigError(f"the {split} split of {settings.data.root} is too short: {e}") from None
+        data = prepare_data(settings)
         if resumed is not None and resumed["vocab"] != data.vocab.chars:
             raise ConfigError(f"the checkpoint's vocabulary differs from that of {settings.data.root}; "
                               f"resume with the data it was trained on")
@@ -107,27 +97,26 @@ def main(cfg: DictConfig, run_dir) -> float | None:
             dist.destroy_process_group()
 
 
+def prepare_data(settings) -> PreparedData:
+    """The data set, obtained and encoded, with splits long enough for the model's context."""
+    try:
+        data = prepare_shakespeare(settings.data.root, url=settings.data.url, sha256=settings.data.sha256,
+                                   val_fraction=settings.data.val_fraction)
+    except DataError as e:
+        raise ConfigError(str(e)) from None
+    for split in ("train", "val"):  # found now rather than at the first evaluation
+        try:
+            Batches(getattr(data, split), settings.model.block_size, batch_size=1)
+        except DataError as e:
+            raise ConfigError(f"the {split} split of {settings.data.root} is too short: {e}") from None
+    return data
+
+
 def device_for(name: str) -> torch.device:
     try:
         return choose_device(name)
     except ValueError as e:
         raise ConfigError(f"device={e}") from None
-
-
-def config_error_line(error: Exception) -> str:
-    """Hydra's and OmegaConf's errors, several lines long, as one."""
-    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
-    if isinstance(error, OverrideParseException):  # the last line links to the override grammar
-        return f"cannot parse {error.override!r} ({lines[0]}); {lines[-1]}"
-    ours = "ConfigError raised while resolving interpolation: "  # a resolver's own one-line error
-    if lines[0].startswith(ours):
-        return lines[0].removeprefix(ours)
-    parts = [lines[0].rstrip(".")]
-    if error.__cause__ is not None:
-        parts.append(first_line(error.__cause__))
-    if isinstance(error, MissingConfigException) and error.options:
-        parts.append(f"options: {', '.join(error.options)}")
-    return "; ".join(parts)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
@@ -150,28 +139,10 @@ def hydra_main(cfg: DictConfig) -> float | None:
             shutil.rmtree(run_dir, ignore_errors=True)  # a run that never started leaves no directory
 
 
-def os_error_line(error: OSError) -> str:
-    return f"{error.strerror or error}{': ' + str(error.filename) if error.filename else ''}"
-
-
 def fail(message: str, status: int = 2):
     if is_rank_zero():  # under torchrun every process fails alike: one message is enough
         print(f"train.py: error: {message}", file=sys.stderr)
     sys.exit(status)
-
-
-def check_new_dirs(argv: list[str]) -> None:
-    """Refuse, before Hydra writes its .hydra/ there, a hydra.run.dir or hydra.sweep.dir that already holds
-    files: they belong to another run."""
-    for arg in argv:
-        match = re.fullmatch(r"\+{0,2}hydra\.(run|sweep)\.dir=(.+)", arg)
-        if match and "${" not in match[2]:
-            path = Path(match[2])
-            if path.is_dir() and any(path.iterdir()):
-                raise ConfigError(f"hydra.{match[1]}.dir={path} already holds another run's files; continue that "
-                                  f"run with train.resume={path}, or give a new hydra.{match[1]}.dir")
-            if path.exists() and not path.is_dir():
-                raise ConfigError(f"hydra.{match[1]}.dir={path} is a file, not a folder")
 
 
 def added_overrides(argv: list[str]) -> list[str]:
@@ -200,7 +171,7 @@ if __name__ == "__main__":
     sys.stdout.reconfigure(line_buffering=True)  # evaluation lines reach a log file as they happen
     try:
         if is_rank_zero():
-            check_new_dirs(sys.argv[1:])
+            refuse_used_dirs(sys.argv[1:])
         sys.argv += added_overrides(sys.argv[1:])
         hydra_main()
     except ConfigError as e:

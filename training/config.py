@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
+from hydra.errors import MissingConfigException, OverrideParseException
 from omegaconf.errors import OmegaConfBaseException
 
 from data import SHA256, SOURCE_URL
@@ -157,3 +158,19 @@ def flatten(tree: dict, prefix: str = "") -> dict:
         else:
             flat[f"{prefix}{key}"] = value
     return flat
+
+
+def config_error_line(error: Exception) -> str:
+    """Hydra's and OmegaConf's errors, several lines long, as one."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    if isinstance(error, OverrideParseException):  # the last line links to the override grammar
+        return f"cannot parse {error.override!r} ({lines[0]}); {lines[-1]}"
+    ours = "ConfigError raised while resolving interpolation: "  # a resolver's own one-line error
+    if lines[0].startswith(ours):
+        return lines[0].removeprefix(ours)
+    parts = [lines[0].rstrip(".")]
+    if error.__cause__ is not None:
+        parts.append(first_line(error.__cause__))
+    if isinstance(error, MissingConfigException) and error.options:
+        parts.append(f"options: {', '.join(error.options)}")
+    return "; ".join(parts)

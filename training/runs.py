@@ -3,6 +3,7 @@
 There is no `latest` link: inside runs/ TensorBoard would read it as a second copy of the run it points at."""
 
 import os
+import re
 import time
 from pathlib import Path
 
@@ -44,3 +45,16 @@ def find_latest_checkpoint(runs_dir="runs", name: str = "best.pt") -> Path:
                               f"run `python train.py` first, or pass --checkpoint")
     return max(found, key=lambda p: p.stat().st_mtime_ns)
 
+
+def refuse_used_dirs(argv: list[str]) -> None:
+    """Refuse, before Hydra writes its .hydra/ there, a hydra.run.dir or hydra.sweep.dir that already holds
+    files: they belong to another run."""
+    for arg in argv:
+        match = re.fullmatch(r"\+{0,2}hydra\.(run|sweep)\.dir=(.+)", arg)
+        if match and "${" not in match[2]:
+            path = Path(match[2])
+            if path.is_dir() and any(path.iterdir()):
+                raise ConfigError(f"hydra.{match[1]}.dir={path} already holds another run's files; continue that "
+                                  f"run with train.resume={path}, or give a new hydra.{match[1]}.dir")
+            if path.exists() and not path.is_dir():
+                raise ConfigError(f"hydra.{match[1]}.dir={path} is a file, not a folder")
