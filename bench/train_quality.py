@@ -47,6 +47,18 @@ def seconds_to(target: float, outcome: dict) -> float | None:
     return next((row["wall_time"] - outcome["start"] for row in outcome["curve"] if row["val"] <= target), None)
 
 
+def print_curves(outcomes: list[dict]) -> None:
+    """Val loss against wall-clock seconds since each run's start, one column per run."""
+    print("\n| step | " + " | ".join(f"{o['name']}: s | val" for o in outcomes) + " |")
+    print("|---|" + "---|---|" * len(outcomes))
+    rows = {o["name"]: {r["step"]: r for r in o["curve"]} for o in outcomes}
+    for step in sorted({r["step"] for o in outcomes for r in o["curve"]}):
+        cells = [f"{r['wall_time'] - o['start']:.0f} | {r['val']:.4f}" if (r := rows[o["name"]].get(step)) else "- | -"
+                 for o in outcomes]
+        print(f"| {step} | " + " | ".join(cells) + " |")
+    print()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--candidate", nargs="+", action="append", metavar=("NAME", "OVERRIDE"),
@@ -54,6 +66,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1337])
     parser.add_argument("--target", type=float, default=1.70)
     parser.add_argument("--eval-interval", type=int, help="override every candidate's train.eval_interval")
+    parser.add_argument("--curves", action="store_true", help="also print each run's val loss against seconds")
     args = parser.parse_args()
     candidates = {c[0]: c[1:] for c in args.candidate} if args.candidate else CANDIDATES
 
@@ -72,6 +85,8 @@ def main() -> None:
                 print(f"| {name} | {seed} | {last['step']} | {outcome['seconds']:.0f} | "
                       f"{min(r['val'] for r in outcome['curve']):.4f} | {last['val']:.4f} | {last['train']:.4f} | "
                       f"{'-' if reached is None else f'{reached:.0f}'} |", flush=True)
+            if args.curves:
+                print_curves(outcomes)
             times = [seconds_to(args.target, o) for o in outcomes]
             if len(outcomes) == 2 and None not in times:
                 print(f"\nseed {seed}: {outcomes[0]['name']} reaches val {args.target} in "
