@@ -27,7 +27,7 @@ def composed(*overrides):
     ("optim.beta2=1.0", "optim.beta2 must be in [0, 1)"),
     ("optim.grad_clip=0", "optim.grad_clip must be a positive number"),
     ("optim.name=sgd", "optim.name must be one of"),
-    ("optim.warmup_iters=1200", "optim.warmup_iters must be below train.max_iters=1200"),
+    ("optim.warmup_iters=1000", "optim.warmup_iters must be below train.max_iters=1000"),
     ("model.n_head=5", "model: n_embd 128 is not divisible by n_head 5"),
 ])
 def test_a_bad_value_is_one_line_naming_the_setting(override, message):
