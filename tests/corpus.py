@@ -12,7 +12,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-PASSAGE = """First Citizen:
+# The play's opening lines: the sampling and precision tests train their tiny models on these alone.
+CITIZENS = """First Citizen:
 Before we proceed any further, hear me speak.
 
 All:
@@ -26,7 +27,8 @@ Resolved. resolved.
 
 First Citizen:
 First, you know Caius Marcius is chief enemy to the people.
-
+"""
+PASSAGE = CITIZENS + """
 All:
 We know't, we know't.
 

@@ -14,25 +14,12 @@ import torch.nn.functional as F
 from data import CharVocab
 from model import GPT, GREEDY, generate
 from model.quantize import Int8Linear, QuantizedModelError, to_precision
+from corpus import CITIZENS
 from tiny_models import tiny_config, train_briefly
 from training.checkpoint import build_checkpoint, load_model, save_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
-TEXT = """First Citizen:
-Before we proceed any further, hear me speak.
-
-All:
-Speak, speak.
-
-First Citizen:
-You are all resolved rather to die than to famish?
-
-All:
-Resolved. resolved.
-
-First Citizen:
-First, you know Caius Marcius is chief enemy to the people.
-
+TEXT = CITIZENS + """
 All:
 We know't, we know't.
 

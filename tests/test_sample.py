@@ -14,27 +14,14 @@ import torch
 from data import CharVocab
 from model import GPT, GPTConfig
 from training.checkpoint import FORMAT, VERSION, build_checkpoint, save_checkpoint
+from corpus import CITIZENS
 from tiny_models import train_briefly
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO / "sample.py"
 SEPARATOR = "---------------\n"
 
-TEXT = """First Citizen:
-Before we proceed any further, hear me speak.
-
-All:
-Speak, speak.
-
-First Citizen:
-You are all resolved rather to die than to famish?
-
-All:
-Resolved. resolved.
-
-First Citizen:
-First, you know Caius Marcius is chief enemy to the people.
-"""
+TEXT = CITIZENS
 VOCAB = CharVocab.from_text(TEXT)
 BLOCK_SIZE = 16
 NEW_TOKENS = 3 * BLOCK_SIZE + 5  # well past 2 * block_size, so the context is cut back more than once
