@@ -1,7 +1,7 @@
 """Decode speed at fp32, bf16 and int8: the KV cache against each precision's weight-matmul bound, in one run.
 
     python bench/decode.py                                    # the classic shakespeare-char shape, on CPU
-    python bench/decode.py --checkpoint runs/latest           # also the val-loss change of bf16 and int8
+    python bench/decode.py --checkpoint runs/<date>_<time>    # also the val-loss change of bf16 and int8
     python bench/decode.py --profile                          # also where one-token steps spend their time
 
 Greedy generation from a random-weight model of the classic shape (conf/model/classic.yaml: 6 layers,
