@@ -154,27 +154,34 @@ def collect_samples(steps, prompt: str, vocab: CharVocab, num_samples: int) -> l
     return [prompt + vocab.decode(row) for row in rows]
 
 
+def prepare(args):
+    """Everything the sampling needs, checked: (sampling, device, prompt, its ids, checkpoint path, model, vocab).
+    Every mistake is a UsageError or a CheckpointError."""
+    check_args(args)
+    sampling = sampling_from(args)
+    try:
+        device = choose_device(args.device)
+    except ValueError as e:
+        raise UsageError(f"--device {e}") from None
+    prompt = read_prompt(args)
+    # without --checkpoint: the newest under the working directory, where train.py writes
+    checkpoint_path = resolve_checkpoint(args.checkpoint) if args.checkpoint else find_latest_checkpoint("runs")
+    model, vocab, _ = load_model(checkpoint_path, device, precision=args.precision)
+    prompt_ids = encode_prompt(vocab, prompt)
+    block_size = model.config.block_size
+    if args.window is not None and not 1 <= args.window <= block_size:
+        raise UsageError(f"--window must be in [1, {block_size}] (the model's block_size), got {args.window}")
+    check_memory(args.num_samples, model, device)
+    if sys.stdout is None:  # started with stdout closed (`>&-`)
+        raise UsageError("standard output is closed; send it to a file or a pipe")
+    return sampling, device, prompt, prompt_ids, checkpoint_path, model, vocab
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        check_args(args)
-        sampling = sampling_from(args)
-        try:
-            device = choose_device(args.device)
-        except ValueError as e:
-            raise UsageError(f"--device {e}") from None
-        prompt = read_prompt(args)
-        # without --checkpoint: the newest under the working directory, where train.py writes
-        checkpoint_path = resolve_checkpoint(args.checkpoint) if args.checkpoint else find_latest_checkpoint("runs")
-        model, vocab, _ = load_model(checkpoint_path, device, precision=args.precision)
-        prompt_ids = encode_prompt(vocab, prompt)
-        block_size = model.config.block_size
-        if args.window is not None and not 1 <= args.window <= block_size:
-            raise UsageError(f"--window must be in [1, {block_size}] (the model's block_size), got {args.window}")
-        check_memory(args.num_samples, model, device)
-        if sys.stdout is None:  # started with stdout closed (`>&-`)
-            raise UsageError("standard output is closed; send it to a file or a pipe")
+        sampling, device, prompt, prompt_ids, checkpoint_path, model, vocab = prepare(args)
     except (UsageError, CheckpointError) as e:
         parser.error(str(e))
 
