@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 import urllib.parse
 import urllib.request
 from contextlib import contextmanager
@@ -33,6 +34,7 @@ SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 FORMAT = "kvgpt-chars-uint16-v2"  # bump when the layout of the prepared files changes
 TOKEN_DTYPE = np.uint16
 DOWNLOAD_TIMEOUT_S = 60
+STALE_STAGING_S = 3600
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,15 @@ def prepare_shakespeare(root, url: str = SOURCE_URL, sha256: str = SHA256, val_f
 
 @contextmanager
 def _staging(root: Path):
-    """A private folder inside root in which files are written whole before they are moved into place."""
+    """A private folder inside root in which files are written whole before they are moved into place.
+    Staging folders older than STALE_STAGING_S were left by a process killed mid-way (preparing takes
+    seconds) and are removed first."""
+    for old in root.glob(".staging-*"):
+        try:
+            if time.time() - old.stat().st_mtime > STALE_STAGING_S:
+                shutil.rmtree(old, ignore_errors=True)
+        except FileNotFoundError:  # another process removed it first
+            pass
     staging = Path(tempfile.mkdtemp(dir=root, prefix=".staging-"))
     try:
         yield staging

@@ -2,6 +2,8 @@
 
 import hashlib
 import io
+import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -175,6 +177,18 @@ def test_stale_or_damaged_prepared_files_are_rebuilt(tmp_path, small_source, dam
     n_train = int(len(SMALL_TEXT) * (1 - val_fraction))
     assert prepared.vocab.decode(prepared.train) == SMALL_TEXT[:n_train]
     assert prepared.vocab.decode(prepared.val) == SMALL_TEXT[n_train:]
+
+
+def test_staging_folders_left_by_a_killed_run_are_removed_and_fresh_ones_kept(tmp_path, small_source):
+    url, sha256 = small_source
+    stale, fresh = tmp_path / ".staging-killed", tmp_path / ".staging-running"
+    for folder in (stale, fresh):
+        folder.mkdir()
+        (folder / "train.bin").write_bytes(b"half")
+    old = time.time() - shakespeare.STALE_STAGING_S - 60
+    os.utime(stale, (old, old))
+    prepare_shakespeare(tmp_path, url=url, sha256=sha256)
+    assert not stale.exists() and fresh.exists()  # another process may still be writing in a fresh one
 
 
 def test_interrupted_rebuild_is_not_mistaken_for_a_finished_one(tmp_path, small_source, monkeypatch):
