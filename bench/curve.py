@@ -8,22 +8,24 @@ val losses, and the learning rate at that step.
 
 import argparse
 import sys
+from pathlib import Path
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-VAL, TRAIN_EVAL, LR = "loss/val", "loss/train_eval", "optim/lr"  # the tags training/summaries.py writes
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from training.summaries import LR, TRAIN_EVAL_LOSS, VAL_LOSS  # noqa: E402
 
 
 def read_curve(run_dir) -> list[dict]:
     """One dict per evaluation: step, wall_time, train and val loss, lr (NaN where not logged)."""
     events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
     events.Reload()
-    if VAL not in events.Tags()["scalars"]:
-        raise ValueError(f"no {VAL} events in {run_dir}; give a run directory of train.py")
-    train_loss = {e.step: e.value for e in events.Scalars(TRAIN_EVAL)}
+    if VAL_LOSS not in events.Tags()["scalars"]:
+        raise ValueError(f"no {VAL_LOSS} events in {run_dir}; give a run directory of train.py")
+    train_loss = {e.step: e.value for e in events.Scalars(TRAIN_EVAL_LOSS)}
     lr = {e.step: e.value for e in events.Scalars(LR)}
     return [{"step": e.step, "wall_time": e.wall_time, "train": train_loss[e.step], "val": e.value,
-             "lr": lr.get(e.step - 1, float("nan"))} for e in events.Scalars(VAL)]
+             "lr": lr.get(e.step - 1, float("nan"))} for e in events.Scalars(VAL_LOSS)]
 
 
 def main() -> None:
@@ -33,7 +35,8 @@ def main() -> None:
     try:
         curve = read_curve(args.run_dir)
     except ValueError as e:
-        sys.exit(f"curve.py: error: {e}")
+        print(f"curve.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
     start = curve[0]["wall_time"]
     print("| step | seconds | train loss | val loss | lr |")
     print("|---|---|---|---|---|")

@@ -31,7 +31,13 @@ HPARAMS = ("model.n_layer", "model.n_head", "model.n_embd", "model.block_size", 
            "optim.muon_weight_decay", "train.batch_size",
            "train.grad_accum_steps", "train.max_iters", "train.seed", "device")
 CHOICES = {"optim.name": OPTIMIZERS, "optim.decay": DECAYS, "device": DEVICE_TYPES}  # the string hparams' every possible value
-METRICS = (("loss/val_best", "val loss (best)"), ("loss/val", "val loss (last)"))
+# The scalar tags that bench/curve.py reads back, too
+TRAIN_LOSS = "loss/train"
+TRAIN_EVAL_LOSS = "loss/train_eval"  # the train split, evaluated like val
+VAL_LOSS = "loss/val"
+VAL_BEST = "loss/val_best"
+LR = "optim/lr"
+METRICS = ((VAL_BEST, "val loss (best)"), (VAL_LOSS, "val loss (last)"))
 ATTENTION = ("Attention of layer {layer}, head {head} on the last {size} characters of train.sample_prompt. "
              "Row i is the query at position i, column j the key at position j; the upper triangle is black "
              "because a query never sees later keys. Each row is scaled to its own maximum, so white marks "
@@ -74,15 +80,15 @@ class Summaries:
                     tokens_per_sec: float):
         """Each step's values at the time that step finished."""
         for i, (loss, norm, lr, walltime) in enumerate(zip(losses, grad_norms, lrs, walltimes)):
-            self.writer.add_scalar("loss/train", loss, first_step + i, walltime)
+            self.writer.add_scalar(TRAIN_LOSS, loss, first_step + i, walltime)
             self.writer.add_scalar("optim/grad_norm", norm, first_step + i, walltime)
-            self.writer.add_scalar("optim/lr", lr, first_step + i, walltime)
+            self.writer.add_scalar(LR, lr, first_step + i, walltime)
         self.writer.add_scalar("perf/tokens_per_sec", tokens_per_sec, first_step + len(losses), walltimes[-1])
 
     def evaluation(self, step: int, losses: dict[str, float], best_val_loss: float):
-        self.writer.add_scalar("loss/val", losses["val"], step)
-        self.writer.add_scalar("loss/train_eval", losses["train"], step)  # the same batches at every evaluation
-        self.writer.add_scalar("loss/val_best", best_val_loss, step)
+        self.writer.add_scalar(VAL_LOSS, losses["val"], step)
+        self.writer.add_scalar(TRAIN_EVAL_LOSS, losses["train"], step)  # the same batches at every evaluation
+        self.writer.add_scalar(VAL_BEST, best_val_loss, step)
 
     @torch.no_grad()
     def sample_and_attention(self, model: GPT, vocab: CharVocab, prompt: torch.Tensor, n_tokens: int, seed: int,
