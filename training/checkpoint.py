@@ -9,7 +9,8 @@ A checkpoint is a plain dict of tensors, numbers, strings, lists and dicts, so i
     vocab             the character vocabulary, as one string in id order
     model             the model's state_dict (no `_orig_mod.` or `module.` prefix)
 
-and a training checkpoint adds `training`: optimizers, schedulers (one per optimiser), step, best_val_loss, rng and config.
+and a training checkpoint adds `training`: optimizers, schedulers (one per optimiser), step, best_val_loss,
+rng and config.
 """
 
 import dataclasses
@@ -116,9 +117,8 @@ def load_model(path, device="cpu", prefer: str = "best.pt", precision: str = "fp
             raise ValueError(f"{len(vocab)} characters for vocab_size {model.config.vocab_size}")
     except (KeyError, TypeError, ValueError, RuntimeError, DataError) as e:
         # A kvgpt checkpoint, but one this version of the code cannot rebuild a model from.
-        reason = " ".join(str(e).split())[:200] or type(e).__name__  # load_state_dict's lists span lines
         raise CheckpointError(f"{resolve_checkpoint(path, prefer)} does not fit this version of the model "
-                              f"({reason})") from None
+                              f"({squeezed(e)})") from None
     return to_precision(model.to(device), precision), vocab, contents
 
 
@@ -126,3 +126,8 @@ def _first_line(error: Exception) -> str:
     lines = str(error).strip().splitlines()
     text = lines[0].split(". ")[0].rstrip(".") if lines else ""
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def squeezed(error: Exception) -> str:
+    """An error's whole message on one line, cut to 200 characters: load_state_dict's lists span lines."""
+    return " ".join(str(error).split())[:200] or type(error).__name__

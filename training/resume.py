@@ -6,7 +6,7 @@ import torch
 
 from model import GPT, GPTConfig
 
-from .checkpoint import TRAINING_KEYS, CheckpointError, load_checkpoint
+from .checkpoint import TRAINING_KEYS, CheckpointError, load_checkpoint, squeezed
 from .config import ConfigError, OptimConfig, flatten
 from .optim import make_optimizers, make_scheduler
 
@@ -38,8 +38,7 @@ def load_resume_checkpoint(path, config: dict, max_iters: int, optim: OptimConfi
     try:
         check_restorable(contents, optim, max_iters)
     except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, IndexError) as e:
-        reason = " ".join(str(e).split())[:200] or type(e).__name__  # load_state_dict's lists span lines
-        raise ConfigError(f"train.resume: {path} is damaged ({reason}); resume from another checkpoint") from None
+        raise ConfigError(f"train.resume: {path} is damaged ({squeezed(e)}); resume from another checkpoint") from None
     return contents
 
 
