@@ -2,10 +2,8 @@
 configs or logging."""
 
 from .attention import MultiHeadAttention, causal_mask
-from .generate import generate, generate_tokens
-from .gpt import GPT, GPTConfig
-from .kv_cache import KVCache, LayerKV
-from .sampling import GREEDY, Sampling
+from .generate import GREEDY, Sampling, generate, generate_tokens
+from .gpt import GPT, GPTConfig, KVCache, LayerKV
 
 __all__ = ["GPT", "GPTConfig", "GREEDY", "KVCache", "LayerKV", "MultiHeadAttention", "Sampling", "causal_mask",
            "generate", "generate_tokens"]

@@ -7,6 +7,9 @@ Mask conventions (each argument follows the PyTorch function it is named after):
 - is_causal: query i may attend key j when j <= i + (T_k - T_q), i.e. aligned bottom-right, so
   that the last query sees every key. That is what new queries appended after earlier keys need.
 All given masks are combined with AND. A query whose keys are all masked gets zeros, never NaN.
+
+Rotary positions (RoPE): rope=(cos, sin) from rotary() turns each query and key by the angle of its position
+before they meet, so a score depends only on how far apart the two tokens are, never on where they stand.
 """
 
 import math
@@ -16,13 +19,34 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
-def causal_mask(t_q: int, t_k: int, device=None) -> torch.Tensor:
-    """(t_q, t_k) bool, True where query i may attend key j, aligned bottom-right.
+def causal_mask(t_q: int, t_k: int, device=None, window: int | None = None) -> torch.Tensor:
+    """(t_q, t_k) bool, True where query i may attend key j, aligned bottom-right. With a window, each query
+    sees itself and at most window - 1 keys before it (sliding-window attention).
 
     F.scaled_dot_product_attention's is_causal aligns top-left instead, which is only the same
     when t_q == t_k.
     """
-    return torch.ones(t_q, t_k, dtype=torch.bool, device=device).tril(diagonal=t_k - t_q)
+    mask = torch.ones(t_q, t_k, dtype=torch.bool, device=device).tril(diagonal=t_k - t_q)
+    return mask if window is None else mask.triu(diagonal=t_k - t_q - window + 1)
+
+
+def rotary(positions: torch.Tensor, head_dim: int, base: float = 10_000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's (cos, sin) for token positions (T,) or (B, T): each (T, head_dim/2) or (B, 1, T, head_dim/2), to
+    broadcast over (B, nh, T, head_dim/2). Channel pair i of a head (i and i + head_dim/2) turns by
+    position * base^(-2i / head_dim). The angles are taken in float64 (MPS has none: float32 there), because in
+    float32 a position in the thousands already loses digits of its angle, and decoding goes that far."""
+    dtype = torch.float32 if positions.device.type == "mps" else torch.float64
+    inv_freq = base ** -(torch.arange(0, head_dim, 2, device=positions.device, dtype=dtype) / head_dim)
+    angles = positions.to(dtype)[..., None] * inv_freq  # (T, hd/2) or (B, T, hd/2)
+    if angles.dim() == 3:
+        angles = angles[:, None]  # (B, 1, T, hd/2): every head turns alike
+    return angles.cos().float(), angles.sin().float()
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, nh, T, hd) with each channel pair (x_i, x_{i + hd/2}) turned by its angle, in float32."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
 class MultiHeadAttention(nn.Module):
@@ -50,7 +74,7 @@ class MultiHeadAttention(nn.Module):
         self.out_dropout = nn.Dropout(dropout)
 
     def forward(self, x, context=None, *, attn_mask=None, key_padding_mask=None, is_causal=False,
-                need_weights=False, cache=None):
+                need_weights=False, rope=None, cache=None):
         """Attend from x (B, T_q, embed_dim) to itself, or to context (B, T_k, embed_dim) if given.
 
         cache: a LayerKV. The new keys and values are written into it and the queries attend to the
@@ -58,6 +82,8 @@ class MultiHeadAttention(nn.Module):
         and let each query see at least one (KVCache.attn_mask lets each see its own); or the filled ones,
         which is_causal alone may mask. Attention runs in the cache's dtype.
         need_weights: take the explicit path and also return the attention weights.
+        rope: (cos, sin) from rotary() for the positions of x's tokens (self-attention only): the keys are turned
+        before they are cached, so cached keys keep their positions.
         Returns (out (B, T_q, out_dim), weights (B, n_head, T_q, T_k) or None).
         """
         B, T_q, _ = x.shape
@@ -65,6 +91,10 @@ class MultiHeadAttention(nn.Module):
         q = q.view(B, T_q, self.n_head, -1).transpose(1, 2)  # (B, nh, T_q, hs)
         k = k.view(B, k.size(1), self.n_head, -1).transpose(1, 2)  # (B, nh, T_k, hs)
         v = v.view(B, v.size(1), self.n_head, -1).transpose(1, 2)  # (B, nh, T_k, hs_v)
+        if rope is not None:
+            if context is not None:
+                raise ValueError("rotary positions apply to self-attention only: queries and keys from one sequence")
+            q, k = rotate(q, *rope), rotate(k, *rope)
         if cache is not None:
             k, v = cache.update(k, v)  # (B, nh, max_len, hs): every slot of this layer's cache
             q = q.to(k.dtype)
@@ -80,7 +110,7 @@ class MultiHeadAttention(nn.Module):
             weights = None
         else:
             mask = self.combined_mask(T_q, T_k, x.device, attn_mask, key_padding_mask, is_causal)
-            y, weights = self.attend(q, k, v, mask, dropout_p, need_weights, may_have_empty_rows=cache is None)
+            y, weights = self.attend(q, k, v, mask, dropout_p, need_weights)
 
         y = y.transpose(1, 2).reshape(B, T_q, self.v_dim).to(x.dtype)  # re-assemble the heads side by side
         return self.out_dropout(self.out_proj(y)), weights
@@ -96,10 +126,8 @@ class MultiHeadAttention(nn.Module):
             mask = attn_mask if mask is None else mask & attn_mask
         return mask
 
-    def attend(self, q, k, v, mask, dropout_p, need_weights, may_have_empty_rows=True):
+    def attend(self, q, k, v, mask, dropout_p, need_weights):
         """softmax(q kᵀ / √d, masked) v, explicitly when the weights are wanted, else through SDPA.
-        may_have_empty_rows=False: the caller knows that every query sees a key (a cache's mask), which
-        spares the decoding step the guard below.
         Returns (y (B, nh, T_q, hs_v), weights (B, nh, T_q, T_k) or None)."""
         if need_weights:
             scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))  # (B, nh, T_q, T_k)
@@ -110,8 +138,6 @@ class MultiHeadAttention(nn.Module):
                 weights = weights.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
             return F.dropout(weights, dropout_p, self.training) @ v, weights
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
-        if not may_have_empty_rows:
-            return y, None
         # kernels differ on rows with every key masked (zeros on some, NaN on others): make them zeros
         return y.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0), None
 

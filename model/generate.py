@@ -1,28 +1,81 @@
-"""The decoding loop, outside the network: prefill the KV cache, then one token per step.
+"""Decoding, outside the network: how each token is drawn (Sampling), and the loop that prefills the KV cache
+and then feeds one token per step.
 
     ids = generate(model, prompt, 200, sampling=Sampling(temperature=0.8, top_k=40))
     for next_ids in generate_tokens(model, prompt, 200, sampling=GREEDY):  # (B,) per step, as they come
         ...
 
-Past block_size. Positions are learned, so cached keys cannot slide along: the model sees a context
-seq[start:] of at most block_size tokens, and when the next token would make it longer, start jumps forward
-so that only the last `window` tokens remain (default block_size // 2), and the cache is rebuilt with one
-prefill over them. A rebuild every block_size - window + 1 tokens keeps the cost at O(1) forward passes per
-token, amortised. window = block_size rebuilds at every step, which is exactly the classic crop to the last
-block_size tokens. use_cache=False runs a full forward over the very same context at every step.
+Past block_size. The model attends at most block_size tokens back, so each row's context is seq[start:]:
+- Rotary positions (pos_emb="rope"): a score depends only on the distance between two tokens, so cached keys
+  stay valid as the sequence grows. The cache is a ring of block_size slots (model/gpt.py's KVCache): the
+  oldest key drops out of view and every step feeds one token, with no prefill ever repeated. Each layer
+  attends its last block_size tokens (sliding-window attention), so the last token still depends on up to
+  n_layer * (block_size - 1) tokens before it, through the earlier layers: that is the context kept.
+- Learned positions: cached keys carry their absolute positions and cannot slide. When the next token would not
+  fit, start jumps forward so that only the last `window` tokens remain (default block_size // 2), and the cache
+  is refilled with one prefill over them: O(1) forward passes per token, amortised. window = block_size refills
+  at every step, which is exactly the classic crop to the last block_size tokens.
+use_cache=False runs a full forward over the very same context at every step.
 
-Ragged batches. n_pad (B,) says how many tokens at the start of each row of idx are left padding. Each
-row's context, and when its window moves, is the one it would have alone; a batch whose rows fill up at
-different steps rebuilds the cache (for all rows) whenever one of them does.
+Ragged batches. n_pad (B,) says how many tokens at the start of each row of idx are left padding. Each row's
+context, and when its window moves, is the one it would have alone; with learned positions a batch whose rows
+fill up at different steps refills the cache (for all rows) whenever one of them does.
 """
 
+import math
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 
-from .gpt import GPT
-from .kv_cache import KVCache
-from .sampling import Sampling
+from .gpt import GPT, KVCache
+
+# Below this temperature, logits / temperature can overflow float32 to inf and softmax to NaN; the
+# distribution is then a point mass on the argmax anyway, so such a temperature is refused.
+MIN_TEMPERATURE = 1e-6
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """temperature 0 is greedy (argmax); top_k keeps the k likeliest tokens; top_p keeps the fewest likeliest
+    tokens whose probabilities sum to at least p. Invalid values are a ValueError naming the argument."""
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def __post_init__(self):
+        t = self.temperature
+        if not (isinstance(t, (int, float)) and math.isfinite(t) and (t == 0 or t >= MIN_TEMPERATURE)):
+            raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {t!r}")
+        if self.top_k is not None and not (isinstance(self.top_k, int) and self.top_k >= 1):
+            raise ValueError(f"top_k must be an integer >= 1, got {self.top_k!r}")
+        if self.top_p is not None and not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def next_token(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """logits (B, vocab_size) -> next token ids (B,)."""
+        if self.greedy:
+            return logits.argmax(dim=-1)
+        logits = logits.float() / self.temperature
+        if self.top_k is not None:
+            kth_best = torch.topk(logits, min(self.top_k, logits.size(-1))).values[:, -1:]
+            logits = logits.masked_fill(logits < kth_best, float("-inf"))
+        if self.top_p is not None:
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            probs = sorted_logits.softmax(dim=-1)
+            # drop a token when the likelier ones before it already reach top_p (the first always stays)
+            drop_sorted = probs.cumsum(dim=-1) - probs >= self.top_p
+            logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+        probs = logits.softmax(dim=-1)
+        return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+
+
+GREEDY = Sampling(temperature=0)
 
 
 @torch.no_grad()
@@ -43,15 +96,18 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampl
                     cache: KVCache | None = None, compile: bool = False) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, (B,), max_new_tokens times.
 
-    sampling: how each token is drawn (model/sampling.py); generator: a torch.Generator, for reproducible
-    sampling. window: context tokens kept when the context passes block_size (see the module's docstring).
-    n_pad: left padding per row. use_cache=False recomputes the whole context at every step; cache is a
-    KVCache to reuse (from model.new_kv_cache), and compile torch.compiles the one-token step: both need the
-    cache. Arguments that cannot work are a ValueError naming the argument.
+    sampling: how each token is drawn; generator: a torch.Generator, for reproducible sampling. window: context
+    tokens kept when the context passes block_size, for learned positions (see the module's docstring). n_pad:
+    left padding per row. use_cache=False recomputes the whole context at every step; cache is a KVCache to
+    reuse (from model.new_kv_cache), and compile torch.compiles the one-token step: both need the cache.
+    Arguments that cannot work are a ValueError naming the argument.
     """
     block_size = model.config.block_size
-    window = block_size // 2 if window is None else window
+    rolling = model.config.pos_emb == "rope"  # the cache rolls on past block_size
     start = _check(model, idx, max_new_tokens, window, n_pad, use_cache, cache, compile)
+    # the longest context that can still change the next token, and how much of it a jump forward keeps
+    span = model.config.n_layer * (block_size - 1) + 1 if rolling else block_size
+    window = span if rolling else block_size // 2 if window is None else window
     if use_cache:
         cache = cache if cache is not None else model.new_kv_cache(idx.size(0))
         one_token_step = torch.compile(model.decode_step, fullgraph=True) if compile else model.decode_step
@@ -60,23 +116,25 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampl
     length = idx.size(1)
     # row b's context is seq[b, start[b]:]: it starts after the row's left padding, and each row's window
     # moves on its own schedule, exactly as if the row were generated alone
-    n_cached = 0  # how many of the (padded) context's tokens the cache holds
+    fed = None  # seq[:, :fed] has gone through the cache; None: (re)fill it
     for _ in range(max_new_tokens):
-        seq = buffer[:, :length]
-        if seq.size(1) - min(start) > block_size:  # some row's context would pass block_size
-            start = [s if seq.size(1) - s <= block_size else seq.size(1) - window for s in start]
-            n_cached = 0
+        if length - min(start) > span:  # some row's context would pass span
+            start = [s if length - s <= span else length - window for s in start]
+            if not rolling:
+                fed = None
         first = min(start)  # the batch's context is seq[:, first:], each row left-padded to it
-        context_pad = None if max(start) == first else torch.tensor([s - first for s in start], device=seq.device)
+        context_pad = None if max(start) == first else torch.tensor([s - first for s in start], device=idx.device)
         if use_cache:
-            if n_cached == 0:  # (re)fill the cache
+            if fed is None:
                 cache.reset(context_pad)
-            new_tokens = seq[:, first + n_cached:]
-            step = one_token_step if new_tokens.size(1) == 1 else model.decode_step
-            logits = step(new_tokens, cache)
-            n_cached += new_tokens.size(1)
+                fed = first
+            while fed < length:  # a prompt longer than the ring: one chunk fills it, then a token at a time
+                room = block_size - (fed - first)  # tokens that still fit before the ring first wraps
+                n = length - fed if length - fed <= room else max(room, 1)
+                logits = (one_token_step if n == 1 else model.decode_step)(buffer[:, fed:fed + n], cache)
+                fed += n
         else:
-            logits = model(seq[:, first:], n_pad=context_pad)[0][:, -1]
+            logits = model(buffer[:, first:length], n_pad=context_pad)[0][:, -1]
         next_ids = sampling.next_token(logits, generator)  # (B,)
         buffer[:, length] = next_ids
         length += 1
@@ -95,11 +153,14 @@ def _check(model: GPT, idx, max_new_tokens, window, n_pad, use_cache, cache, com
         raise ValueError(f"idx must hold at least one row of at least one token, got shape {(B, T)}")
     if not (isinstance(max_new_tokens, int) and max_new_tokens >= 0):
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-    if not (isinstance(window, int) and 1 <= window <= block_size):
+    if model.config.pos_emb == "rope" and window not in (None, block_size):
+        raise ValueError(f"window applies to learned positions: a rotary-position model's cache rolls, and every "
+                         f"token sees the last block_size={block_size} tokens; drop window")
+    if window is not None and not (isinstance(window, int) and 1 <= window <= block_size):
         raise ValueError(f"window must be in [1, block_size={block_size}], got {window!r}")
     if not use_cache and (cache is not None or compile):
         raise ValueError("cache and compile apply to cached decoding: pass use_cache=True, or neither of them")
-    if cache is not None and (cache.batch_size != B or cache.max_len < block_size):
+    if cache is not None and (cache.batch_size != B or cache.max_len != block_size):
         raise ValueError(f"cache holds {cache.batch_size} rows of {cache.max_len} tokens; this generation "
                          f"needs {B} rows of block_size={block_size}: use model.new_kv_cache({B})")
     if n_pad is None:

@@ -1,25 +1,28 @@
-"""A decoder-only transformer (GPT) built from MultiHeadAttention, with a KV-cache step for decoding."""
+"""A decoder-only transformer (GPT) built from MultiHeadAttention, and the KV cache its decoding step reads."""
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention import MultiHeadAttention, causal_mask
-from .kv_cache import KVCache
+from .attention import MultiHeadAttention, causal_mask, rotary
+
+POSITIONS = ("learned", "rope")
 
 
 @dataclass
 class GPTConfig:
     vocab_size: int  # a fact about the data: the number of distinct tokens
-    block_size: int  # longest context, and the number of learned positions
+    block_size: int  # longest context the model sees (and, for learned positions, the number of positions)
     n_layer: int
     n_head: int
     n_embd: int
     dropout: float = 0.0
     bias: bool = True  # in the Linear and LayerNorm layers
+    pos_emb: str = "learned"  # learned: a trained vector per position (GPT-2); rope: rotary positions
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -29,6 +32,11 @@ class GPTConfig:
             raise ValueError(f"n_embd {self.n_embd} is not divisible by n_head {self.n_head}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.pos_emb not in POSITIONS:
+            raise ValueError(f"pos_emb must be one of {', '.join(POSITIONS)}, got {self.pos_emb!r}")
+        if self.pos_emb == "rope" and (self.n_embd // self.n_head) % 2:
+            raise ValueError(f"rope turns channel pairs: the head width n_embd / n_head = "
+                             f"{self.n_embd // self.n_head} must be even")
 
 
 class MLP(nn.Module):
@@ -52,9 +60,9 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x, attn_mask=None, cache=None, need_weights=False):
+    def forward(self, x, attn_mask=None, rope=None, cache=None, need_weights=False):
         """attn_mask None means plain causal attention; returns (x, attention weights or None)."""
-        a, weights = self.attn(self.ln_1(x), attn_mask=attn_mask, is_causal=attn_mask is None,
+        a, weights = self.attn(self.ln_1(x), attn_mask=attn_mask, is_causal=attn_mask is None, rope=rope,
                                cache=cache, need_weights=need_weights)
         x = x + a
         return x + self.mlp(self.ln_2(x)), weights
@@ -65,7 +73,7 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd) if config.pos_emb == "learned" else None
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
@@ -117,26 +125,39 @@ class GPT(nn.Module):
     def _trunk(self, idx, cache=None, n_pad=None, need_weights=False):
         """Embeddings and blocks: (final normalised hidden states (B, T, C), per-layer weights)."""
         B, T = idx.shape
+        c = self.config
+        if self.wpe is not None and cache is None and T > c.block_size:
+            raise ValueError(f"{T} tokens, but learned positions stop at block_size={c.block_size}: "
+                             f"feed the last {c.block_size} at most")
         if cache is not None:
-            pos, attn_mask, slots = cache.for_tokens(T)  # (B, T) or (T,); (B, 1, T, T_k) or None
-        elif n_pad is not None:
-            steps = torch.arange(T, device=idx.device)
-            pos = (steps[None, :] - n_pad[:, None]).clamp(min=0)  # (B, T), counted from each row's first token
-            not_pad = steps[None, :] >= n_pad[:, None]  # (B, T)
-            attn_mask = causal_mask(T, T, idx.device) & not_pad[:, None, None, :]  # (B, 1, T, T)
+            pos, attn_mask, slots, n_read = cache.for_tokens(T)  # (B, T) or (T,); (B, 1, T, T_k) or None
         else:
             pos = torch.arange(T, device=idx.device)  # (T,)
             attn_mask = None  # plain causal attention: the fastest SDPA kernels
-        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+            if n_pad is not None or T > c.block_size:
+                # past block_size a rotary model sees block_size tokens back, as its rolling cache does
+                attn_mask = causal_mask(T, T, idx.device, window=c.block_size)  # (T, T)
+            if n_pad is not None:
+                pos = (pos[None, :] - n_pad[:, None]).clamp(min=0)  # (B, T), counted from each row's first token
+                not_pad = torch.arange(T, device=idx.device)[None, :] >= n_pad[:, None]  # (B, T)
+                attn_mask = attn_mask & not_pad[:, None, None, :]  # (B, 1, T, T)
+        x = self.wte(idx)  # (B, T, C)
+        rope = None
+        if self.wpe is not None:
+            x = x + self.wpe(pos)
+        else:
+            rope = rotary(pos, c.n_embd // c.n_head)  # turns queries and keys in every layer
+        x = self.drop(x)
         weights = []
         for i, block in enumerate(self.blocks):
-            x, w = block(x, attn_mask, cache.layer(i, slots) if cache is not None else None, need_weights)
+            x, w = block(x, attn_mask, rope, cache.layer(i, slots, n_read) if cache is not None else None,
+                         need_weights)
             weights.append(w)
         if cache is not None:
             cache.advance(T)
         return self.ln_f(x), weights
 
-    def new_kv_cache(self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
+    def new_kv_cache(self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None) -> "KVCache":
         """An empty cache for batch_size rows of up to max_len tokens (default block_size), on this model's
         device, in `dtype` if given, else in the model's dtype (cpu_kv_dtype instead, if set, on the CPU)."""
         c, w = self.config, self.wte.weight
@@ -144,3 +165,123 @@ class GPT(nn.Module):
         dtype = dtype or (self.cpu_kv_dtype if on_cpu else w.dtype)
         return KVCache(c.n_layer, batch_size, c.n_head, max_len or c.block_size, c.n_embd // c.n_head,
                        dtype=dtype, device=w.device)
+
+
+class LayerKV(NamedTuple):
+    """One layer's view of the cache during one forward pass."""
+
+    k: torch.Tensor  # (B, nh, max_len, hs)
+    v: torch.Tensor  # (B, nh, max_len, hs)
+    slots: torch.Tensor  # (T,) where the T new keys and values go
+    n_read: int | None  # attention reads slots [:n_read]; None: all max_len of them, through the cache's mask
+
+    def update(self, k_new, v_new):
+        """Write the new keys/values (B, nh, T, hs) in place; return the keys and values attention reads."""
+        self.k.index_copy_(2, self.slots, k_new.to(self.k.dtype))
+        self.v.index_copy_(2, self.slots, v_new.to(self.v.dtype))
+        if self.n_read is None:
+            return self.k, self.v
+        return self.k[:, :, :self.n_read], self.v[:, :, :self.n_read]
+
+
+class KVCache(nn.Module):
+    """Keys and values of all layers, (n_layer, B, n_head, max_len, head_dim), written in place, and which of
+    them each new token may attend.
+
+    The slots are a ring: token t (counted since reset(), left padding included) goes to slot t % max_len, so
+    the cache holds the last max_len tokens. A token attends the slots holding itself and the tokens before it,
+    never its row's left padding (a padding token sees only itself, so no query is left with no key).
+    With learned positions the decoding loop refills the cache before it would wrap (generate.py). With rotary
+    positions a score depends only on the distance between two tokens, so the ring simply rolls on: the oldest
+    token drops out of view and every step feeds one token, with no refill. A chunk of several tokens must fit
+    before the first wrap, since it would overwrite keys that its own first tokens still see.
+
+    One counter, `pos` (tokens fed since reset), decides where keys go, what each query sees and each token's
+    position. It is a 0-d tensor, so that a compiled one-token step has static shapes and never recompiles.
+    """
+
+    def __init__(self, n_layer: int, batch_size: int, n_head: int, max_len: int, head_dim: int,
+                 dtype=torch.float32, device=None):
+        super().__init__()
+        shape = (n_layer, batch_size, n_head, max_len, head_dim)
+        # persistent=False: a cache is scratch space, never part of a checkpoint
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("pos", torch.zeros((), dtype=torch.long, device=device), persistent=False)
+        self.register_buffer("n_pad", torch.zeros(batch_size, dtype=torch.long, device=device), persistent=False)
+        self.register_buffer("slot_ids", torch.arange(max_len, device=device), persistent=False)
+        self.padded = False  # whether reset() was given left padding
+
+    @property
+    def max_len(self) -> int:
+        return self.k.size(3)
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.size(1)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by keys and values: 2 * n_layer * B * max_len * n_embd * itemsize."""
+        return self.k.nbytes + self.v.nbytes
+
+    def __len__(self) -> int:
+        """Tokens fed since reset(). Reads the counter back to the host (a sync on GPU): for tests and reports."""
+        return int(self.pos)
+
+    def reset(self, n_pad=None) -> None:
+        """Empty the cache; n_pad (B,) gives how many left-padding tokens each row will start with."""
+        self.pos.zero_()
+        self.n_pad.zero_() if n_pad is None else self.n_pad.copy_(n_pad)
+        self.padded = n_pad is not None
+
+    def for_tokens(self, t: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, int | None]:
+        """What a forward pass of the next t tokens needs: (their positions (B, t) or (t,), the attention mask
+        (B, 1, t, T_k) or None for plain causal attention, their slots (t,), how many slots attention reads
+        (None: all))."""
+        if t > 1 and not torch.compiler.is_compiling() and int(self.pos) + t > self.max_len:
+            raise ValueError(f"a chunk of {t} tokens must fit in the cache before it first wraps "
+                             f"({self.max_len} slots, {len(self)} fed); feed one token at a time past that")
+        new = self.pos + self.slot_ids[:t]  # (t,) the new tokens' numbers since reset
+        slots = new % self.max_len
+        if self.static_shapes:
+            return self.positions(new), self.attn_mask(new), slots, None
+        return self.filled_slots_only(new, slots)
+
+    def positions(self, new):
+        """(B, t) position of each new token in its row, counted from the row's first real token."""
+        return (new[None, :] - self.n_pad[:, None]).clamp(min=0)
+
+    def attn_mask(self, new):
+        """(B, 1, t, max_len) bool, True where new token i may attend a slot, once the t tokens are written."""
+        last = new[-1]
+        held = last - (last - self.slot_ids) % self.max_len  # (max_len,) the token in each slot; < 0: none yet
+        seen = (held >= 0) & (held[None, :] <= new[:, None])  # (t, max_len): itself and earlier tokens
+        not_pad = held[None, :] >= self.n_pad[:, None]  # (B, max_len)
+        own = held[None, :] == new[:, None]  # (t, max_len)
+        return seen[None, None] & (not_pad[:, None, None, :] | own[None, None])
+
+    # --- a faster path, for eager decoding on the CPU ---------------------------------------------------------
+    # Everything above works everywhere, compiled or not. Eagerly on the CPU reading `pos` back costs nothing, so
+    # a forward pass can attend to the filled slots only, and rows without padding need no mask at all: the
+    # model's causal attention, aligned bottom-right, is exactly the cache's rule there, and a single token sees
+    # every filled slot (the ring's order does not matter to attention). That spares each one-token step
+    # building a mask, and every layer converting it.
+
+    @property
+    def static_shapes(self) -> bool:
+        """Whether attention reads all max_len slots, masked: when compiled (static shapes compile once), and off
+        the CPU (reading `pos` back would wait for the device)."""
+        return torch.compiler.is_compiling() or self.pos.device.type != "cpu"
+
+    def filled_slots_only(self, new, slots):
+        n_read = min(int(self.pos) + new.numel(), self.max_len)
+        if not self.padded:
+            return new, None, slots, n_read
+        return self.positions(new), self.attn_mask(new)[..., :n_read], slots, n_read
+
+    def layer(self, i: int, slots: torch.Tensor, n_read: int | None) -> LayerKV:
+        return LayerKV(self.k[i], self.v[i], slots, n_read)
+
+    def advance(self, t: int) -> None:
+        self.pos += t

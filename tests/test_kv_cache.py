@@ -116,8 +116,8 @@ def test_attention_block_with_a_layer_cache_equals_full_causal_attention(need_we
     cache = KVCache(n_layer=1, batch_size=2, n_head=3, max_len=10, head_dim=4)
     outs, t = [], 0
     for n in (4, 1, 1, 1, 3):
-        slots = cache.next_slots(n)
-        out, _ = mha(x[:, t:t + n], attn_mask=cache.attn_mask(slots), cache=cache.layer(0, slots),
+        new = cache.pos + torch.arange(n)  # the new tokens' numbers, and with max_len 10 their slots too
+        out, _ = mha(x[:, t:t + n], attn_mask=cache.attn_mask(new), cache=cache.layer(0, new, n_read=None),
                      need_weights=need_weights)
         cache.advance(n)
         outs.append(out)
@@ -235,9 +235,8 @@ def test_cache_buffers_have_shape_b_heads_max_len_head_dim_per_layer(config_name
 
 def test_layer_view_writes_in_place_into_the_cache_buffers():
     cache = KVCache(n_layer=2, batch_size=1, n_head=2, max_len=6, head_dim=3)
-    slots = cache.next_slots(2)
     k_new, v_new = torch.randn(1, 2, 2, 3), torch.randn(1, 2, 2, 3)
-    k, v = cache.layer(1, slots).update(k_new, v_new)
+    k, v = cache.layer(1, torch.arange(2), n_read=None).update(k_new, v_new)
     assert k.data_ptr() == cache.k[1].data_ptr()  # the whole layer buffer, not a copy
     assert torch.equal(cache.k[1, :, :, :2], k_new) and torch.equal(cache.v[1, :, :, :2], v_new)
     assert (cache.k[0] == 0).all() and (cache.k[1, :, :, 2:] == 0).all()
