@@ -1,0 +1,143 @@
+"""Decoding past the context: a rotary model's rolling KV cache against a learned-position model's refills.
+
+    python bench/rolling.py                                   # speed, the classic shape, batch 1, 1,024 new tokens
+    python bench/rolling.py --checkpoint runs/<rope run>      # also the val loss through the rolling cache
+
+Speed. Random weights of the classic shape (conf/model/classic.yaml), fp32 unless --precision, greedy, a 16-token
+prompt and 1,024 new tokens, so that 240 come inside the first block_size (256) and 784 past it. Each token's
+time is taken as it is yielded. Per repeat, in this order: the rotary model (its cache rolls), the learned model
+with its default window (a refill of block_size // 2 tokens every 129 tokens, so it sees 128-256 tokens), and
+the learned model with window = block_size (a refill at every token: the classic crop, every token sees 256).
+Ratios are taken within each repeat; the table gives the median (min-max) over --repeats.
+
+Quality (--checkpoint, a rope checkpoint): training sees windows of block_size tokens, while the rolling cache
+sees every token's last block_size tokens through keys that themselves saw further back. On tiny_shakespeare's
+val split (KVGPT_DATA_URL, as train.py), over the same tokens, all past the first block_size of their stretch:
+the loss through the rolling cache, and the loss of a full forward over exactly the block_size tokens ending at
+each one (the crop). A third figure is the loss as training measures it: every position of block_size windows.
+"""
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.configs import model_config  # noqa: E402
+from data import prepare_shakespeare  # noqa: E402
+from data.shakespeare import SOURCE_URL  # noqa: E402
+from model import GPT, GREEDY, generate_tokens  # noqa: E402
+from model.quantize import PRECISIONS, to_precision  # noqa: E402
+from training.checkpoint import load_model  # noqa: E402
+
+PROMPT_LEN, NEW_TOKENS = 16, 1024
+
+
+def token_times(model, prompt, window=None) -> list[float]:
+    """The perf_counter time at which each new token was yielded (greedy), the prompt's start first."""
+    times = [time.perf_counter()]
+    for _ in generate_tokens(model, prompt, NEW_TOKENS, sampling=GREEDY, window=window):
+        times.append(time.perf_counter())
+    return times
+
+
+def rate(times: list[float], first: int, last: int) -> float:
+    """tokens/s of new tokens first..last-1 (0-based)."""
+    return (last - first) / (times[last] - times[first])
+
+
+def speed(precision: str, repeats: int) -> None:
+    torch.manual_seed(0)
+    learned_config = model_config("classic")
+    rope_config = dataclasses.replace(learned_config, pos_emb="rope")
+    models = {name: to_precision(GPT(config), precision) for name, config in
+              (("rope", rope_config), ("learned", learned_config))}
+    block = learned_config.block_size
+    inside = block - PROMPT_LEN  # new tokens that fit in the first block_size
+    prompt = torch.randint(0, learned_config.vocab_size, (1, PROMPT_LEN))
+    for model in models.values():  # warm-up: allocations and kernel choice
+        list(generate_tokens(model, prompt, 8, sampling=GREEDY))
+    print(f"# rolling-cache benchmark: torch {torch.__version__}, {torch.get_num_threads()} threads, classic shape, "
+          f"{precision}, batch 1, prompt {PROMPT_LEN}, {NEW_TOKENS} new ({inside} inside block_size {block}, "
+          f"{NEW_TOKENS - inside} past it), greedy, median (min-max) of {repeats}")
+    rows = {key: [] for key in ("rope inside", "rope past", "learned default past", "learned crop past")}
+    for _ in range(repeats):
+        rope = token_times(models["rope"], prompt)
+        default = token_times(models["learned"], prompt)
+        crop = token_times(models["learned"], prompt, window=block)
+        rows["rope inside"].append(rate(rope, 1, inside))
+        rows["rope past"].append(rate(rope, inside, NEW_TOKENS))
+        rows["learned default past"].append(rate(default, inside, NEW_TOKENS))
+        rows["learned crop past"].append(rate(crop, inside, NEW_TOKENS))
+    ratios = {
+        "rope past / rope inside (target >= 0.95)": ("rope past", "rope inside"),
+        "rope past / learned crop past (target >= 3)": ("rope past", "learned crop past"),
+        "rope past / learned default past (target >= 1)": ("rope past", "learned default past"),
+    }
+    print("| decoding | tok/s |\n|---|---|")
+    for key, values in rows.items():
+        print(f"| {key} | {fmt(values)} |")
+    print("\n| ratio, within each repeat | median (min-max) |\n|---|---|")
+    for name, (a, b) in ratios.items():
+        print(f"| {name} | {fmt([x / y for x, y in zip(rows[a], rows[b])], 2)} |")
+
+
+def fmt(values: list[float], digits: int = 1) -> str:
+    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
+@torch.no_grad()
+def rolling_quality(checkpoint: Path, stretches: int = 8, past: int = 512) -> None:
+    model, _, _ = load_model(checkpoint)
+    if model.config.pos_emb != "rope":
+        raise SystemExit(f"rolling.py: {checkpoint} has learned positions; the rolling cache needs model.pos_emb=rope")
+    block = model.config.block_size
+    with tempfile.TemporaryDirectory() as tmp:
+        val = torch.from_numpy(prepare_shakespeare(tmp, url=os.environ.get("KVGPT_DATA_URL", SOURCE_URL)).val
+                               .astype("int64"))
+    length = block + past
+    starts = torch.linspace(0, len(val) - length - 1, stretches).long()
+    seq = torch.stack([val[s:s + length + 1] for s in starts])  # (stretches, length + 1): inputs and targets
+    targets = seq[:, block:length + 1]  # the next token after each of the last `past` positions
+
+    cache = model.new_kv_cache(stretches)
+    logits = [model.decode_step(seq[:, :block], cache)]
+    logits += [model.decode_step(seq[:, t:t + 1], cache) for t in range(block, length)]
+    rolling = F.cross_entropy(torch.stack(logits, dim=1).flatten(0, 1), targets.flatten()).item()
+
+    windows = seq[:, :length].unfold(1, block, 1)[:, :past + 1]  # (stretches, past + 1, block): the crop
+    crop_logits = torch.cat([model(w)[0][:, -1] for w in windows.flatten(0, 1).split(256)])
+    crop = F.cross_entropy(crop_logits, targets.flatten()).item()
+
+    chunks = seq[:, :block * (length // block) + 1]
+    x, y = chunks[:, :-1].reshape(-1, block), chunks[:, 1:].reshape(-1, block)
+    trained = F.cross_entropy(model(x)[0].flatten(0, 1), y.flatten()).item()
+    print(f"\nval loss of {checkpoint}: {stretches} stretches of the val split, the last {past} tokens of each")
+    print("| how each token is predicted | val loss |\n|---|---|")
+    print(f"| rolling cache (each token sees its last {block}, earlier layers further) | {rolling:.4f} |")
+    print(f"| crop: a forward over exactly its last {block} tokens | {crop:.4f} |")
+    print(f"| as in training: every position of {block}-token windows (1 to {block} tokens of context) | {trained:.4f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32")
+    parser.add_argument("--checkpoint", type=Path, help="a rope checkpoint: val loss through the rolling cache")
+    parser.add_argument("--no-speed", action="store_true", help="only the --checkpoint quality figures")
+    args = parser.parse_args()
+    if not args.no_speed:
+        speed(args.precision, args.repeats)
+    if args.checkpoint:
+        rolling_quality(args.checkpoint)
+
+
+if __name__ == "__main__":
+    main()
