@@ -69,7 +69,8 @@ def main(cfg: DictConfig, run_dir) -> float | None:
             raise ConfigError(f"the checkpoint's vocabulary differs from that of {settings.data.root}; "
                               f"resume with the data it was trained on")
         model = GPT(dataclasses.replace(settings.model, vocab_size=len(data.vocab))).to(device)
-        summaries = Summaries(run_dir, OmegaConf.to_yaml(config)) if rank == 0 else None
+        used = {**config, "model": dataclasses.asdict(model.config)}  # vocab_size filled in from the data
+        summaries = Summaries(run_dir, OmegaConf.to_yaml(used)) if rank == 0 else None
         started = False
         try:
             try:

@@ -22,16 +22,14 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from bench.configs import model_config  # noqa: E402
-from bench.decode import PROMPT_LEN, best_seconds  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.configs import REPO, model_config  # noqa: E402
+from bench.decode import NEW_TOKENS, PROMPT_LEN, best_seconds  # noqa: E402
 from data import CharVocab  # noqa: E402
 from model import GPT, GREEDY, generate  # noqa: E402
 from model.quantize import PRECISIONS, to_precision  # noqa: E402
 from training.checkpoint import build_checkpoint, save_checkpoint  # noqa: E402
 
-NEW_TOKENS = 240
 VOCAB = CharVocab("\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")  # tiny_shakespeare's 65
 PROMPT = "First Citizen:\nB"
 SUMMARY = re.compile(r"([\d.]+) tokens/s")

@@ -19,14 +19,13 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.configs import REPO  # noqa: E402
 from bench.curve import read_curve  # noqa: E402
 
-# The cpu preset as it was before Muon: AdamW on every parameter, 900 steps (README: val 1.699 in 3 min 40 s).
-ADAMW_RECIPE = ["optim=adamw", "optim.lr=1e-2", "optim.min_lr=1e-3", "optim.warmup_iters=30", "train.max_iters=900",
-                "model.dropout=0.0", "train.batch_size=32", "model.block_size=128", "model.n_layer=4",
-                "model.n_head=4", "model.n_embd=128"]
+# The cpu preset as it was before Muon, as overrides of it: AdamW on every parameter, 900 steps, a floor under
+# the decay (README: val 1.699 in 3 min 40 s).
+ADAMW_RECIPE = ["optim=adamw", "optim.min_lr=1e-3", "train.max_iters=900"]
 CANDIDATES = {"cpu preset": [], "AdamW recipe": ADAMW_RECIPE}
 
 

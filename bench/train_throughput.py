@@ -3,25 +3,26 @@
     python bench/train_throughput.py            # on CPU: the cpu preset's shape, a small one, the classic one
     python bench/train_throughput.py --device cuda
 
-Each step is train.py's: forward, backward, gradient clipping, the optimiser (training/optim.py), on
-batches of tiny_shakespeare. Warm-up steps (which include compilation) are not timed; the time to
-compile is printed on its own, since on a short CPU run it decides which mode wins.
+Each step is train.py's own (training/loop.py's Trainer.train_step: forward, backward, gradient clipping,
+the optimisers and their schedules) with the cpu preset's settings, on batches of tiny_shakespeare. Warm-up
+steps (which include compilation) are not timed; the time to compile is printed on its own, since on a
+short CPU run it decides which mode wins.
 """
 
 import argparse
 import dataclasses
 import sys
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.configs import settings  # noqa: E402
-from data import Batches, prepare_shakespeare  # noqa: E402
+from data import PreparedData, prepare_shakespeare  # noqa: E402
 from model import GPT  # noqa: E402
-from training.optim import make_optimizers  # noqa: E402
+from training.config import Settings  # noqa: E402
+from training.loop import Trainer  # noqa: E402
 
 SHAPES = {  # name: (overrides of the cpu preset, as on train.py's command line)
     "cpu preset": [],
@@ -30,36 +31,23 @@ SHAPES = {  # name: (overrides of the cpu preset, as on train.py's command line)
 }
 
 
-def measure(model_config, batch_size, data, optim_cfg, device, compiled, warmup, steps):
+def measure(shape: Settings, data: PreparedData, device: torch.device, warmup: int, steps: int):
+    """tokens/s of `steps` training steps after `warmup` untimed ones (compiling, with train.compile), and the
+    seconds the warm-up took."""
     torch.manual_seed(0)
-    raw_model = GPT(model_config).to(device)
-    model = torch.compile(raw_model) if compiled else raw_model
-    optimizers = make_optimizers(raw_model, optim_cfg, fused=device.type == "cuda")
-    batches = Batches(data.train, model_config.block_size, batch_size, device, seed=0)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    model = GPT(dataclasses.replace(shape.model, vocab_size=len(data.vocab))).to(device)
+    trainer = Trainer(shape, model, data, device, run_dir=None, config={}, summaries=None)  # nothing is saved
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-    def step():
-        x, y = batches.next()
-        with autocast:
-            _, loss = model(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(raw_model.parameters(), optim_cfg.grad_clip)
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
     start = time.perf_counter()
     for _ in range(warmup):
-        step()
+        trainer.train_step()
     sync()
     warmup_s = time.perf_counter() - start
     start = time.perf_counter()
     for _ in range(steps):
-        step()
+        trainer.train_step()
     sync()
-    seconds = time.perf_counter() - start
-    return steps * batch_size * model_config.block_size / seconds, warmup_s
+    return steps * trainer.tokens_per_step / (time.perf_counter() - start), warmup_s
 
 
 def main() -> None:
@@ -75,17 +63,14 @@ def main() -> None:
     data = prepare_shakespeare(preset.data.root, url=preset.data.url, sha256=preset.data.sha256)
     print(f"# training throughput: {torch.__version__}, device {device}, {torch.get_num_threads()} threads, "
           f"{args.steps} timed steps after {args.warmup} warm-up steps")
-    print("| shape | batch | eager tok/s | compiled tok/s | compiled / eager | compile warm-up s |")
-    print("|---|---|---|---|---|---|")
+    print("| shape | optimiser | batch | eager tok/s | compiled tok/s | compiled / eager | compile warm-up s |")
+    print("|---|---|---|---|---|---|---|")
     for name in args.shapes:
-        shape = settings("preset=cpu", *SHAPES[name])
-        model_config = dataclasses.replace(shape.model, vocab_size=len(data.vocab))
-        batch_size = shape.train.batch_size
-        eager, _ = measure(model_config, batch_size, data, shape.optim, device, False, args.warmup, args.steps)
-        compiled, warmup_s = measure(model_config, batch_size, data, shape.optim, device, True, args.warmup,
-                                     args.steps)
-        print(f"| {name} | {batch_size} | {eager:,.0f} | {compiled:,.0f} | {compiled / eager:.2f}x | "
-              f"{warmup_s:.0f} |", flush=True)
+        eager, compiled = (settings("preset=cpu", *SHAPES[name], f"train.compile={mode}") for mode in (False, True))
+        eager_tok_s, _ = measure(eager, data, device, args.warmup, args.steps)
+        compiled_tok_s, warmup_s = measure(compiled, data, device, args.warmup, args.steps)
+        print(f"| {name} | {eager.optim.name} | {eager.train.batch_size} | {eager_tok_s:,.0f} | "
+              f"{compiled_tok_s:,.0f} | {compiled_tok_s / eager_tok_s:.2f}x | {warmup_s:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""What a person sees in TensorBoard, read from TensorBoard's own server over its HTTP data API: two tiny
-trainings in one log directory, one of them placed as a multirun job."""
+"""What a person sees in TensorBoard, read from TensorBoard's own server over its HTTP data API: three tiny
+trainings in one log directory: a single run and a sweep of two jobs, one of them with AdamW alone."""
 
 import json
 import math
@@ -18,15 +18,19 @@ import pytest
 import train
 from test_train import config
 
-RUNS = {"2026-01-01_00-00-00": "optim.lr=1e-2", "multirun/2026-01-01_00-01-00/0": "optim.lr=5e-3"}
+RUNS = {"2026-01-01_00-00-00": ["optim.lr=1e-2"], "multirun/2026-01-01_00-01-00/0": ["optim.lr=5e-3"],
+        "multirun/2026-01-01_00-01-00/1": ["optim=adamw", "optim.lr=2e-3"]}  # the others: the cpu preset's Muon
 STEPS = 10  # evaluated at 0, 5 and 10
 SCALARS = {"loss/train", "loss/train_eval", "loss/val", "loss/val_best", "optim/grad_norm", "optim/lr",
            "perf/tokens_per_sec"}
 ATTENTION = {f"sample/attention/layer{layer}/head{head}" for layer in range(2) for head in range(2)}
-HPARAMS = ["model.n_layer", "model.n_head", "model.n_embd", "model.block_size", "optim.lr", "model.dropout",
-           "model.bias", "optim.name", "optim.muon_lr", "optim.decay", "optim.min_lr", "optim.weight_decay",
+HPARAMS = ["optim.name", "optim.lr", "optim.muon_lr", "model.n_layer", "model.n_embd", "model.n_head",
+           "model.block_size", "model.dropout", "model.bias", "optim.decay", "optim.min_lr", "optim.weight_decay",
            "optim.muon_weight_decay", "train.batch_size", "train.grad_accum_steps", "train.max_iters", "train.seed",
            "device"]
+INTEGERS = ["model.n_layer", "model.n_embd", "model.n_head", "model.block_size", "train.batch_size",
+            "train.grad_accum_steps", "train.max_iters", "train.seed"]
+TRIAL_ID_SHOWN = 14  # characters of the HParams table's Trial ID column (10em wide) that a browser shows
 
 
 class Server:
@@ -84,9 +88,9 @@ class Server:
 def server(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("tensorboard")
     logdir = tmp_path / "runs"
-    for name, override in RUNS.items():
+    for name, overrides in RUNS.items():
         train.main(config(tmp_path, tmp_path / "data", f"train.max_iters={STEPS}", "train.eval_interval=5",
-                          override), logdir / name)
+                          *overrides), logdir / name)
     server = Server(logdir)
     try:
         server.wait_until_loaded(len(RUNS))
@@ -129,16 +133,14 @@ def test_train_and_val_loss_share_a_custom_scalars_chart(server):
     assert shared, charts
 
 
-def test_hparams_columns_and_metrics(server):
+def hparams_table(server) -> tuple[dict, dict, list]:
+    """What the HParams dashboard asks for: the columns (by name), their types, and one row per session group."""
     experiment = server.post("plugin/hparams/experiment", {"experimentName": ""})
     assert [info["displayName"] for info in experiment["hparamInfos"]] == HPARAMS  # shown in this order
-    types = {info["displayName"]: info["type"] for info in experiment["hparamInfos"]}
-    assert types["model.bias"] == "DATA_TYPE_BOOL" and types["device"] == "DATA_TYPE_STRING"
-    assert types["optim.lr"] == "DATA_TYPE_FLOAT64"
     assert [(m["name"]["tag"], m["displayName"]) for m in experiment["metricInfos"]] == \
            [("loss/val_best", "val loss (best)"), ("loss/val", "val loss (last)")]
-
     names = {info["displayName"]: info["name"] for info in experiment["hparamInfos"]}
+    types = {info["displayName"]: info["type"] for info in experiment["hparamInfos"]}
     groups = server.post("plugin/hparams/session_groups", {
         "experimentName": "", "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE",
                                                   "STATUS_RUNNING"],
@@ -146,16 +148,55 @@ def test_hparams_columns_and_metrics(server):
                      [{"metric": m["name"]} for m in experiment["metricInfos"]],
         "aggregationType": "AGGREGATION_AVG", "startIndex": 0, "sliceSize": 10})["sessionGroups"]
     assert len(groups) == len(RUNS)
+    return names, types, groups
+
+
+def test_hparams_columns_and_metrics(server):
+    names, types, groups = hparams_table(server)
+    assert types["model.bias"] == "DATA_TYPE_BOOL" and types["device"] == "DATA_TYPE_STRING"
+    assert types["optim.lr"] == "DATA_TYPE_FLOAT64"
     for group in groups:
         (session,) = group["sessions"]
         hparams = group["hparams"]
         assert session["status"] == "STATUS_SUCCESS"
         assert hparams[names["model.bias"]] is False and hparams[names["device"]] == "cpu"  # typed; the device used
-        assert hparams[names["model.n_layer"]] == 2 and hparams[names["train.max_iters"]] == STEPS
         val = [value for _, _, value in server.get("plugin/scalars/scalars", run=session["name"], tag="loss/val")]
         metrics = {m["name"]["tag"]: m["value"] for m in session["metricValues"]}
         assert metrics == {"loss/val_best": pytest.approx(min(val)), "loss/val": pytest.approx(val[-1])}
-    assert sorted(g["hparams"][names["optim.lr"]] for g in groups) == [5e-3, 1e-2]
+    assert sorted(g["hparams"][names["optim.lr"]] for g in groups) == [2e-3, 5e-3, 1e-2]
+
+
+def test_hparams_integers_shown_as_integers(server):
+    """The table shows a number to five digits (2 as 2.0000) and a string as it is."""
+    names, types, groups = hparams_table(server)
+    assert {key: types[key] for key in INTEGERS} == {key: "DATA_TYPE_STRING" for key in INTEGERS}
+    for group in groups:
+        hparams = group["hparams"]
+        assert hparams[names["model.n_layer"]] == "2" and hparams[names["model.n_embd"]] == "32"
+        assert hparams[names["train.max_iters"]] == str(STEPS) and hparams[names["train.seed"]] == "1337"
+
+
+def test_hparams_show_the_optimiser_and_only_the_learning_rates_it_uses(server):
+    names, _, groups = hparams_table(server)
+    shown = {group["sessions"][0]["name"]: group["hparams"] for group in groups}
+    muon = {names["optim.name"]: "muon", names["optim.muon_lr"]: 0.02, names["optim.muon_weight_decay"]: 0.1}
+    assert {run: {name: hparams.get(name) for name in muon} for run, hparams in shown.items()} == {
+        "2026-01-01_00-00-00": muon, "multirun/2026-01-01_00-01-00/0": muon,
+        "multirun/2026-01-01_00-01-00/1": {names["optim.name"]: "adamw", names["optim.muon_lr"]: None,
+                                           names["optim.muon_weight_decay"]: None}}  # blank: AdamW has no such rate
+    assert shown["multirun/2026-01-01_00-01-00/1"][names["optim.lr"]] == 2e-3
+
+
+def test_hparams_trial_ids_differ_in_what_the_table_shows(server):
+    _, _, groups = hparams_table(server)
+    assert sorted(group["sessions"][0]["name"] for group in groups) == sorted(RUNS)  # each group one run
+    shown = [group["name"][:TRIAL_ID_SHOWN] for group in groups]
+    assert len(set(shown)) == len(RUNS), shown
+
+
+def test_config_text_is_the_config_the_run_used(server):
+    (entry,) = server.get("plugin/text/text", run="2026-01-01_00-00-00", tag="config/text_summary")
+    assert "vocab_size: 65" in entry["text"] and "???" not in entry["text"]  # the corpus's 65 characters
 
 
 def test_attention_images_one_per_head_with_their_layout_explained(server):

@@ -6,6 +6,7 @@ attention images (under `sample`) sort after them. Custom Scalars draws the trai
 other dashboard can. Everything goes to the run's one event file, so that TensorBoard shows one run per run.
 """
 
+import os
 import time
 from pathlib import Path
 
@@ -24,12 +25,12 @@ from model import GPT, Sampling, generate
 from .config import DECAYS, OPTIMIZERS
 
 DEVICE_TYPES = ("cpu", "cuda", "mps")
-# The HParams table's columns, in this order; it shows the first five at first (the shape and the
-# learning rate) and offers the others. TensorBoard orders columns by name, hence the numbered names.
-HPARAMS = ("model.n_layer", "model.n_head", "model.n_embd", "model.block_size", "optim.lr", "model.dropout",
-           "model.bias", "optim.name", "optim.muon_lr", "optim.decay", "optim.min_lr", "optim.weight_decay",
-           "optim.muon_weight_decay", "train.batch_size",
-           "train.grad_accum_steps", "train.max_iters", "train.seed", "device")
+# The HParams table's columns, in this order; it shows the first five at first (the optimiser, its learning
+# rates, the depth and width) and offers the others. TensorBoard orders columns by name, hence the numbered names.
+HPARAMS = ("optim.name", "optim.lr", "optim.muon_lr", "model.n_layer", "model.n_embd", "model.n_head",
+           "model.block_size", "model.dropout", "model.bias", "optim.decay", "optim.min_lr", "optim.weight_decay",
+           "optim.muon_weight_decay", "train.batch_size", "train.grad_accum_steps", "train.max_iters", "train.seed",
+           "device")
 CHOICES = {"optim.name": OPTIMIZERS, "optim.decay": DECAYS, "device": DEVICE_TYPES}  # the string hparams' every possible value
 # The scalar tags that bench/curve.py reads back, too
 TRAIN_LOSS = "loss/train"
@@ -52,6 +53,14 @@ def as_code(text: str) -> str:
 def hparam_name(key: str) -> str:
     """"optim.lr" -> "05 optim.lr": TensorBoard sorts the columns by this name and shows the key."""
     return f"{HPARAMS.index(key) + 1:02d} {key}"
+
+
+def trial_name(run_dir: str, runs_dir: str) -> str:
+    """The HParams table's Trial ID, of which a browser shows about 14 characters: the run directory's path under
+    runs_dir read from its end, so that the part that differs comes first: runs/multirun/2026-11-23_06-12-34/0 ->
+    "0 / 06-12-34_2026-11-23 / multirun". Reversing again gives the path back, so no two runs share a name."""
+    parts = Path(os.path.relpath(run_dir, runs_dir)).parts
+    return " / ".join("_".join(reversed(part.split("_"))) for part in reversed(parts))
 
 
 def hparams_summary(tag: str, data: plugin_data_pb2.HParamsPluginData) -> Summary:
@@ -109,7 +118,8 @@ class Summaries:
 
     def start_session(self, config: dict, device_type: str):
         """The HParams dashboard's row for this run: its settings now, its metrics read from loss/val_best
-        and loss/val as they are logged."""
+        and loss/val as they are logged. The table shows every number to five digits (4 as 4.0000), so integers
+        go as strings; a muon_ setting is left blank under AdamW, which does not use it."""
         flat = {"device": device_type, **{f"{section}.{key}": value for section in ("model", "optim", "train")
                                           for key, value in config[section].items()}}
         infos, values = [], {}
@@ -119,19 +129,25 @@ class Summaries:
             if isinstance(value, bool):
                 info.type = api_pb2.DATA_TYPE_BOOL
                 info.domain_discrete.extend([False, True])
-                values[name] = Value(bool_value=value)
+                value = Value(bool_value=value)
             elif isinstance(value, str):
                 info.type = api_pb2.DATA_TYPE_STRING
                 info.domain_discrete.extend(CHOICES[key])
-                values[name] = Value(string_value=value)
+                value = Value(string_value=value)
+            elif isinstance(value, int):  # no domain: the dashboard filters it by a regular expression
+                info.type = api_pb2.DATA_TYPE_STRING
+                value = Value(string_value=str(value))
             else:  # no interval: any run's value passes the dashboard's filter
                 info.type = api_pb2.DATA_TYPE_FLOAT64
-                values[name] = Value(number_value=value)
+                value = Value(number_value=value)
             infos.append(info)
+            if not key.startswith("optim.muon_") or flat["optim.name"] == "muon":
+                values[name] = value
         metrics = [api_pb2.MetricInfo(name=api_pb2.MetricName(tag=tag), display_name=shown)
                    for tag, shown in METRICS]
         experiment = api_pb2.Experiment(hparam_infos=infos, metric_infos=metrics)
-        start = plugin_data_pb2.SessionStartInfo(start_time_secs=time.time())
+        start = plugin_data_pb2.SessionStartInfo(start_time_secs=time.time(),
+                                                 group_name=trial_name(self.writer.log_dir, config["runs_dir"]))
         for name, value in values.items():
             start.hparams[name].CopyFrom(value)
         for tag, data in ((metadata.EXPERIMENT_TAG, plugin_data_pb2.HParamsPluginData(experiment=experiment)),

@@ -1,0 +1,41 @@
+"""bench/: each figure the benchmarks share has one home, a recipe overrides only what differs from the preset it
+starts from, and the training throughput is that of train.py's own step."""
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+import train
+from bench.configs import REPO, compose_config, settings
+from bench.train_quality import ADAMW_RECIPE
+from bench.train_throughput import measure
+from test_train import TINY, data_overrides
+from training.loop import Trainer
+
+
+def test_each_constant_is_assigned_in_one_file():
+    """A figure two benchmarks share (the tokens decoded, the repository's folder) is defined once, imported
+    elsewhere."""
+    homes = {}
+    for path in sorted((REPO / "bench").glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            for target in node.targets if isinstance(node, ast.Assign) else []:
+                if isinstance(target, ast.Name) and target.id.isupper():
+                    homes.setdefault(target.id, []).append(path.name)
+    assert {name: files for name, files in homes.items() if len(files) > 1} == {}
+
+
+@pytest.mark.parametrize("override", ADAMW_RECIPE)
+def test_adamw_recipe_overrides_only_what_differs_from_the_cpu_preset(override):
+    assert compose_config("preset=cpu", override) != compose_config("preset=cpu")
+
+
+def test_train_throughput_times_train_pys_own_step(monkeypatch, tmp_path: Path):
+    taken = []
+    train_step = Trainer.train_step
+    monkeypatch.setattr(Trainer, "train_step", lambda self: taken.append(self.step) or train_step(self))
+    shape = settings(*TINY, *data_overrides(tmp_path / "data"))
+    tokens_per_s, _ = measure(shape, train.prepare_data(shape), torch.device("cpu"), warmup=1, steps=2)
+    assert taken == [0, 1, 2] and tokens_per_s > 0
