@@ -31,19 +31,20 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.configs import model_config  # noqa: E402
+from bench.decode import PROMPT_LEN  # noqa: E402
 from data import prepare_shakespeare  # noqa: E402
 from data.shakespeare import SOURCE_URL  # noqa: E402
 from model import GPT, GREEDY, generate_tokens  # noqa: E402
 from model.quantize import PRECISIONS, to_precision  # noqa: E402
 from training.checkpoint import load_model  # noqa: E402
 
-PROMPT_LEN, NEW_TOKENS = 16, 1024
+ROLLING_NEW_TOKENS = 1024  # 240 inside the first block_size, 784 past it
 
 
 def token_times(model, prompt, window=None) -> list[float]:
     """The perf_counter time at which each new token was yielded (greedy), the prompt's start first."""
     times = [time.perf_counter()]
-    for _ in generate_tokens(model, prompt, NEW_TOKENS, sampling=GREEDY, window=window):
+    for _ in generate_tokens(model, prompt, ROLLING_NEW_TOKENS, sampling=GREEDY, window=window):
         times.append(time.perf_counter())
     return times
 
@@ -65,17 +66,17 @@ def speed(precision: str, repeats: int) -> None:
     for model in models.values():  # warm-up: allocations and kernel choice
         list(generate_tokens(model, prompt, 8, sampling=GREEDY))
     print(f"# rolling-cache benchmark: torch {torch.__version__}, {torch.get_num_threads()} threads, classic shape, "
-          f"{precision}, batch 1, prompt {PROMPT_LEN}, {NEW_TOKENS} new ({inside} inside block_size {block}, "
-          f"{NEW_TOKENS - inside} past it), greedy, median (min-max) of {repeats}")
+          f"{precision}, batch 1, prompt {PROMPT_LEN}, {ROLLING_NEW_TOKENS} new ({inside} inside block_size {block}, "
+          f"{ROLLING_NEW_TOKENS - inside} past it), greedy, median (min-max) of {repeats}")
     rows = {key: [] for key in ("rope inside", "rope past", "learned default past", "learned crop past")}
     for _ in range(repeats):
         rope = token_times(models["rope"], prompt)
         default = token_times(models["learned"], prompt)
         crop = token_times(models["learned"], prompt, window=block)
         rows["rope inside"].append(rate(rope, 1, inside))
-        rows["rope past"].append(rate(rope, inside, NEW_TOKENS))
-        rows["learned default past"].append(rate(default, inside, NEW_TOKENS))
-        rows["learned crop past"].append(rate(crop, inside, NEW_TOKENS))
+        rows["rope past"].append(rate(rope, inside, ROLLING_NEW_TOKENS))
+        rows["learned default past"].append(rate(default, inside, ROLLING_NEW_TOKENS))
+        rows["learned crop past"].append(rate(crop, inside, ROLLING_NEW_TOKENS))
     ratios = {
         "rope past / rope inside (target >= 0.95)": ("rope past", "rope inside"),
         "rope past / learned crop past (target >= 3)": ("rope past", "learned crop past"),
