@@ -25,6 +25,13 @@ def causal_mask(t_q: int, t_k: int, device=None) -> torch.Tensor:
     return torch.ones(t_q, t_k, dtype=torch.bool, device=device).tril(diagonal=t_k - t_q)
 
 
+def attention_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype attention computes in, for q, k, v of `dtype` on `device`, and a KV cache's default: float32
+    for bf16 on the CPU, where torch's bf16 attention for one query is about 4x slower than its float32 one
+    (and the cache is small beside the weights); else `dtype`. With or without a cache, the same rule."""
+    return torch.float32 if dtype == torch.bfloat16 and device.type == "cpu" else dtype
+
+
 class MultiHeadAttention(nn.Module):
     """Scaled dot-product attention over n_head heads with a fused Q/K/V projection.
 
@@ -56,7 +63,7 @@ class MultiHeadAttention(nn.Module):
         cache: a LayerKV. The new keys and values are written into it and the queries attend to the
         slots it returns: all max_len of them, and then attn_mask must say which slots each query may see,
         and let each query see at least one (KVCache.attn_mask lets each see its own); or the filled ones,
-        which is_causal alone may mask. Attention runs in the cache's dtype.
+        which is_causal alone may mask. Attention runs in the cache's dtype, else in attention_dtype().
         need_weights: take the explicit path and also return the attention weights.
         Returns (out (B, T_q, out_dim), weights (B, n_head, T_q, T_k) or None).
         """
@@ -67,7 +74,8 @@ class MultiHeadAttention(nn.Module):
         v = v.view(B, v.size(1), self.n_head, -1).transpose(1, 2)  # (B, nh, T_k, hs_v)
         if cache is not None:
             k, v = cache.update(k, v)  # (B, nh, max_len, hs): every slot of this layer's cache
-            q = q.to(k.dtype)
+        dtype = k.dtype if cache is not None else attention_dtype(q.dtype, q.device)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         T_k = k.size(2)
 
         dropout_p = self.attn_dropout if self.training else 0.0

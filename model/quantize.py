@@ -2,7 +2,8 @@
 
     model = to_precision(model, "int8")   # the one place a model changes precision
 
-bf16: every weight and activation in bfloat16, and the KV cache too except on the CPU (see to_precision).
+bf16: every weight and activation in bfloat16, except attention and its KV cache on the CPU, which compute in
+float32 (model/attention.py: attention_dtype) whether the cache is used or not.
 int8: every Linear of the blocks (attention qkv and out_proj, MLP fc and proj) and the head hold int8
 weights with one bf16 scale per output channel (symmetric: w ≈ scale * q, q in [-127, 127]); embeddings and
 layer norms stay bf16, and so do the activations. Any fp32 model converts when it is loaded, without
@@ -80,7 +81,4 @@ def to_precision(model: nn.Module, precision: str) -> nn.Module:
         # the head gets its own int8 copy of the tied matrix (the embedding keeps it, in bf16): with so few
         # outputs (the vocabulary) torch's bf16 matmul takes a slow path on the CPU, several times the int8 one
         model.lm_head = Int8Linear(model.lm_head)
-    # Attention runs in the cache's dtype, and on the CPU torch's bf16 attention kernel for one query is
-    # about 4x slower than its float32 one, while the cache is small beside the weights: float32 there.
-    model.cpu_kv_dtype = torch.float32
     return model.to(torch.bfloat16)

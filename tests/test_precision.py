@@ -1,5 +1,5 @@
-"""Decoding at bf16 and int8 (model/quantize.py): the cache still equals recomputation, int8 barely moves the
-loss, and a converted model refuses to be trained or saved."""
+"""Decoding at bf16 and int8 (model/quantize.py): the cache agrees with recomputation within each precision's
+stated tolerance, int8 barely moves the loss at any width, and a converted model refuses to be trained or saved."""
 
 import functools
 import math
@@ -35,11 +35,12 @@ BLOCK_SIZE = 16
 PRECISIONS = ("fp32", "bf16", "int8")
 
 # How far cached logits may be from a full forward over the same context, per precision. fp32: the
-# proofs of tests/test_kv_cache.py. bf16 and int8: bf16 keeps 8 bits of mantissa, so each activation is
-# rounded by up to 2^-9 ≈ 0.2% relative; the cached step and the full forward round different intermediate
-# tensors (the CPU cache holds float32 keys and values, the full forward attends in bf16), and through 2
-# blocks these roundings add up to a few hundredths on logits of magnitude ~5-10 (measured: under 0.06).
-LOGIT_ATOL = {"fp32": 1e-5, "bf16": 0.15, "int8": 0.15}
+# proofs of tests/test_kv_cache.py. bf16 and int8: both paths run the same bf16 operations, and attention in
+# the same dtype (float32 on the CPU), but attention's kernels for one query and for many sum in different
+# orders, so now and then an output lands on the other side of a bf16 rounding boundary: one activation then
+# differs by one bf16 step (2^-8 relative), which moves logits by a few hundredths (measured: 0 on the trained
+# model here; 0.0625 when one path attended in bf16).
+LOGIT_ATOL = {"fp32": 1e-5, "bf16": 0.04, "int8": 0.04}
 # bf16 rounds every weight and activation by up to 2^-9 relative, int8 each weight by up to 1/254 of its
 # row's largest: the held-out loss (~3.2 nats/char here) may move by this much (measured: under 0.01).
 LOSS_TOLERANCE = 0.02
@@ -71,14 +72,44 @@ def held_out_loss(model: GPT) -> float:
     return F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten()).item()
 
 
+class RecordingGreedy:
+    """Greedy decoding, as a `sampling` for generate, that keeps each step's logits (B, vocab_size) in float32."""
+
+    def __init__(self):
+        self.logits = []
+
+    def next_token(self, logits, generator=None):
+        self.logits.append(logits.float())
+        return logits.argmax(dim=-1)
+
+
+def assert_cached_greedy_decoding_matches_recomputation(model, prompt, n_new, tol) -> int:
+    """Greedy decoding with the cache against recomputing the context at every step: at each step each row's
+    logits are within tol. So the tokens are the same wherever recomputation's top two logits are more than
+    2 * tol apart; closer, a difference of tol in each may swap them. Returns the row-steps compared: a row is
+    compared up to its first different token, after which the two contexts differ."""
+    cached, recomputed = RecordingGreedy(), RecordingGreedy()
+    tokens = generate(model, prompt, n_new, sampling=cached)[:, prompt.size(1):]
+    expected = generate(model, prompt, n_new, sampling=recomputed, use_cache=False)[:, prompt.size(1):]
+    compared = 0
+    for row in range(prompt.size(0)):
+        for step in range(n_new):
+            torch.testing.assert_close(cached.logits[step][row], recomputed.logits[step][row], atol=tol, rtol=0)
+            compared += 1
+            if tokens[row, step] != expected[row, step]:
+                break
+    return compared
+
+
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_cached_generation_equals_uncached_token_for_token(precision):
+def test_cached_greedy_decoding_matches_recomputation_within_the_precisions_tolerance(precision):
     model = converted(precision)
     prompt = torch.tensor([VOCAB.encode("First Citizen:\n"), VOCAB.encode("All:\nSpeak, sp\n")])
     n_new = int(2.5 * BLOCK_SIZE)  # the window moves more than once
-    cached = generate(model, prompt, n_new, sampling=GREEDY)
-    assert torch.equal(cached, generate(model, prompt, n_new, sampling=GREEDY, use_cache=False))
-    assert len(set(cached[0, prompt.size(1):].tolist())) > 3  # real text, not one character repeated
+    compared = assert_cached_greedy_decoding_matches_recomputation(model, prompt, n_new, LOGIT_ATOL[precision])
+    assert compared >= 0.75 * prompt.size(0) * n_new  # most steps had no near-tie to stop at
+    text = generate(model, prompt, n_new, sampling=GREEDY)[0, prompt.size(1):]
+    assert len(set(text.tolist())) > 3  # real text, not one character repeated
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
