@@ -15,7 +15,7 @@ from data import CharVocab
 from model import GPT, GREEDY, generate
 from model.quantize import Int8Linear, QuantizedModelError, to_precision
 from corpus import CITIZENS
-from tiny_models import tiny_config, train_briefly
+from tiny_models import random_model, random_tokens, tiny_config, train_briefly
 from training.checkpoint import build_checkpoint, load_model, save_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,7 +39,7 @@ PRECISIONS = ("fp32", "bf16", "int8")
 # the same dtype (float32 on the CPU), but attention's kernels for one query and for many sum in different
 # orders, so now and then an output lands on the other side of a bf16 rounding boundary: one activation then
 # differs by one bf16 step (2^-8 relative), which moves logits by a few hundredths (measured: 0 on the trained
-# model here; 0.0625 when one path attended in bf16).
+# model here, up to 0.023 on the random int8 models below; 0.0625 when one path attended in bf16).
 LOGIT_ATOL = {"fp32": 1e-5, "bf16": 0.04, "int8": 0.04}
 # bf16 rounds every weight and activation by up to 2^-9 relative, int8 each weight by up to 1/254 of its
 # row's largest: the held-out loss (~3.2 nats/char here) may move by this much (measured: under 0.01).
@@ -122,6 +122,37 @@ def test_cached_logits_stay_within_the_precisions_tolerance_of_a_full_forward(pr
         step = model.decode_step(seq[:, t:t + 1], cache).float()
         full = model(seq[:, :t + 1])[0][:, -1].float()
         torch.testing.assert_close(step, full, atol=LOGIT_ATOL[precision], rtol=0)
+
+
+# Widths whose Linears the CPU's fused int8 kernel cannot take (in_features not a multiple of 16: 18 and 20
+# are not even multiples of 8, which AVX2 needs), and 48, which it takes; the head's out_features is the
+# vocabulary (13).
+WIDTHS = [(18, 3), (20, 4), (24, 3), (40, 5), (56, 7), (48, 3)]
+# int8 rounds each weight by up to 1/254 of its row's largest, bf16 each activation by up to 2^-9: through these
+# random models' 2 blocks (0.2-std weights, pronounced attention) the logits move by up to 3.1% of the largest
+# one (measured). Rows of the wrong length in the fused kernel move them by 30% or more, or crash.
+INT8_LOGIT_RTOL = 0.06
+
+
+@pytest.mark.parametrize("n_embd, n_head", WIDTHS)
+def test_int8_logits_stay_close_to_fp32_at_every_width(n_embd, n_head):
+    fp32 = random_model(n_embd=n_embd, n_head=n_head)
+    int8 = to_precision(random_model(n_embd=n_embd, n_head=n_head), "int8")
+    assert int8.blocks[0].attn.qkv.cpu_kernel == (n_embd % 16 == 0)  # both of Int8Linear's paths are tested
+    idx = random_tokens(3, BLOCK_SIZE)
+    with torch.no_grad():
+        expected = fp32(idx)[0]
+        logits = int8(idx)[0].float()
+    torch.testing.assert_close(logits, expected, atol=INT8_LOGIT_RTOL * expected.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("n_embd, n_head", WIDTHS)
+def test_int8_cached_greedy_decoding_matches_recomputation_at_every_width(n_embd, n_head):
+    model = to_precision(random_model(n_embd=n_embd, n_head=n_head), "int8")
+    n_new = int(2.5 * BLOCK_SIZE)
+    prompt = random_tokens(2, 5)
+    compared = assert_cached_greedy_decoding_matches_recomputation(model, prompt, n_new, LOGIT_ATOL["int8"])
+    assert compared >= 0.75 * prompt.size(0) * n_new
 
 
 @pytest.mark.parametrize("precision", ["bf16", "int8"])
