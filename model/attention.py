@@ -49,6 +49,13 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
+def attention_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype attention computes in, for q, k, v of `dtype` on `device`, and a KV cache's default: float32
+    for bf16 on the CPU, where torch's bf16 attention for one query is about 4x slower than its float32 one
+    (and the cache is small beside the weights); else `dtype`. With or without a cache, the same rule."""
+    return torch.float32 if dtype == torch.bfloat16 and device.type == "cpu" else dtype
+
+
 class MultiHeadAttention(nn.Module):
     """Scaled dot-product attention over n_head heads with a fused Q/K/V projection.
 
@@ -80,7 +87,7 @@ class MultiHeadAttention(nn.Module):
         cache: a LayerKV. The new keys and values are written into it and the queries attend to the
         slots it returns: all max_len of them, and then attn_mask must say which slots each query may see,
         and let each query see at least one (KVCache.attn_mask lets each see its own); or the filled ones,
-        which is_causal alone may mask. Attention runs in the cache's dtype.
+        which is_causal alone may mask. Attention runs in the cache's dtype, else in attention_dtype().
         need_weights: take the explicit path and also return the attention weights.
         rope: (cos, sin) from rotary() for the positions of x's tokens (self-attention only): the keys are turned
         before they are cached, so cached keys keep their positions.
@@ -97,7 +104,8 @@ class MultiHeadAttention(nn.Module):
             q, k = rotate(q, *rope), rotate(k, *rope)
         if cache is not None:
             k, v = cache.update(k, v)  # (B, nh, max_len, hs): every slot of this layer's cache
-            q = q.to(k.dtype)
+        dtype = k.dtype if cache is not None else attention_dtype(q.dtype, q.device)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         T_k = k.size(2)
 
         dropout_p = self.attn_dropout if self.training else 0.0

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention import MultiHeadAttention, causal_mask, rotary
+from .attention import MultiHeadAttention, attention_dtype, causal_mask, rotary
 
 POSITIONS = ("learned", "rope")
 
@@ -79,8 +79,6 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied: one matrix embeds tokens and scores them
-        # the KV cache's dtype on the CPU, when not the model's: model/quantize.py sets it for bf16 models
-        self.cpu_kv_dtype: torch.dtype | None = None
 
         self.apply(self._init_weights)
         for block in self.blocks:  # GPT-2: scale residual projections by the depth of the residual sum
@@ -159,10 +157,9 @@ class GPT(nn.Module):
 
     def new_kv_cache(self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None) -> "KVCache":
         """An empty cache for batch_size rows of up to max_len tokens (default block_size), on this model's
-        device, in `dtype` if given, else in the model's dtype (cpu_kv_dtype instead, if set, on the CPU)."""
+        device, in `dtype` if given, else in the dtype attention computes in (see attention_dtype)."""
         c, w = self.config, self.wte.weight
-        on_cpu = w.device.type == "cpu" and self.cpu_kv_dtype is not None
-        dtype = dtype or (self.cpu_kv_dtype if on_cpu else w.dtype)
+        dtype = dtype or attention_dtype(w.dtype, w.device)
         return KVCache(c.n_layer, batch_size, c.n_head, max_len or c.block_size, c.n_embd // c.n_head,
                        dtype=dtype, device=w.device)
 

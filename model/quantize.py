@@ -2,7 +2,8 @@
 
     model = to_precision(model, "int8")   # the one place a model changes precision
 
-bf16: every weight and activation in bfloat16, and the KV cache too except on the CPU (see to_precision).
+bf16: every weight and activation in bfloat16, except attention and its KV cache on the CPU, which compute in
+float32 (model/attention.py: attention_dtype) whether the cache is used or not.
 int8: every Linear of the blocks (attention qkv and out_proj, MLP fc and proj) and the head hold int8
 weights with one bf16 scale per output channel (symmetric: w ≈ scale * q, q in [-127, 127]); embeddings and
 layer norms stay bf16, and so do the activations. Any fp32 model converts when it is loaded, without
@@ -24,11 +25,18 @@ class QuantizedModelError(RuntimeError):
     """Training or saving a model whose weights were quantized for decoding."""
 
 
+# On the CPU, aten._weight_int8pack_mm reads each row of activations in aligned chunks of 16 bf16 values (32
+# bytes, AVX-512; 8 with AVX2) and checks nothing: a row of any other length is read past its end, which gives
+# garbage or a crash. With in_features a multiple of 16, every row the model feeds it starts 32-byte aligned.
+INT8_KERNEL_WIDTH = 16
+
+
 class Int8Linear(nn.Module):
     """y = x Wᵀ + b with W stored as int8 (out_features, in_features) and a bf16 scale per output row.
 
-    On the CPU one fused kernel (aten._weight_int8pack_mm, bf16 activations) reads the int8 weights
-    directly; elsewhere the weights are dequantized to the activations' dtype for each matmul.
+    On the CPU, when in_features is a multiple of INT8_KERNEL_WIDTH, one fused kernel (aten._weight_int8pack_mm,
+    bf16 activations) reads the int8 weights directly; otherwise, and off the CPU, the weights are dequantized
+    to the activations' dtype for each matmul.
     """
 
     def __init__(self, linear: nn.Linear, dtype: torch.dtype = torch.bfloat16):
@@ -39,12 +47,13 @@ class Int8Linear(nn.Module):
         scales = (weight.abs().amax(dim=1).clamp(min=1e-12) / 127).to(dtype)
         q = (weight / scales.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.cpu_kernel = self.in_features % INT8_KERNEL_WIDTH == 0  # whether the fused kernel can take x
         self.register_buffer("weight", q)  # a buffer, not a Parameter: nothing to train
         self.register_buffer("scales", scales)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().to(dtype))
 
     def forward(self, x):
-        if x.device.type == "cpu":
+        if self.cpu_kernel and x.device.type == "cpu":
             y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight, self.scales)
             y = y.view(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
@@ -61,7 +70,8 @@ class Int8Linear(nn.Module):
                                   "fp32 model instead (any fp32 checkpoint converts when loaded)")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"cpu_kernel={self.cpu_kernel}")
 
 
 def to_precision(model: nn.Module, precision: str) -> nn.Module:
@@ -80,7 +90,4 @@ def to_precision(model: nn.Module, precision: str) -> nn.Module:
         # the head gets its own int8 copy of the tied matrix (the embedding keeps it, in bf16): with so few
         # outputs (the vocabulary) torch's bf16 matmul takes a slow path on the CPU, several times the int8 one
         model.lm_head = Int8Linear(model.lm_head)
-    # Attention runs in the cache's dtype, and on the CPU torch's bf16 attention kernel for one query is
-    # about 4x slower than its float32 one, while the cache is small beside the weights: float32 there.
-    model.cpu_kv_dtype = torch.float32
     return model.to(torch.bfloat16)

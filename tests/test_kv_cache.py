@@ -260,7 +260,7 @@ def test_reset_empties_the_cache_and_a_fresh_prefill_equals_a_brand_new_cache():
 def test_size_in_bytes_is_two_layers_batch_max_len_width_itemsize(dtype):
     model = random_model(n_head=4).to(dtype)
     c = model.config
-    cache = model.new_kv_cache(3, max_len=20)
+    cache = model.new_kv_cache(3, max_len=20, dtype=dtype)  # by default bf16 gets float32 on the CPU
     assert cache.k.dtype == dtype
     itemsize = torch.empty((), dtype=dtype).element_size()
     assert cache.nbytes == 2 * c.n_layer * 3 * 20 * c.n_embd * itemsize

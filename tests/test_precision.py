@@ -1,5 +1,5 @@
-"""Decoding at bf16 and int8 (model/quantize.py): the cache still equals recomputation, int8 barely moves the
-loss, and a converted model refuses to be trained or saved."""
+"""Decoding at bf16 and int8 (model/quantize.py): the cache agrees with recomputation within each precision's
+stated tolerance, int8 barely moves the loss at any width, and a converted model refuses to be trained or saved."""
 
 import functools
 import math
@@ -15,7 +15,7 @@ from data import CharVocab
 from model import GPT, GREEDY, generate
 from model.quantize import Int8Linear, QuantizedModelError, to_precision
 from corpus import CITIZENS
-from tiny_models import tiny_config, train_briefly
+from tiny_models import random_model, random_tokens, tiny_config, train_briefly
 from training.checkpoint import build_checkpoint, load_model, save_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,11 +35,12 @@ BLOCK_SIZE = 16
 PRECISIONS = ("fp32", "bf16", "int8")
 
 # How far cached logits may be from a full forward over the same context, per precision. fp32: the
-# proofs of tests/test_kv_cache.py. bf16 and int8: bf16 keeps 8 bits of mantissa, so each activation is
-# rounded by up to 2^-9 ≈ 0.2% relative; the cached step and the full forward round different intermediate
-# tensors (the CPU cache holds float32 keys and values, the full forward attends in bf16), and through 2
-# blocks these roundings add up to a few hundredths on logits of magnitude ~5-10 (measured: under 0.06).
-LOGIT_ATOL = {"fp32": 1e-5, "bf16": 0.15, "int8": 0.15}
+# proofs of tests/test_kv_cache.py. bf16 and int8: both paths run the same bf16 operations, and attention in
+# the same dtype (float32 on the CPU), but attention's kernels for one query and for many sum in different
+# orders, so now and then an output lands on the other side of a bf16 rounding boundary: one activation then
+# differs by one bf16 step (2^-8 relative), which moves logits by a few hundredths (measured: 0 on the trained
+# model here, up to 0.023 on the random int8 models below; 0.0625 when one path attended in bf16).
+LOGIT_ATOL = {"fp32": 1e-5, "bf16": 0.04, "int8": 0.04}
 # bf16 rounds every weight and activation by up to 2^-9 relative, int8 each weight by up to 1/254 of its
 # row's largest: the held-out loss (~3.2 nats/char here) may move by this much (measured: under 0.01).
 LOSS_TOLERANCE = 0.02
@@ -71,14 +72,44 @@ def held_out_loss(model: GPT) -> float:
     return F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten()).item()
 
 
+class RecordingGreedy:
+    """Greedy decoding, as a `sampling` for generate, that keeps each step's logits (B, vocab_size) in float32."""
+
+    def __init__(self):
+        self.logits = []
+
+    def next_token(self, logits, generator=None):
+        self.logits.append(logits.float())
+        return logits.argmax(dim=-1)
+
+
+def assert_cached_greedy_decoding_matches_recomputation(model, prompt, n_new, tol) -> int:
+    """Greedy decoding with the cache against recomputing the context at every step: at each step each row's
+    logits are within tol. So the tokens are the same wherever recomputation's top two logits are more than
+    2 * tol apart; closer, a difference of tol in each may swap them. Returns the row-steps compared: a row is
+    compared up to its first different token, after which the two contexts differ."""
+    cached, recomputed = RecordingGreedy(), RecordingGreedy()
+    tokens = generate(model, prompt, n_new, sampling=cached)[:, prompt.size(1):]
+    expected = generate(model, prompt, n_new, sampling=recomputed, use_cache=False)[:, prompt.size(1):]
+    compared = 0
+    for row in range(prompt.size(0)):
+        for step in range(n_new):
+            torch.testing.assert_close(cached.logits[step][row], recomputed.logits[step][row], atol=tol, rtol=0)
+            compared += 1
+            if tokens[row, step] != expected[row, step]:
+                break
+    return compared
+
+
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_cached_generation_equals_uncached_token_for_token(precision):
+def test_cached_greedy_decoding_matches_recomputation_within_the_precisions_tolerance(precision):
     model = converted(precision)
     prompt = torch.tensor([VOCAB.encode("First Citizen:\n"), VOCAB.encode("All:\nSpeak, sp\n")])
     n_new = int(2.5 * BLOCK_SIZE)  # the window moves more than once
-    cached = generate(model, prompt, n_new, sampling=GREEDY)
-    assert torch.equal(cached, generate(model, prompt, n_new, sampling=GREEDY, use_cache=False))
-    assert len(set(cached[0, prompt.size(1):].tolist())) > 3  # real text, not one character repeated
+    compared = assert_cached_greedy_decoding_matches_recomputation(model, prompt, n_new, LOGIT_ATOL[precision])
+    assert compared >= 0.75 * prompt.size(0) * n_new  # most steps had no near-tie to stop at
+    text = generate(model, prompt, n_new, sampling=GREEDY)[0, prompt.size(1):]
+    assert len(set(text.tolist())) > 3  # real text, not one character repeated
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -91,6 +122,37 @@ def test_cached_logits_stay_within_the_precisions_tolerance_of_a_full_forward(pr
         step = model.decode_step(seq[:, t:t + 1], cache).float()
         full = model(seq[:, :t + 1])[0][:, -1].float()
         torch.testing.assert_close(step, full, atol=LOGIT_ATOL[precision], rtol=0)
+
+
+# Widths whose Linears the CPU's fused int8 kernel cannot take (in_features not a multiple of 16: 18 and 20
+# are not even multiples of 8, which AVX2 needs), and 48, which it takes; the head's out_features is the
+# vocabulary (13).
+WIDTHS = [(18, 3), (20, 4), (24, 3), (40, 5), (56, 7), (48, 3)]
+# int8 rounds each weight by up to 1/254 of its row's largest, bf16 each activation by up to 2^-9: through these
+# random models' 2 blocks (0.2-std weights, pronounced attention) the logits move by up to 3.1% of the largest
+# one (measured). Rows of the wrong length in the fused kernel move them by 30% or more, or crash.
+INT8_LOGIT_RTOL = 0.06
+
+
+@pytest.mark.parametrize("n_embd, n_head", WIDTHS)
+def test_int8_logits_stay_close_to_fp32_at_every_width(n_embd, n_head):
+    fp32 = random_model(n_embd=n_embd, n_head=n_head)
+    int8 = to_precision(random_model(n_embd=n_embd, n_head=n_head), "int8")
+    assert int8.blocks[0].attn.qkv.cpu_kernel == (n_embd % 16 == 0)  # both of Int8Linear's paths are tested
+    idx = random_tokens(3, BLOCK_SIZE)
+    with torch.no_grad():
+        expected = fp32(idx)[0]
+        logits = int8(idx)[0].float()
+    torch.testing.assert_close(logits, expected, atol=INT8_LOGIT_RTOL * expected.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("n_embd, n_head", WIDTHS)
+def test_int8_cached_greedy_decoding_matches_recomputation_at_every_width(n_embd, n_head):
+    model = to_precision(random_model(n_embd=n_embd, n_head=n_head), "int8")
+    n_new = int(2.5 * BLOCK_SIZE)
+    prompt = random_tokens(2, 5)
+    compared = assert_cached_greedy_decoding_matches_recomputation(model, prompt, n_new, LOGIT_ATOL["int8"])
+    assert compared >= 0.75 * prompt.size(0) * n_new
 
 
 @pytest.mark.parametrize("precision", ["bf16", "int8"])
