@@ -18,7 +18,7 @@ from hydra import compose, initialize_config_dir
 import corpus
 import train
 import training.runs
-from data import CharVocab, prepare_shakespeare
+from data import CharVocab
 from model import GPT, GREEDY, GPTConfig, Sampling, generate
 from test_train import TINY, config, data_overrides
 from tiny_models import random_model, random_tokens
@@ -396,7 +396,7 @@ def test_fused_adamw_steps_like_the_unfused_one():
 
 def test_a_training_step_and_an_evaluation_under_bf16_autocast(tmp_path, data_root):
     settings = validate(config(tmp_path, data_root, *SHORT))
-    data = prepare_shakespeare(data_root, url=settings.data.url, sha256=settings.data.sha256)
+    data = train.prepare_data(settings)
     model = GPT(dataclasses.replace(settings.model, vocab_size=len(data.vocab)))
 
     class NoSummaries:
