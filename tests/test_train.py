@@ -297,6 +297,13 @@ def test_own_text_trains_in_a_folder_of_its_own_and_is_recorded(tmp_path):
     last = torch.load(next((tmp_path / "runs").glob("*/last.pt")), weights_only=True)
     assert last["vocab"] == "".join(sorted(set(OWN_TEXT)))
     assert last["text"] == {"source": "notes.txt", "sha256": sha256}
+    sampled = subprocess.run([sys.executable, str(REPO / "sample.py"), "--prompt", "Le", "--max-new-tokens", "5"],
+                             cwd=tmp_path, env=train_env(), capture_output=True, text=True, timeout=120)
+    best = next((tmp_path / "runs").glob("*/best.pt"))
+    step, loss = (torch.load(best, weights_only=True)["training"][key] for key in ("step", "best_val_loss"))
+    assert sampled.returncode == 0 and sampled.stdout.startswith("Le")
+    assert sampled.stderr.splitlines()[0] == f"sampling {best.relative_to(tmp_path)} (step {step}, best val loss " \
+        f"{loss:.4f}), trained on notes.txt (sha256 {sha256[:12]})"
 
 
 def test_sigterm_leaves_loadable_last_pt(tmp_path, data_root):

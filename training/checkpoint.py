@@ -70,6 +70,10 @@ def resolve_checkpoint(path, prefer: str = "best.pt") -> Path:
         for name in (prefer, fallback):
             if (path / name).is_file():
                 return path / name
+        runs = sorted({p.parent for name in (prefer, fallback) for p in path.rglob(name)})
+        if runs:  # a folder of runs, such as runs/
+            raise CheckpointError(f"{path} is no run directory but holds {len(runs)} below it ({runs[0]}"
+                                  f"{f' ... {runs[-1]}' if len(runs) > 1 else ''}); pass one of them")
         raise CheckpointError(f"run directory {path} holds neither {prefer} nor {fallback}; "
                               f"train with `python train.py` or pass a checkpoint file")
     if not path.is_file():
@@ -121,7 +125,7 @@ def load_model(path, device="cpu", prefer: str = "best.pt", precision: str = "fp
         # A kvgpt checkpoint, but one this version of the code cannot rebuild a model from.
         raise CheckpointError(f"{resolve_checkpoint(path, prefer)} does not fit this version of the model "
                               f"({one_line(e)})") from None
-    broken = [name for name, weight in model.state_dict().items() if not weight.isfinite().all()]
+    broken = [name for name, weight in model.named_parameters() if not weight.isfinite().all()]
     if broken:
         raise CheckpointError(f"{resolve_checkpoint(path, prefer)} holds NaN or infinite weights (in "
                               f"{', '.join(broken[:3])}{', ...' if len(broken) > 3 else ''}); use another checkpoint")
