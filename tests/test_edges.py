@@ -1,6 +1,7 @@
 """Edges: no run loses another's files or leaves debris, every failure is one line, and the GPU's code paths
 (bf16 autocast, fused AdamW, a bf16 KV cache, the gpu preset compiled) run here on the CPU."""
 
+import argparse
 import dataclasses
 import errno
 import math
@@ -27,6 +28,7 @@ from test_train import TINY, config, data_overrides
 from tiny_models import random_model, random_tokens
 from training.checkpoint import CheckpointError, build_checkpoint, save_checkpoint
 from training.config import ConfigError, OptimConfig, validate
+from training.errors import UsageError
 from training.files import remove_stale_temporaries, write_atomically
 from training.loop import Trainer
 from training.optim import make_optimizers
@@ -226,6 +228,18 @@ def test_resuming_a_run_clears_what_a_killed_save_left_there(tmp_path, data_root
     live = temporary(source, "best.pt", host, os.getpid())
     train.main(config(tmp_path, data_root, *SHORT, f"train.resume={source}"), tmp_path / "runs/resumed")
     assert not stale.exists() and live.exists()
+
+
+def test_resuming_on_another_text_is_refused(tmp_path, data_root, short_run):
+    other = tmp_path / "other.txt"
+    other.write_text(corpus.TEXT.swapcase(), encoding="utf-8")  # the same characters, another text
+    with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[*TINY, f"data.text={other}", f"data.root={data_root}",
+                                           f"runs_dir={tmp_path / 'runs'}", *SHORT,
+                                           f"train.resume={short_run}"])
+    with pytest.raises(ConfigError, match=rf"^train.resume: the checkpoint was trained on .*corpus.txt \(sha256 "
+                                          rf"{corpus.SHA256[:12]}\), not on {other}; resume with the text"):
+        train.main(cfg, tmp_path / "runs/resumed")
 
 
 def damage(contents: dict, how: str) -> dict:
@@ -494,3 +508,20 @@ def test_the_gpu_preset_compiled_trains_a_few_steps_at_a_tiny_size(tmp_path, dat
     val_loss = train.main(cfg, tmp_path / "runs/gpu")
     assert math.isfinite(val_loss)
     assert torch.load(tmp_path / "runs/gpu/last.pt", weights_only=True)["training"]["step"] == 4
+
+
+def test_the_memory_check_counts_the_cache_the_decoder_really_builds(monkeypatch):
+    import sample
+    from model.quantize import to_precision
+
+    model = to_precision(random_model(), "bf16")
+    need = model.new_kv_cache(1).nbytes + (1 + 10) * 8  # a float32 cache on the CPU; a one-token prompt, 10 more
+    assert model.new_kv_cache(1).k.dtype == torch.float32
+    args = argparse.Namespace(num_samples=1, max_new_tokens=10)
+    for memory, fits in ((2 * need, True), (2 * need - 2, False)):  # sample.py may use half of it
+        monkeypatch.setattr(sample.os, "sysconf", lambda name: memory if name == "SC_PHYS_PAGES" else 1)
+        if fits:
+            sample.check_memory(args, 1, model, torch.device("cpu"))
+        else:
+            with pytest.raises(UsageError, match="need 0.0 GiB of KV cache and tokens"):
+                sample.check_memory(args, 1, model, torch.device("cpu"))
