@@ -6,13 +6,16 @@
     python sample.py --temperature 0 --no-kv-cache     # greedy, recomputing everything at every step
     python sample.py --precision int8                  # int8 weights, quantized when loaded: fastest on CPU
 
-Text streams to the terminal as it is generated; piped or redirected, each sample is written whole at
-the end. A one-line summary (tokens, seconds, tokens/s, cache size) goes to stderr. Every mistake in
-the command line or its inputs is reported as one line on stderr with exit status 2, as is an output that
-cannot be written (a full disk); a reader that stops early (`| head`) ends sampling quietly.
+First, stderr says which checkpoint is sampled: its step, best val loss and the text it was trained on. A lone
+sample is written as it is generated (to a terminal token by token, elsewhere every CHUNK tokens); samples
+generated side by side are written one after another at the end. Ctrl-C writes what was generated and exits
+with status 130. A one-line summary (tokens, seconds, tokens/s, cache size) ends stderr. A mistake in the
+command line or its inputs is one line on stderr with exit status 2; an output that cannot be written (a full
+disk) is one line with status 1; a reader that stops early (`| head`) ends sampling quietly.
 """
 
 import argparse
+import itertools
 import os
 import sys
 import time
@@ -21,19 +24,17 @@ from pathlib import Path
 import torch
 
 from data import CharVocab, UnknownCharacterError
-from model import KVCache, Sampling, generate_tokens
+from model import Sampling, generate_tokens
 from model.quantize import PRECISIONS
-from training.checkpoint import CheckpointError, load_model, resolve_checkpoint
+from training.checkpoint import load_model, resolve_checkpoint, trained_on
 from training.devices import choose_device
+from training.errors import MISTAKES, UsageError, fail
 from training.runs import find_latest_checkpoint
 
 SAMPLE_SEPARATOR = "---------------\n"
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
-MEMORY_SHARE = 0.5  # the largest share of the device's memory that the samples' KV cache may take
-
-
-class UsageError(Exception):
-    """A mistake in the command line or its inputs; main() reports it as one line, exit status 2."""
+MEMORY_SHARE = 0.5  # the largest share of the device's memory that the samples' KV cache and tokens may take
+CHUNK = 64  # tokens read back from the device at once when the output is no terminal: each read is a sync
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -61,55 +62,35 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", metavar="S", type=int, help="random seed, for reproducible samples")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda", "mps"), default="auto",
                         help="auto: cuda, else mps, else cpu (default: %(default)s)")
-    parser.add_argument("--no-kv-cache", action="store_true",
-                        help="recompute the whole context at every step (slow; for comparison)")
+    cache = parser.add_mutually_exclusive_group()
+    cache.add_argument("--no-kv-cache", action="store_true",
+                       help="recompute the whole context at every step (slow; for comparison)")
     parser.add_argument("--window", metavar="N", type=int,
                         help="context tokens kept when it grows past block_size, 1..block_size "
                              "(default: the model's, block_size // 2; block_size is the classic crop)")
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
                         help="decode with the weights as trained (fp32), in bf16, or with int8 weights "
                              "quantized when loaded (default: %(default)s)")
-    parser.add_argument("--compile", action="store_true",
-                        help="torch.compile the one-token decode step (the first steps pay for compiling)")
+    cache.add_argument("--compile", action="store_true",
+                       help="torch.compile the one-token decode step (the first steps pay for compiling)")
     return parser
 
 
-def sampling_from(args) -> Sampling:
-    """The model's own sampling rules, their errors named by option."""
-    try:
-        return Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    except ValueError as e:
-        option, _, rest = str(e).partition(" must ")
-        raise UsageError(f"--{option.replace('_', '-')} must {rest}") from None
-
-
-def check_args(args) -> None:
-    if args.max_new_tokens < 0:
-        raise UsageError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    if args.num_samples < 1:
-        raise UsageError(f"--num-samples must be >= 1, got {args.num_samples}")
-    if args.seed is not None and not 0 <= args.seed <= MAX_SEED:
-        raise UsageError(f"--seed must be in [0, {MAX_SEED}], got {args.seed}")
-    if args.compile and args.no_kv_cache:
-        raise UsageError("--compile compiles the cached one-token step, which --no-kv-cache does not use; "
-                         "drop one of them")
-
-
-def check_memory(num_samples: int, model, device: torch.device) -> None:
-    """Refuse up front a batch whose KV cache alone would not fit, rather than run out of memory midway. Without
-    the cache, the forward passes hold at least as much."""
-    c = model.config
-    per_sample = KVCache(c.n_layer, 1, c.n_head, c.block_size, c.n_embd // c.n_head, dtype=model.wte.weight.dtype,
-                         device="meta").nbytes  # sizes only, nothing allocated
+def check_memory(args, prompt_len: int, model, device: torch.device) -> None:
+    """Refuse up front samples whose KV cache (as the decoder builds it) and tokens (the int64 sequence it fills)
+    would not fit, rather than run out of memory midway. Without the cache, the forward passes hold at least as
+    much."""
+    per_sample = model.new_kv_cache(1).nbytes + (prompt_len + args.max_new_tokens) * torch.long.itemsize
     if device.type == "cuda":
         memory = torch.cuda.mem_get_info(device)[1]
     else:
         memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    if num_samples * per_sample > MEMORY_SHARE * memory:
-        most = max(1, int(MEMORY_SHARE * memory // per_sample))
-        raise UsageError(f"--num-samples {num_samples} needs {num_samples * per_sample / 2**30:.1f} GiB of KV cache, "
-                         f"more than {MEMORY_SHARE:.0%} of the {memory / 2**30:.1f} GiB of {device.type} memory; "
-                         f"use at most {most}")
+    if args.num_samples * per_sample > MEMORY_SHARE * memory:
+        most = int(MEMORY_SHARE * memory // per_sample)
+        raise UsageError(f"--num-samples {args.num_samples} of --max-new-tokens {args.max_new_tokens} need "
+                         f"{args.num_samples * per_sample / 2**30:.1f} GiB of KV cache and tokens, more than "
+                         f"{MEMORY_SHARE:.0%} of the {memory / 2**30:.1f} GiB of {device.type} memory; "
+                         + (f"use at most {most} samples" if most else "ask for fewer new tokens"))
 
 
 def read_prompt(args) -> str:
@@ -137,53 +118,64 @@ def encode_prompt(vocab: CharVocab, prompt: str) -> list[int]:
                          f"the vocabulary is {vocab.chars!r}") from None
 
 
-def stream_sample(steps, prompt: str, vocab: CharVocab, out) -> None:
-    """Write one sample as it is generated; reading each token back is the one sync that printing needs."""
-    out.write(prompt)
+def checked(steps):
+    """generate_tokens checks its arguments when asked for its first token: ask now, so that a mistake is
+    reported before anything is written. Its messages name the argument, as the options do."""
+    try:
+        first = next(steps, None)
+    except ValueError as e:
+        raise UsageError(e) from None
+    return steps if first is None else itertools.chain([first], steps)
+
+
+def write_samples(steps, prompt: str, vocab: CharVocab, num_samples: int, out, every: int) -> None:
+    """Write the samples as they are generated: a lone one as it grows, its tokens read back from the device
+    every `every` steps; samples generated side by side, one after another at the end. Ctrl-C stops the
+    generation; what it had generated is written before the KeyboardInterrupt goes on."""
+    texts, pending = [prompt] * num_samples, []  # text not yet written; the newest tokens, still on the device
+
+    def read_back():
+        rows = torch.stack(pending, dim=1).tolist() if pending else [[]] * num_samples
+        pending.clear()
+        return [text + vocab.decode(row) for text, row in zip(texts, rows)]
+
+    interrupted = False
+    try:
+        for next_ids in steps:
+            pending.append(next_ids)
+            if num_samples == 1 and len(pending) == every:
+                out.write(read_back()[0])
+                out.flush()
+                texts = [""]
+    except KeyboardInterrupt:
+        interrupted = True
+    out.write(SAMPLE_SEPARATOR.join(text + "\n" for text in read_back()))
     out.flush()
-    for next_ids in steps:
-        out.write(vocab.decode([next_ids.item()]))
-        out.flush()
-    out.write("\n")
+    if interrupted:
+        raise KeyboardInterrupt
 
 
-def collect_samples(steps, prompt: str, vocab: CharVocab, num_samples: int) -> list[str]:
-    """Every sample's text; the tokens stay on the device until the end, so no step waits for a sync."""
-    new_ids = list(steps)
-    rows = torch.stack(new_ids, dim=1).tolist() if new_ids else [[]] * num_samples
-    return [prompt + vocab.decode(row) for row in rows]
-
-
-def prepare(args):
-    """Everything the sampling needs, checked: (sampling, device, prompt, its ids, checkpoint path, model, vocab).
-    Every mistake is a UsageError or a CheckpointError."""
-    check_args(args)
-    sampling = sampling_from(args)
+def sample(args) -> None:
+    if args.num_samples < 1:
+        raise UsageError(f"--num-samples must be >= 1, got {args.num_samples}")
+    if args.seed is not None and not 0 <= args.seed <= MAX_SEED:
+        raise UsageError(f"--seed must be in [0, {MAX_SEED}], got {args.seed}")
+    try:
+        sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    except ValueError as e:  # its messages name the argument, as the options do
+        raise UsageError(e) from None
     try:
         device = choose_device(args.device)
     except ValueError as e:
         raise UsageError(f"--device {e}") from None
     prompt = read_prompt(args)
     # without --checkpoint: the newest under the working directory, where train.py writes
-    checkpoint_path = resolve_checkpoint(args.checkpoint) if args.checkpoint else find_latest_checkpoint("runs")
-    model, vocab, _ = load_model(checkpoint_path, device, precision=args.precision)
+    path = resolve_checkpoint(args.checkpoint) if args.checkpoint else find_latest_checkpoint("runs")
+    model, vocab, contents = load_model(path, device, precision=args.precision)
     prompt_ids = encode_prompt(vocab, prompt)
-    block_size = model.config.block_size
-    if args.window is not None and not 1 <= args.window <= block_size:
-        raise UsageError(f"--window must be in [1, {block_size}] (the model's block_size), got {args.window}")
-    check_memory(args.num_samples, model, device)
+    check_memory(args, len(prompt_ids), model, device)
     if sys.stdout is None:  # started with stdout closed (`>&-`)
-        raise UsageError("standard output is closed; send it to a file or a pipe")
-    return sampling, device, prompt, prompt_ids, checkpoint_path, model, vocab
-
-
-def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        sampling, device, prompt, prompt_ids, checkpoint_path, model, vocab = prepare(args)
-    except (UsageError, CheckpointError) as e:
-        parser.error(str(e))
+        raise OSError("standard output is closed; send it to a file or a pipe")
 
     generator = torch.Generator(device)
     if args.seed is None:
@@ -193,39 +185,33 @@ def main(argv=None) -> int:
     use_cache = not args.no_kv_cache
     cache = model.new_kv_cache(args.num_samples) if use_cache else None
     idx = torch.tensor([prompt_ids] * args.num_samples, dtype=torch.long, device=device)
-    steps = generate_tokens(model, idx, args.max_new_tokens, sampling=sampling, generator=generator,
-                            window=args.window, use_cache=use_cache, cache=cache, compile=args.compile)
-
-    # The samples of a batch grow side by side, so only a lone sample can stream legibly.
-    stream = args.num_samples == 1 and sys.stdout.isatty()
     start = time.perf_counter()
+    steps = checked(generate_tokens(model, idx, args.max_new_tokens, sampling=sampling, generator=generator,
+                                    window=args.window, use_cache=use_cache, cache=cache, compile=args.compile))
+
+    state = contents.get("training")
+    progress = f"step {state['step']}, best val loss {state['best_val_loss']:.4f}" if state else "weights only"
+    print(f"sampling {path} ({progress}), trained on {trained_on(contents)}", file=sys.stderr)
     try:
-        if stream:
-            stream_sample(steps, prompt, vocab, sys.stdout)
-        else:
-            samples = collect_samples(steps, prompt, vocab, args.num_samples)
-        seconds = time.perf_counter() - start
-        if not stream:
-            sys.stdout.write(SAMPLE_SEPARATOR.join(sample + "\n" for sample in samples))
-        sys.stdout.flush()
-    except KeyboardInterrupt:  # Ctrl-C ends a long sample early, without a traceback
-        if stream:
-            print()
-        return 130
+        vocab.chars.encode(sys.stdout.encoding)
+    except UnicodeEncodeError:  # an ASCII-only locale, PYTHONIOENCODING=ascii, ...
+        sys.stdout.reconfigure(errors="replace")
+        print(f"standard output is {sys.stdout.encoding}: characters it cannot show are written as '?' "
+              f"(PYTHONIOENCODING=utf-8 writes them all)", file=sys.stderr)
+    try:
+        write_samples(steps, prompt, vocab, args.num_samples, sys.stdout, every=1 if sys.stdout.isatty() else CHUNK)
     except BrokenPipeError:  # the reader stopped early (`| head`): nothing more is wanted
         silence_stdout()
-        return 0
+        return
     except OSError as e:  # a full disk, ...
         silence_stdout()
-        print(f"{parser.prog}: error: cannot write the samples to standard output ({e.strerror or e})",
-              file=sys.stderr)
-        return 2
+        raise OSError(f"cannot write the samples to standard output ({e.strerror or e})") from None
+    seconds = time.perf_counter() - start
 
     tokens = args.num_samples * args.max_new_tokens
     cache_size = f"KV cache {cache.nbytes / 2**20:.2f} MiB" if use_cache else "no cache"
     print(f"{tokens} tokens in {seconds:.2f} s, {tokens / max(seconds, 1e-9):.1f} tokens/s, {cache_size} "
-          f"({device.type}, {checkpoint_path})", file=sys.stderr)
-    return 0
+          f"({device.type})", file=sys.stderr)
 
 
 def silence_stdout() -> None:
@@ -235,5 +221,14 @@ def silence_stdout() -> None:
     os.close(devnull)
 
 
+def main(argv=None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        sample(args)
+    except (*MISTAKES, OSError, KeyboardInterrupt) as e:
+        fail(parser.prog, e)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -1,7 +1,8 @@
-"""Train kvgpt on tiny_shakespeare.
+"""Train kvgpt on tiny_shakespeare, or on a text of your own.
 
     python train.py                                   # preset gpu or cpu, picked from the device found
     python train.py preset=cpu model.n_layer=2 train.max_iters=200
+    python train.py data.text=path/to/any.txt         # your own UTF-8 text, its own vocabulary
     python train.py train.resume=runs/2025-01-31_12-00-00   # continue a run from its last.pt
     python train.py -m optim.lr=1e-3,2e-3             # a sweep, one run directory per job under runs/multirun/
     torchrun --standalone --nproc_per_node=2 train.py # DDP: NCCL on CUDA, gloo on CPU
@@ -27,10 +28,11 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from data import Batches, DataError, PreparedData, prepare_shakespeare
+from data import (SHAKESPEARE, Batches, DataError, PreparedData, UnknownCharacterError, prepare_shakespeare,
+                  prepare_text)
 from model import GPT
-from training.checkpoint import CheckpointError, resolve_checkpoint
-from training.config import ConfigError, config_error_line, register, validate
+from training.checkpoint import CheckpointError, resolve_checkpoint, trained_on
+from training.config import ConfigError, TrainConfig, config_error_line, register, validate
 from training.devices import choose_device
 from training.distributed import init_distributed, is_rank_zero
 from training.files import os_error_line, remove_stale_temporaries
@@ -65,19 +67,15 @@ def main(cfg: DictConfig, run_dir) -> float | None:
         if device.type == "cuda":
             torch.set_float32_matmul_precision("high")  # TF32 matmuls where bf16 autocast does not reach
         data = prepare_data(settings)
-        if resumed is not None and resumed["vocab"] != data.vocab.chars:
-            raise ConfigError(f"the checkpoint's vocabulary differs from that of {settings.data.root}; "
-                              f"resume with the data it was trained on")
+        if resumed is not None and resumed.get("text", {}).get("sha256") != data.sha256:
+            raise ConfigError(f"train.resume: the checkpoint was trained on {trained_on(resumed)}, not on "
+                              f"{data.source}; resume with the text it was trained on (data.text)")
         model = GPT(dataclasses.replace(settings.model, vocab_size=len(data.vocab))).to(device)
         used = {**config, "model": dataclasses.asdict(model.config)}  # vocab_size filled in from the data
         summaries = Summaries(run_dir, OmegaConf.to_yaml(used)) if rank == 0 else None
         started = False
         try:
-            try:
-                trainer = Trainer(settings, model, data, device, run_dir, config, summaries, resumed, rank,
-                                  world_size)
-            except DataError as e:
-                raise ConfigError(f"train.sample_prompt: {e}") from None
+            trainer = Trainer(settings, model, data, device, run_dir, config, summaries, resumed, rank, world_size)
             started = True
             if rank == 0:
                 print(f"training {model.num_params() / 1e6:.2f}M parameters on {device} ({world_size} "
@@ -99,17 +97,29 @@ def main(cfg: DictConfig, run_dir) -> float | None:
 
 
 def prepare_data(settings) -> PreparedData:
-    """The data set, obtained and encoded, with splits long enough for the model's context."""
+    """The text data.text names (tiny_shakespeare when none), obtained and encoded, checked to fit the settings:
+    splits longer than the model's context, a sample prompt made of the text's characters."""
+    dc = settings.data
     try:
-        data = prepare_shakespeare(settings.data.root, url=settings.data.url, sha256=settings.data.sha256,
-                                   val_fraction=settings.data.val_fraction)
+        if dc.text is None:
+            data = prepare_shakespeare(Path(dc.root) / SHAKESPEARE, val_fraction=dc.val_fraction)
+        else:
+            data = prepare_text(dc.text, dc.root, val_fraction=dc.val_fraction)
     except DataError as e:
         raise ConfigError(str(e)) from None
     for split in ("train", "val"):  # found now rather than at the first evaluation
         try:
             Batches(getattr(data, split), settings.model.block_size, batch_size=1)
         except DataError as e:
-            raise ConfigError(f"the {split} split of {settings.data.root} is too short: {e}") from None
+            raise ConfigError(f"the {split} split of {data.source} is too short: {e}") from None
+    try:
+        data.vocab.encode(settings.train.sample_prompt)
+    except UnknownCharacterError as e:
+        default = " (by default a line of Romeo and Juliet)" \
+            if settings.train.sample_prompt == TrainConfig.sample_prompt else ""
+        raise ConfigError(f"train.sample_prompt{default} has characters not in the vocabulary of {data.source} "
+                          f"({', '.join(map(repr, e.chars))}); set train.sample_prompt='...' to text made of its "
+                          f"characters") from None
     return data
 
 

@@ -26,8 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.configs import model_config  # noqa: E402
-from data import Batches, prepare_shakespeare  # noqa: E402
-from data.shakespeare import SOURCE_URL  # noqa: E402
+from data import SOURCE_URL, Batches, prepare_shakespeare  # noqa: E402
 from model import GPT, GREEDY, generate  # noqa: E402
 from model.quantize import PRECISIONS, Int8Linear, to_precision  # noqa: E402
 from training.checkpoint import load_model  # noqa: E402

@@ -1,6 +1,7 @@
-"""Data for kvgpt: tiny_shakespeare obtained and encoded once, its character vocabulary, and random batches.
+"""Data for kvgpt: tiny_shakespeare or a text of your own, obtained and encoded once, its character vocabulary,
+and random batches.
 
-    prepared = prepare_shakespeare("datasets/tiny_shakespeare")
+    prepared = prepare_shakespeare("datasets/tiny_shakespeare")  # or prepare_text("my.txt", "datasets")
     batches = Batches(prepared.train, block_size=256, batch_size=64, device="cuda", seed=1337)
     x, y = batches.next()
 
@@ -9,8 +10,8 @@ Bad input raises DataError (UnknownCharacterError for text outside the vocabular
 
 from .batches import Batches
 from .errors import DataError, UnknownCharacterError
-from .shakespeare import SHA256, SOURCE_URL, PreparedData, prepare_shakespeare
+from .prepare import SHA256, SHAKESPEARE, SOURCE_URL, PreparedData, prepare_shakespeare, prepare_text
 from .vocab import CharVocab
 
-__all__ = ["Batches", "CharVocab", "DataError", "PreparedData", "SHA256", "SOURCE_URL", "UnknownCharacterError",
-           "prepare_shakespeare"]
+__all__ = ["Batches", "CharVocab", "DataError", "PreparedData", "SHA256", "SHAKESPEARE", "SOURCE_URL",
+           "UnknownCharacterError", "prepare_shakespeare", "prepare_text"]

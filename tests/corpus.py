@@ -62,11 +62,12 @@ TEXT = PASSAGE * 10  # about 10 KB: a val split of about 1,000 characters, far l
 SHA256 = hashlib.sha256(TEXT.encode("utf-8")).hexdigest()
 
 
-def write_corpus(path: Path) -> str:
-    """Write the corpus to path; its file:// URL, which data.url accepts."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(TEXT, encoding="utf-8")
-    return path.as_uri()
+def write_corpus(path: Path) -> Path:
+    """Write the corpus to path, a text file as data.text takes, unless it is there already."""
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(TEXT, encoding="utf-8")
+    return path
 
 
 def real_input() -> Path | None:

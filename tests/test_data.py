@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from corpus import NO_REAL_DATA, REAL_INPUT
-from data import (SHA256, Batches, CharVocab, DataError, PreparedData, UnknownCharacterError, prepare_shakespeare,
-                  shakespeare)
+from data import (SHA256, Batches, CharVocab, DataError, PreparedData, UnknownCharacterError, prepare,
+                  prepare_shakespeare, prepare_text)
 
 
 SMALL_TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n" * 20
@@ -185,7 +185,7 @@ def test_staging_folders_left_by_a_killed_run_are_removed_and_fresh_ones_kept(tm
     for folder in (stale, fresh):
         folder.mkdir()
         (folder / "train.bin").write_bytes(b"half")
-    old = time.time() - shakespeare.STALE_STAGING_S - 60
+    old = time.time() - prepare.STALE_STAGING_S - 60
     os.utime(stale, (old, old))
     prepare_shakespeare(tmp_path, url=url, sha256=sha256)
     assert not stale.exists() and fresh.exists()  # another process may still be writing in a fresh one
@@ -195,13 +195,13 @@ def test_interrupted_rebuild_is_not_mistaken_for_a_finished_one(tmp_path, small_
     url, sha256 = small_source
     prepare_shakespeare(tmp_path, url=url, sha256=sha256)
     edited_sha256 = write_source(tmp_path / "input.txt", SMALL_TEXT.swapcase())  # same length, other tokens
-    move_unless_meta = shakespeare._move_into_place
+    move_unless_meta = prepare._move_into_place
 
     def interrupted_before_meta(staging, root, name):
         if name == "meta.json":
             raise KeyboardInterrupt
         move_unless_meta(staging, root, name)
-    monkeypatch.setattr(shakespeare, "_move_into_place", interrupted_before_meta)
+    monkeypatch.setattr(prepare, "_move_into_place", interrupted_before_meta)
     with pytest.raises(KeyboardInterrupt):
         prepare_shakespeare(tmp_path, url=url, sha256=edited_sha256)
     monkeypatch.undo()
@@ -209,6 +209,40 @@ def test_interrupted_rebuild_is_not_mistaken_for_a_finished_one(tmp_path, small_
     write_source(tmp_path / "input.txt", SMALL_TEXT)  # back to the original: its old meta.json must not be trusted
     prepared = prepare_shakespeare(tmp_path, url=url, sha256=sha256)
     assert prepared.vocab.decode(prepared.train) + prepared.vocab.decode(prepared.val) == SMALL_TEXT
+
+
+def test_own_text_is_prepared_in_a_folder_of_its_own(tmp_path):
+    datasets = tmp_path / "datasets"
+    notes, edited = tmp_path / "notes.txt", tmp_path / "other" / "notes.txt"
+    edited.parent.mkdir()
+    own = "Le café est très bon.\nNaïve déjà vu.\n" * 30
+    sha256 = write_source(notes, own)
+    prepared = prepare_text(notes, datasets)
+    assert prepared.root == datasets / f"notes-{sha256[:12]}"
+    assert (prepared.source, prepared.sha256) == (str(notes), sha256)
+    assert sorted(p.name for p in prepared.root.iterdir()) == ["meta.json", "train.bin", "val.bin"]
+    assert prepared.vocab == CharVocab.from_text(own)
+    assert prepared.vocab.decode(prepared.train) + prepared.vocab.decode(prepared.val) == own
+    # another text of the same name gets a folder of its own: nothing prepared is shared or overwritten
+    before = file_states(prepared.root)
+    other = prepare_text(edited, datasets) if write_source(edited, own.upper()) else None
+    assert other.root != prepared.root and other.vocab == CharVocab.from_text(own.upper())
+    assert file_states(prepared.root) == before
+    assert prepare_text(notes, datasets).root == prepared.root  # and the same text finds its files again
+
+
+@pytest.mark.parametrize("make, complaint", [
+    (lambda path: None, "cannot read the text .*No such file"),
+    (lambda path: path.mkdir(), "cannot read the text .*Is a directory"),
+    (lambda path: path.write_bytes(b"caf\xe9\n" * 50), "not UTF-8 text"),
+    (lambda path: path.write_text("a"), "leaves an empty train or val split"),
+])
+def test_an_own_text_that_cannot_be_used_is_one_line(tmp_path, make, complaint):
+    path = tmp_path / "mine.txt"
+    make(path)
+    with pytest.raises(DataError, match=complaint) as caught:
+        prepare_text(path, tmp_path / "datasets")
+    assert str(path) in str(caught.value) and "\n" not in str(caught.value)
 
 
 # --- batches ------------------------------------------------------------------------------------------------------

@@ -1,13 +1,17 @@
 """Edges: no run loses another's files or leaves debris, every failure is one line, and the GPU's code paths
 (bf16 autocast, fused AdamW, a bf16 KV cache, the gpu preset compiled) run here on the CPU."""
 
+import argparse
 import dataclasses
 import errno
 import math
 import os
+import select
+import signal
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -18,12 +22,13 @@ from hydra import compose, initialize_config_dir
 import corpus
 import train
 import training.runs
-from data import CharVocab, prepare_shakespeare
+from data import CharVocab
 from model import GPT, GREEDY, GPTConfig, Sampling, generate
 from test_train import TINY, config, data_overrides
 from tiny_models import random_model, random_tokens
 from training.checkpoint import CheckpointError, build_checkpoint, save_checkpoint
 from training.config import ConfigError, OptimConfig, validate
+from training.errors import UsageError
 from training.files import remove_stale_temporaries, write_atomically
 from training.loop import Trainer
 from training.optim import make_optimizers
@@ -225,6 +230,18 @@ def test_resuming_a_run_clears_what_a_killed_save_left_there(tmp_path, data_root
     assert not stale.exists() and live.exists()
 
 
+def test_resuming_on_another_text_is_refused(tmp_path, data_root, short_run):
+    other = tmp_path / "other.txt"
+    other.write_text(corpus.TEXT.swapcase(), encoding="utf-8")  # the same characters, another text
+    with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[*TINY, f"data.text={other}", f"data.root={data_root}",
+                                           f"runs_dir={tmp_path / 'runs'}", *SHORT,
+                                           f"train.resume={short_run}"])
+    with pytest.raises(ConfigError, match=rf"^train.resume: the checkpoint was trained on .*corpus.txt \(sha256 "
+                                          rf"{corpus.SHA256[:12]}\), not on {other}; resume with the text"):
+        train.main(cfg, tmp_path / "runs/resumed")
+
+
 def damage(contents: dict, how: str) -> dict:
     model, state = contents["model"], contents["training"]
     if how == "a weight missing":
@@ -283,13 +300,75 @@ def test_a_reader_that_stops_early_ends_sampling_quietly(checkpoint):
     process.stdout.close()  # like `| head -c 0`: gone before the first sample is written
     stderr = process.stderr.read()
     process.stderr.close()
-    assert process.wait(timeout=120) == 0 and stderr == ""
+    assert process.wait(timeout=120) == 0 and stderr.startswith("sampling ") and stderr.count("\n") == 1
+
+
+def test_a_reader_that_stops_early_ends_a_long_sample_promptly(checkpoint):
+    """Like `| head -c 10`: a lone sample is written as it grows, so the closed pipe is noticed at once."""
+    process = subprocess.Popen(sample_command(checkpoint, "--max-new-tokens", 10**8), env=ENV,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert select.select([process.stdout], [], [], 60)[0], "nothing written within 60 s"
+        assert os.read(process.stdout.fileno(), 10)
+        process.stdout.close()
+        assert process.wait(timeout=60) == 0
+    finally:
+        process.kill()
+    assert process.stderr.read().decode().startswith("sampling ")
+    process.stderr.close()
+
+
+def test_ctrl_c_keeps_the_text_written_so_far(checkpoint, tmp_path):
+    out = tmp_path / "sample.txt"
+    with open(out, "w") as file:
+        process = subprocess.Popen(sample_command(checkpoint, "--max-new-tokens", 10**8, "--prompt", "JULIET:"),
+                                   env=ENV, stdout=file, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while out.stat().st_size < 200 and time.monotonic() < deadline:  # some text generated and written
+            time.sleep(0.1)
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130 and stderr.splitlines()[-1] == "sample.py: error: interrupted"
+    text = out.read_text()
+    assert text.startswith("JULIET:") and text.endswith("\n") and len(text) >= 200
 
 
 def test_a_closed_stdout_is_one_line(checkpoint):
     command = " ".join(f"'{arg}'" for arg in sample_command(checkpoint, "--max-new-tokens", 5))
     result = subprocess.run(["bash", "-c", f"{command} >&-"], env=ENV, capture_output=True, text=True, timeout=120)
-    assert_one_line_error(result, "sample.py", "standard output is closed")
+    assert_one_line_error(result, "sample.py", "standard output is closed", status=1)
+
+
+def test_nan_weights_are_one_line(checkpoint, tmp_path):
+    contents = torch.load(checkpoint, weights_only=True)
+    contents["model"]["lm_head.weight"][3, 1] = math.nan
+    path = save_checkpoint(contents, tmp_path / "nan.pt")
+    result = subprocess.run(sample_command(path, "--temperature", 0), env=ENV, capture_output=True, text=True,
+                            timeout=120)
+    assert_one_line_error(result, "sample.py", f"{path} holds NaN or infinite weights (in wte.weight)")
+    assert result.stdout == ""
+
+
+def test_a_folder_of_runs_says_what_to_pass(checkpoint, tmp_path):
+    for run in ("2030-01-01_00-00-00", "2030-01-02_00-00-00", "multirun/2030-01-03_00-00-00/0"):
+        (tmp_path / "runs" / run).mkdir(parents=True)
+        (tmp_path / "runs" / run / "best.pt").write_bytes(checkpoint.read_bytes())
+    result = subprocess.run(sample_command(tmp_path / "runs"), env=ENV, capture_output=True, text=True, timeout=120)
+    line = assert_one_line_error(result, "sample.py", f"{tmp_path / 'runs'} is no run directory but holds 3 below it",
+                                 str(tmp_path / "runs/2030-01-01_00-00-00"), "pass one of them")
+    assert "train" not in line
+
+
+def test_a_vocabulary_beyond_ascii_on_an_ascii_stdout_is_written_with_replacements(tmp_path):
+    vocab = CharVocab.from_text("café au lait\n")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=len(vocab), block_size=16, n_layer=1, n_head=2, n_embd=16))
+    path = save_checkpoint(build_checkpoint(model, vocab), tmp_path / "best.pt")
+    result = subprocess.run(sample_command(path, "--prompt", "café", "--max-new-tokens", 20),
+                            env={**ENV, "PYTHONIOENCODING": "ascii"}, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("caf?") and len(result.stdout) == len("café") + 20 + 1
+    assert "written as '?'" in result.stderr.splitlines()[1] and "Traceback" not in result.stderr
 
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
@@ -297,16 +376,19 @@ def test_a_full_stdout_is_one_line(checkpoint):
     with open("/dev/full", "w") as full:
         result = subprocess.run(sample_command(checkpoint, "--max-new-tokens", 5), env=ENV, stdout=full,
                                 stderr=subprocess.PIPE, text=True, timeout=120)
-    assert_one_line_error(result, "sample.py", "cannot write the samples to standard output",
-                          "No space left on device")
+    info, error = result.stderr.splitlines()  # the failure comes after the line that names the checkpoint
+    assert info.startswith("sampling ") and result.returncode == 1
+    assert error == "sample.py: error: cannot write the samples to standard output (No space left on device)"
 
 
 @pytest.mark.parametrize("args, fragments", [
     (["--seed", 10**23], ["--seed must be in [0, 18446744073709551615], got 100000000000000000000000"]),
     (["--seed", -1], ["--seed must be in [0, "]),
-    (["--num-samples", 10**12], ["--num-samples 1000000000000 needs", "GiB of KV cache", "use at most"]),
-    (["--temperature", 1e-38], ["--temperature must be 0 (greedy) or a finite number >= 1e-06, got 1e-38"]),
-    (["--temperature", "nan"], ["--temperature must be 0 (greedy) or a finite number"]),
+    (["--num-samples", 10**12], ["--num-samples 1000000000000 of", "GiB of KV cache", "use at most"]),
+    (["--max-new-tokens", 10**12], ["--max-new-tokens 1000000000000 need", "ask for fewer new tokens"]),
+    (["--max-new-tokens", 10**30], ["--max-new-tokens 1000000000000000000000000000000 need", "fewer new tokens"]),
+    (["--temperature", 1e-38], ["temperature must be 0 (greedy) or a finite number >= 1e-06, got 1e-38"]),
+    (["--temperature", "nan"], ["temperature must be 0 (greedy) or a finite number"]),
 ])
 def test_sample_values_that_cannot_work_are_one_line(checkpoint, args, fragments):
     result = subprocess.run(sample_command(checkpoint, *args), env=ENV, capture_output=True, text=True, timeout=120)
@@ -396,7 +478,7 @@ def test_fused_adamw_steps_like_the_unfused_one():
 
 def test_a_training_step_and_an_evaluation_under_bf16_autocast(tmp_path, data_root):
     settings = validate(config(tmp_path, data_root, *SHORT))
-    data = prepare_shakespeare(data_root, url=settings.data.url, sha256=settings.data.sha256)
+    data = train.prepare_data(settings)
     model = GPT(dataclasses.replace(settings.model, vocab_size=len(data.vocab)))
 
     class NoSummaries:
@@ -426,3 +508,20 @@ def test_the_gpu_preset_compiled_trains_a_few_steps_at_a_tiny_size(tmp_path, dat
     val_loss = train.main(cfg, tmp_path / "runs/gpu")
     assert math.isfinite(val_loss)
     assert torch.load(tmp_path / "runs/gpu/last.pt", weights_only=True)["training"]["step"] == 4
+
+
+def test_the_memory_check_counts_the_cache_the_decoder_really_builds(monkeypatch):
+    import sample
+    from model.quantize import to_precision
+
+    model = to_precision(random_model(), "bf16")
+    need = model.new_kv_cache(1).nbytes + (1 + 10) * 8  # a float32 cache on the CPU; a one-token prompt, 10 more
+    assert model.new_kv_cache(1).k.dtype == torch.float32
+    args = argparse.Namespace(num_samples=1, max_new_tokens=10)
+    for memory, fits in ((2 * need, True), (2 * need - 2, False)):  # sample.py may use half of it
+        monkeypatch.setattr(sample.os, "sysconf", lambda name: memory if name == "SC_PHYS_PAGES" else 1)
+        if fits:
+            sample.check_memory(args, 1, model, torch.device("cpu"))
+        else:
+            with pytest.raises(UsageError, match="need 0.0 GiB of KV cache and tokens"):
+                sample.check_memory(args, 1, model, torch.device("cpu"))

@@ -2,6 +2,7 @@
 command line's errors and SIGTERM in a subprocess, and DDP with two gloo processes. They train on tests/corpus.py's
 text, so they need neither the network nor the real data set."""
 
+import hashlib
 import math
 import os
 import signal
@@ -42,13 +43,12 @@ def data_root(tmp_path_factory) -> Path:
 
 
 def data_overrides(data_root: Path) -> list[str]:
-    """The corpus, downloaded from a file:// URL into data_root by the first run that needs it."""
-    return [f"data.url={corpus_url(data_root)}", f"data.sha256={corpus.SHA256}", f"data.root={data_root}"]
+    """The corpus as a text of one's own, prepared in data_root by the first run that needs it."""
+    return [f"data.text={corpus_file(data_root)}", f"data.root={data_root}"]
 
 
-def corpus_url(data_root: Path) -> str:
-    source = data_root.parent / f"{data_root.name}-source" / "input.txt"
-    return source.as_uri() if source.is_file() else corpus.write_corpus(source)
+def corpus_file(data_root: Path) -> Path:
+    return corpus.write_corpus(data_root.parent / f"{data_root.name}-source" / "corpus.txt")
 
 
 def config(tmp_path: Path, data_root: Path, *overrides: str):
@@ -127,7 +127,8 @@ def test_checkpoints_load_with_weights_only(tiny_run, data_root):
     best = torch.load(run_dir / "best.pt", weights_only=True)
     assert last["training"]["step"] == 40 and best["training"]["step"] in (20, 40)
     assert last["training"]["best_val_loss"] == best["training"]["best_val_loss"] == pytest.approx(min(scalars(run_dir, "loss/val").values()))
-    assert last["training"]["config"]["model"]["n_layer"] == 2 and last["training"]["config"]["data"]["url"] == corpus_url(data_root)
+    assert last["training"]["config"]["model"]["n_layer"] == 2 and last["training"]["config"]["data"]["text"] == str(corpus_file(data_root))
+    assert last["text"] == best["text"] == {"source": str(corpus_file(data_root)), "sha256": corpus.SHA256}
     assert set(last["training"]["rng"][0]) == {"torch", "batches"}
     model = GPT(GPTConfig(**last["model_config"]))
     model.load_state_dict(last["model"])  # strict: same keys, no wrapper prefixes
@@ -233,7 +234,7 @@ def test_every_preset_composes(preset):
     assert cfg.hydra.job.chdir is False
     dirs = {mode: OmegaConf.to_container(cfg.hydra[mode], resolve=False)["dir"] for mode in ("run", "sweep")}
     assert dirs == {"run": "${new_run_dir:${runs_dir}}", "sweep": "${new_run_dir:${runs_dir}/multirun}"}
-    assert cfg.data.root == "datasets/tiny_shakespeare" and cfg.train.resume is None
+    assert cfg.data.text is None and cfg.data.root == "datasets" and cfg.train.resume is None
     model_config = validate(cfg).model  # a preset is a config that can work
     if preset == "gpu":  # nanoGPT's shakespeare-char recipe
         assert (model_config.n_layer, model_config.n_head, model_config.n_embd, model_config.block_size,
@@ -262,6 +263,7 @@ def train_env() -> dict:
     ("model.n_layr=3", "Could not override 'model.n_layr'; Key 'n_layr' not in 'GPTConfig'"),
     ("model.n_head=5", "model: n_embd 32 is not divisible by n_head 5"),
     ("train.resume=runs/nowhere", "train.resume: no checkpoint at runs/nowhere"),
+    ("data.url=file:///my.txt", "Could not override 'data.url'; Key 'url' not in 'DataConfig'"),  # data.text is
 ])
 def test_bad_override_fails_fast(tmp_path, override, message):
     result = subprocess.run([sys.executable, str(REPO / "train.py"), *TINY, override], cwd=tmp_path,
@@ -270,6 +272,38 @@ def test_bad_override_fails_fast(tmp_path, override, message):
     assert result.stderr.startswith(f"train.py: error: {message}") and result.stderr.count("\n") == 1
     # before any work: no data prepared, no run directory left behind
     assert [p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.name != "runs"] == []
+
+
+OWN_TEXT = "Le café est très bon, dit-elle.\nNaïve, il rit : déjà vu !\n" * 60  # no 'J', unlike the default prompt
+
+
+def test_own_text_trains_in_a_folder_of_its_own_and_is_recorded(tmp_path):
+    shakespeare = corpus.write_corpus(tmp_path / "datasets/tiny_shakespeare/input.txt")  # present, and not used
+    (tmp_path / "notes.txt").write_text(OWN_TEXT, encoding="utf-8")
+    command = [sys.executable, str(REPO / "train.py"), *TINY, "train.max_iters=4", "train.eval_interval=2",
+               "train.eval_iters=1", "optim.warmup_iters=1", "data.text=notes.txt"]
+    refused = subprocess.run(command, cwd=tmp_path, env=train_env(), capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert refused.stderr.startswith("train.py: error: train.sample_prompt (by default a line of Romeo and Juliet) "
+                                     "has characters not in the vocabulary of notes.txt (")
+    assert "'J'" in refused.stderr and "); set train.sample_prompt=" in refused.stderr
+    result = subprocess.run([*command, "train.sample_prompt=Le"], cwd=tmp_path, env=train_env(), capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    sha256 = hashlib.sha256(OWN_TEXT.encode("utf-8")).hexdigest()
+    assert sorted(p.name for p in (tmp_path / f"datasets/notes-{sha256[:12]}").iterdir()) == \
+        ["meta.json", "train.bin", "val.bin"]
+    assert [p.name for p in shakespeare.parent.iterdir()] == ["input.txt"]
+    last = torch.load(next((tmp_path / "runs").glob("*/last.pt")), weights_only=True)
+    assert last["vocab"] == "".join(sorted(set(OWN_TEXT)))
+    assert last["text"] == {"source": "notes.txt", "sha256": sha256}
+    sampled = subprocess.run([sys.executable, str(REPO / "sample.py"), "--prompt", "Le", "--max-new-tokens", "5"],
+                             cwd=tmp_path, env=train_env(), capture_output=True, text=True, timeout=120)
+    best = next((tmp_path / "runs").glob("*/best.pt"))
+    step, loss = (torch.load(best, weights_only=True)["training"][key] for key in ("step", "best_val_loss"))
+    assert sampled.returncode == 0 and sampled.stdout.startswith("Le")
+    assert sampled.stderr.splitlines()[0] == f"sampling {best.relative_to(tmp_path)} (step {step}, best val loss " \
+        f"{loss:.4f}), trained on notes.txt (sha256 {sha256[:12]})"
 
 
 def test_sigterm_leaves_loadable_last_pt(tmp_path, data_root):

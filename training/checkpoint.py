@@ -9,7 +9,8 @@ A checkpoint is a plain dict of tensors, numbers, strings, lists and dicts, so i
     vocab             the character vocabulary, as one string in id order
     model             the model's state_dict (no `_orig_mod.` or `module.` prefix)
 
-and a training checkpoint adds `training`: optimizers, schedulers (one per optimiser), step, best_val_loss,
+and one that train.py writes adds `text`, what it was trained on ({"source": tiny_shakespeare or the file's path,
+"sha256": the file's}), and `training`: optimizers, schedulers (one per optimiser), step, best_val_loss,
 rng and config.
 """
 
@@ -21,10 +22,11 @@ from pathlib import Path
 
 import torch
 
-from data import CharVocab, DataError
+from data import CharVocab, DataError, PreparedData
 from model import GPT, GPTConfig
 from model.quantize import to_precision
 
+from .errors import CheckpointError, one_line
 from .files import write_atomically
 
 FORMAT = "kvgpt-checkpoint"
@@ -32,14 +34,14 @@ VERSION = 2  # bump when the layout changes; older files then get a clear error 
 TRAINING_KEYS = ("optimizers", "schedulers", "step", "best_val_loss", "rng", "config")
 
 
-class CheckpointError(Exception):
-    """A checkpoint that is missing, unreadable, unsafe or not this project's. The message is one line."""
-
-
-def build_checkpoint(model: GPT, vocab: CharVocab, training: dict | None = None) -> dict:
-    """A checkpoint's contents: the model and its vocabulary, and for resuming, the training state."""
+def build_checkpoint(model: GPT, vocab: CharVocab, training: dict | None = None,
+                     text: PreparedData | None = None) -> dict:
+    """A checkpoint's contents: the model and its vocabulary, what it was trained on, and for resuming, the
+    training state."""
     contents = {"format": FORMAT, "version": VERSION, "model_config": dataclasses.asdict(model.config),
                 "vocab": vocab.chars, "model": model.state_dict()}
+    if text is not None:
+        contents["text"] = {"source": text.source, "sha256": text.sha256}
     if training is not None:
         missing = set(TRAINING_KEYS) - training.keys()
         if missing:
@@ -68,6 +70,10 @@ def resolve_checkpoint(path, prefer: str = "best.pt") -> Path:
         for name in (prefer, fallback):
             if (path / name).is_file():
                 return path / name
+        runs = sorted({p.parent for name in (prefer, fallback) for p in path.rglob(name)})
+        if runs:  # a folder of runs, such as runs/
+            raise CheckpointError(f"{path} is no run directory but holds {len(runs)} below it ({runs[0]}"
+                                  f"{f' ... {runs[-1]}' if len(runs) > 1 else ''}); pass one of them")
         raise CheckpointError(f"run directory {path} holds neither {prefer} nor {fallback}; "
                               f"train with `python train.py` or pass a checkpoint file")
     if not path.is_file():
@@ -93,8 +99,8 @@ def load_checkpoint(path, prefer: str = "best.pt", map_location="cpu") -> dict:
         raise CheckpointError(f"{path} is corrupt or not a PyTorch checkpoint; pass a best.pt or last.pt "
                               f"written by train.py") from None
     except Exception as e:  # a damaged file can fail anywhere inside the unpickler
-        raise CheckpointError(f"{path} is truncated or corrupt ({_first_line(e)}); "
-                              f"use another checkpoint, e.g. the run's last.pt") from None
+        raise CheckpointError(f"{path} is truncated or corrupt ({type(e).__name__}: {one_line(e)}); "
+                              f"use another checkpoint") from None
     if not isinstance(contents, dict) or not str(contents.get("format", "")).startswith(FORMAT):
         raise CheckpointError(f"{path} is not a kvgpt checkpoint (no '{FORMAT}' format marker); "
                               f"pass a best.pt or last.pt written by train.py")
@@ -118,16 +124,15 @@ def load_model(path, device="cpu", prefer: str = "best.pt", precision: str = "fp
     except (KeyError, TypeError, ValueError, RuntimeError, DataError) as e:
         # A kvgpt checkpoint, but one this version of the code cannot rebuild a model from.
         raise CheckpointError(f"{resolve_checkpoint(path, prefer)} does not fit this version of the model "
-                              f"({squeezed(e)})") from None
+                              f"({one_line(e)})") from None
+    broken = [name for name, weight in model.named_parameters() if not weight.isfinite().all()]
+    if broken:
+        raise CheckpointError(f"{resolve_checkpoint(path, prefer)} holds NaN or infinite weights (in "
+                              f"{', '.join(broken[:3])}{', ...' if len(broken) > 3 else ''}); use another checkpoint")
     return to_precision(model.to(device), precision), vocab, contents
 
 
-def _first_line(error: Exception) -> str:
-    lines = str(error).strip().splitlines()
-    text = lines[0].split(". ")[0].rstrip(".") if lines else ""
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
-
-
-def squeezed(error: Exception) -> str:
-    """An error's whole message on one line, cut to 200 characters: load_state_dict's lists span lines."""
-    return " ".join(str(error).split())[:200] or type(error).__name__
+def trained_on(contents: dict) -> str:
+    """The text a checkpoint's model was trained on, as a checkpoint records it."""
+    text = contents.get("text")
+    return f"{text['source']} (sha256 {text['sha256'][:12]})" if text else "an unrecorded text"

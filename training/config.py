@@ -14,7 +14,6 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from hydra.errors import MissingConfigException, OverrideParseException
 from omegaconf.errors import OmegaConfBaseException
 
-from data import SHA256, SOURCE_URL
 from model import GPTConfig
 
 OPTIMIZERS = ("adamw", "muon")
@@ -35,10 +34,9 @@ def _require(owner, ok, what: str, *names: str) -> None:
 
 @dataclass
 class DataConfig:
-    root: str = "datasets/tiny_shakespeare"  # input.txt is read (or downloaded) and encoded here
-    url: str = f"${{oc.env:KVGPT_DATA_URL,{SOURCE_URL}}}"  # KVGPT_DATA_URL, e.g. file:///..., points elsewhere
-    sha256: str = SHA256
-    val_fraction: float = 0.1  # the last 10% of the text; data/ checks these values when it reads them
+    text: str | None = None  # a UTF-8 text file of your own to train on; None: tiny_shakespeare (downloaded)
+    root: str = "datasets"  # prepared data goes in root/tiny_shakespeare/, or root/<text's name>-<its hash>/
+    val_fraction: float = 0.1  # the last 10% of the text; data/ checks it when it reads the text
 
 
 @dataclass

@@ -12,7 +12,6 @@ import sys
 
 from data import DataError
 
-from .checkpoint import CheckpointError
 from .config import ConfigError
 
 USAGE, FAILURE, INTERRUPTED = 2, 1, 130
@@ -20,6 +19,10 @@ USAGE, FAILURE, INTERRUPTED = 2, 1, 130
 
 class UsageError(Exception):
     """A mistake in a command line or its inputs, found by an entry point."""
+
+
+class CheckpointError(Exception):
+    """A checkpoint that is missing, unreadable, unsafe or not this project's (training/checkpoint.py)."""
 
 
 MISTAKES = (UsageError, ConfigError, CheckpointError, DataError)  # what the user can fix: exit status 2

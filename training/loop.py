@@ -170,7 +170,7 @@ class Trainer:
                     "rng": gather(rng_state(self.batches, self.device), self.world_size),
                     "config": self.config}
         if self.is_master:
-            contents = build_checkpoint(self.raw_model, self.vocab, training)
+            contents = build_checkpoint(self.raw_model, self.vocab, training, text=self.data)
             for name in names:
                 save_checkpoint(contents, self.run_dir / name)
 

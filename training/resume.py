@@ -6,14 +6,15 @@ import torch
 
 from model import GPT, GPTConfig
 
-from .checkpoint import TRAINING_KEYS, CheckpointError, load_checkpoint, squeezed
+from .checkpoint import TRAINING_KEYS, load_checkpoint
 from .config import ConfigError, OptimConfig, flatten
+from .errors import CheckpointError, one_line
 from .optim import make_optimizers, make_scheduler
 
 # Settings a resumed run must share with the run it continues: the model, the optimiser, the schedule and
-# the data it trains and evaluates on (where the data is kept may differ).
+# the split of its text (train.py checks that the text is the same, whatever its path).
 MUST_MATCH = ("model.", "optim.", "train.max_iters", "train.batch_size", "train.grad_accum_steps", "train.seed",
-              "data.sha256", "data.val_fraction")
+              "data.val_fraction")
 
 
 def load_resume_checkpoint(path, config: dict, max_iters: int, optim: OptimConfig) -> dict:
@@ -38,7 +39,7 @@ def load_resume_checkpoint(path, config: dict, max_iters: int, optim: OptimConfi
     try:
         check_restorable(contents, optim, max_iters)
     except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, IndexError) as e:
-        raise ConfigError(f"train.resume: {path} is damaged ({squeezed(e)}); resume from another checkpoint") from None
+        raise ConfigError(f"train.resume: {path} is damaged ({one_line(e)}); resume from another checkpoint") from None
     return contents
 
 

@@ -1,9 +1,13 @@
-"""tiny_shakespeare, obtained once, verified, and encoded to uint16 token files that later runs reuse.
+"""Texts obtained once, verified, and encoded to uint16 token files that later runs reuse: tiny_shakespeare, or
+a UTF-8 text file of your own.
 
-    root/input.txt   the text (downloaded when absent), checked against its sha256 on every call
+    root/input.txt   tiny_shakespeare only: the text (downloaded when absent), checked against its sha256 on every call
     root/train.bin   the first (1 - val_fraction) of the encoded text, uint16
     root/val.bin     the rest
     root/meta.json   what the .bin files were built from (source sha256, val_fraction, format) and the vocabulary
+
+A text of your own is read where it is, on every call, and prepared in a folder named after it and its sha256,
+so that two texts (or two versions of one) never share prepared files.
 
 Every file is written whole in a private staging folder inside root, then renamed into place (meta.json last),
 so an interrupted run never leaves a partial file behind, and processes preparing the same root at once all end up
@@ -29,6 +33,7 @@ import numpy as np
 from .errors import DataError
 from .vocab import CharVocab
 
+SHAKESPEARE = "tiny_shakespeare"
 SOURCE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 FORMAT = "kvgpt-chars-uint16-v2"  # bump when the layout of the prepared files changes
@@ -43,18 +48,19 @@ class PreparedData:
     train: np.ndarray  # read-only uint16 memmaps
     val: np.ndarray
     root: Path
+    source: str  # what the text is: tiny_shakespeare, or the path of your own file
+    sha256: str  # the text file's
 
 
 def prepare_shakespeare(root, url: str = SOURCE_URL, sha256: str = SHA256, val_fraction: float = 0.1) -> PreparedData:
     """Obtain and verify root/input.txt (downloading `url` when it is absent), encode it unless root already holds
     files encoded from the same text with the same split, and open the train and val tokens as memmaps."""
-    if not 0 < val_fraction < 1:
-        raise DataError(f"val_fraction must be between 0 and 1 (exclusive), got {val_fraction}")
+    _check_val_fraction(val_fraction)
     if urllib.parse.urlsplit(url).scheme not in ("http", "https", "file"):
         raise DataError(f"cannot download {url!r}: give an http://, https:// or file:// URL")
     root = Path(root)
     source = root / "input.txt"
-    try:
+    with _os_errors_as_data_errors(root):
         if source.is_file():
             text_bytes = source.read_bytes()
             got = hashlib.sha256(text_bytes).hexdigest()
@@ -64,17 +70,49 @@ def prepare_shakespeare(root, url: str = SOURCE_URL, sha256: str = SHA256, val_f
         else:
             root.mkdir(parents=True, exist_ok=True)
             text_bytes = _download(url, root, sha256)
-        text = _decode(text_bytes, source)
-        meta = _read_meta(root)
-        if not _matches(meta, root, sha256, val_fraction, text):
-            meta = _encode(text, source, root, sha256, val_fraction)
-        return PreparedData(vocab=CharVocab(meta["vocab"]),
-                            train=np.memmap(root / "train.bin", dtype=TOKEN_DTYPE, mode="r"),
-                            val=np.memmap(root / "val.bin", dtype=TOKEN_DTYPE, mode="r"),
-                            root=root)
+        return _prepared(root, _decode(text_bytes, source), source, SHAKESPEARE, sha256, val_fraction)
+
+
+def prepare_text(path, datasets_dir, val_fraction: float = 0.1) -> PreparedData:
+    """Your own UTF-8 text file at path, encoded in datasets_dir/<its name>-<its sha256's first 12 digits>/ unless
+    that folder already holds it encoded with the same split; the train and val tokens as memmaps."""
+    _check_val_fraction(val_fraction)
+    path = Path(path)
+    try:
+        text_bytes = path.read_bytes()
+    except OSError as e:
+        raise DataError(f"cannot read the text {path} ({e.strerror or e}); give the path of a UTF-8 text file") \
+            from None
+    sha256 = hashlib.sha256(text_bytes).hexdigest()
+    text = _decode(text_bytes, path)
+    root = Path(datasets_dir) / f"{path.stem}-{sha256[:12]}"
+    with _os_errors_as_data_errors(root):
+        root.mkdir(parents=True, exist_ok=True)
+        return _prepared(root, text, path, str(path), sha256, val_fraction)
+
+
+def _check_val_fraction(val_fraction: float) -> None:
+    if not 0 < val_fraction < 1:
+        raise DataError(f"val_fraction must be between 0 and 1 (exclusive), got {val_fraction}")
+
+
+@contextmanager
+def _os_errors_as_data_errors(root: Path):
+    try:
+        yield
     except OSError as e:  # a read-only or full disk, a file where the folder should be, ...
         raise DataError(f"cannot prepare the data in {root} ({e.strerror or e}"
                         f"{': ' + e.filename if e.filename else ''}); give data.root a writable folder") from None
+
+
+def _prepared(root: Path, text: str, source: Path, name: str, sha256: str, val_fraction: float) -> PreparedData:
+    meta = _read_meta(root)
+    if not _matches(meta, root, sha256, val_fraction, text):
+        meta = _encode(text, source, root, sha256, val_fraction)
+    return PreparedData(vocab=CharVocab(meta["vocab"]),
+                        train=np.memmap(root / "train.bin", dtype=TOKEN_DTYPE, mode="r"),
+                        val=np.memmap(root / "val.bin", dtype=TOKEN_DTYPE, mode="r"),
+                        root=root, source=name, sha256=sha256)
 
 
 @contextmanager
@@ -155,8 +193,8 @@ def _encode(text: str, source: Path, root: Path, sha256: str, val_fraction: floa
     tokens = np.array(vocab.encode(text), dtype=TOKEN_DTYPE)
     n_train = int(len(tokens) * (1 - val_fraction))
     if not 0 < n_train < len(tokens):
-        raise DataError(f"val_fraction {val_fraction} of {len(tokens)} characters leaves an empty train or val "
-                        f"split; use a longer text or a val_fraction nearer 0.1")
+        raise DataError(f"val_fraction {val_fraction} of the {len(tokens)} characters of {source} leaves an empty "
+                        f"train or val split; use a longer text or a val_fraction nearer 0.1")
     splits = {"train": tokens[:n_train], "val": tokens[n_train:]}
     meta = {"format": FORMAT, "source_sha256": sha256, "val_fraction": val_fraction, "vocab": vocab.chars}
     # Without meta.json the .bin files count as stale, so a run interrupted mid-rebuild starts over next time.
