@@ -43,6 +43,14 @@ def test_a_value_of_the_wrong_type_is_refused_when_composed(override):
         composed(override)
 
 
+@pytest.mark.parametrize("override, key", [("+devise=cpu", "devise"), ("+train.new_key=1", "train.new_key"),
+                                           ("+model.n_layr=3", "model.n_layr")])
+def test_a_key_added_past_the_schema_is_refused(override, key):
+    """Hydra's `+` adds a key that no setting has; the schema refuses it rather than train with it ignored."""
+    with pytest.raises(ConfigError, match=f"^{key} is not a setting"):
+        validate(composed(override))
+
+
 def test_infinite_grad_clip_turns_clipping_off():
     assert validate(composed("optim.grad_clip=inf")).optim.grad_clip == math.inf
 

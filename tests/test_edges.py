@@ -32,7 +32,7 @@ from training.errors import UsageError
 from training.files import remove_stale_temporaries, write_atomically
 from training.loop import Trainer
 from training.optim import make_optimizers
-from training.runs import claim_run_dir
+from training.runs import new_run_dir
 
 REPO = corpus.REPO
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -67,16 +67,10 @@ def tree(folder: Path) -> dict:
 # --- run directories ----------------------------------------------------------------------------------------------
 
 def test_runs_claimed_in_the_same_second_get_their_own_directories(tmp_path, monkeypatch):
-    monkeypatch.setattr(training.runs, "_claimed", {})
     monkeypatch.setattr(training.runs.time, "strftime", lambda pattern: "2030-01-01_00-00-00")
-    claimed = []
-    for _ in range(3):  # as if three processes: each starts with nothing claimed
-        training.runs._claimed.clear()
-        claimed.append(claim_run_dir(tmp_path / "runs"))
-    assert [Path(c).name for c in claimed] == ["2030-01-01_00-00-00", "2030-01-01_00-00-00-2",
-                                               "2030-01-01_00-00-00-3"]
-    assert all(Path(c).is_dir() for c in claimed)
-    assert claim_run_dir(tmp_path / "runs") == claimed[-1]  # the same run resolving its config again
+    claimed = [new_run_dir(tmp_path / "runs") for _ in range(3)]  # as if three processes
+    assert [c.name for c in claimed] == ["2030-01-01_00-00-00", "2030-01-01_00-00-00-2", "2030-01-01_00-00-00-3"]
+    assert all(c.is_dir() for c in claimed)
 
 
 def test_runs_started_at_once_each_write_their_own_directory(tmp_path, data_root):
@@ -97,16 +91,69 @@ def test_runs_started_at_once_each_write_their_own_directory(tmp_path, data_root
     assert all(len(pids) == 1 for pids in writers) and len(set.union(*writers)) == 3  # one run each
 
 
-def test_a_refused_run_changes_nothing_in_the_directory_it_names(tmp_path):
+@pytest.mark.parametrize("naming", ["plain", "quoted", "interpolated"])
+def test_a_refused_run_changes_nothing_in_the_directory_it_names(tmp_path, naming):
     run_dir = tmp_path / "runs/earlier"
     (run_dir / ".hydra").mkdir(parents=True)
     (run_dir / ".hydra/config.yaml").write_text("the earlier run's config\n")
     (run_dir / "last.pt").write_bytes(b"the earlier run's checkpoint")
     before = tree(run_dir)
-    result = train_cli(*TINY, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    names = {"plain": [f"hydra.run.dir={run_dir}"], "quoted": [f"hydra.run.dir='{run_dir}'"],
+             "interpolated": [f"runs_dir={run_dir}", "hydra.run.dir=${runs_dir}"]}
+    result = train_cli(*TINY, *names[naming], cwd=tmp_path)
     assert_one_line_error(result, "train.py", f"hydra.run.dir={run_dir} already holds another run's files",
                           f"train.resume={run_dir}")
     assert tree(run_dir) == before
+
+
+def test_an_empty_run_dir_is_the_current_folder_and_refused(tmp_path):
+    (tmp_path / "notes.txt").write_text("the user's own file\n")
+    result = train_cli(*TINY, "hydra.run.dir=", cwd=tmp_path)
+    assert_one_line_error(result, "train.py", "hydra.run.dir=. already holds another run's files")
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+def test_a_run_directory_in_use_is_refused_and_a_stopped_run_resumes_in_it(tmp_path, data_root):
+    """A second run, or a resume, named into the directory of a running training is refused while that runs (it
+    is paused here, holding its lock). Stopped, the run says how to continue, and that command does continue it,
+    in its own directory."""
+    run_dir = tmp_path / "run"
+    command = [*TINY, *data_overrides(data_root), "train.max_iters=300", "train.eval_interval=20",
+               f"hydra.run.dir={run_dir}"]
+    first = subprocess.Popen([sys.executable, str(REPO / "train.py"), *command], cwd=tmp_path, env=ENV,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        while not (run_dir / "last.pt").exists() and first.poll() is None:
+            time.sleep(0.02)
+        first.send_signal(signal.SIGSTOP)
+        before = tree(run_dir)
+        for extra in ([], [f"train.resume={run_dir}"]):
+            result = train_cli(*command, *extra, cwd=tmp_path)
+            assert_one_line_error(result, "train.py", f"hydra.run.dir={run_dir} is in use by another training")
+        assert tree(run_dir) == before
+        first.send_signal(signal.SIGCONT)
+        first.send_signal(signal.SIGTERM)
+        _, stderr = first.communicate(timeout=60)
+    finally:
+        first.kill()
+    assert first.returncode == 0 and "continue with the same command plus" in stderr, stderr
+    advice = stderr.split("continue with the same command plus ")[1].split()
+    assert advice == [f"train.resume={run_dir}"]
+    result = train_cli(*command, *advice, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert torch.load(run_dir / "last.pt", weights_only=True)["training"]["step"] == 300
+    assert [p.name for p in tmp_path.iterdir() if p.name != "run"] == []  # no other run directory
+
+
+def test_a_sweep_runs_its_possible_jobs_and_names_the_impossible_one(tmp_path, data_root):
+    result = train_cli("-m", *TINY, *SHORT, *data_overrides(data_root), "optim.lr=1e-2,-1,5e-3", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.splitlines()
+    assert lines[0].startswith("train.py: error: job 1 (") and "optim.lr=-1" in lines[0], result.stderr
+    assert lines[0].endswith("optim.lr must be a positive number, got -1.0")
+    (sweep,) = (tmp_path / "runs/multirun").iterdir()
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "2"]  # job 1's directory removed
+    assert all((sweep / job / "last.pt").is_file() for job in ("0", "2"))
 
 
 @pytest.mark.parametrize("override, fragments", [
@@ -139,40 +186,131 @@ def test_unusable_folders_are_one_line_errors(tmp_path, data_root, where, fragme
     assert not (tmp_path / "runs").exists() or list((tmp_path / "runs").iterdir()) == []
 
 
+@pytest.mark.parametrize("override", ["train.batch_size=1000000000000", "model.n_embd=10000000"])
+def test_a_training_beyond_memory_is_refused_before_it_starts(tmp_path, data_root, override):
+    result = train_cli(*TINY, *data_overrides(data_root), override, cwd=tmp_path)
+    assert_one_line_error(result, "train.py", "need at least", "GiB, and the cpu device has", "smaller model or batch")
+    assert list((tmp_path / "runs").iterdir()) == []
+
+
 def test_a_read_only_runs_dir_is_one_line(tmp_path, monkeypatch):
     def read_only(path, *args, **kwargs):
         raise PermissionError(errno.EACCES, "Permission denied", str(path))
 
     (tmp_path / "runs").mkdir()
-    monkeypatch.setattr(training.runs, "_claimed", {})
     monkeypatch.setattr(training.runs.os, "mkdir", read_only)
     with pytest.raises(ConfigError, match=r"^runs_dir: cannot create a run directory in .*runs \(Permission denied\)"):
-        claim_run_dir(tmp_path / "runs")
+        new_run_dir(tmp_path / "runs")
 
 
-def test_a_full_disk_at_a_checkpoint_keeps_the_previous_one_in_one_line(tmp_path, data_root):
-    """The third save (step 4's last.pt, after step 2's last.pt and best.pt) finds the disk full mid-write."""
+@pytest.mark.parametrize("failure, fragments, status", [
+    ("OSError(errno.ENOSPC, 'No space left on device')", ["cannot save {run_dir}/last.pt (No space left on device",
+                                                          "the previous one is kept"], 1),
+    ("raise_signal(signal.SIGTERM) or raise_signal(signal.SIGTERM)", ["interrupted"], 130),
+], ids=["a full disk", "a second SIGTERM"])
+def test_a_failed_or_interrupted_save_keeps_the_previous_checkpoint(tmp_path, data_root, failure, fragments, status):
+    """The third save (step 4's last.pt, after step 2's last.pt and best.pt) fails in the middle of torch.save's
+    writes, which torch reports as a RuntimeError; or a second SIGTERM arrives then."""
     run_dir = tmp_path / "run"
     script = f"""
-import errno, runpy, sys, torch
+import errno, runpy, signal, sys, torch
+from signal import raise_signal
 sys.path.insert(0, {str(REPO)!r})
 save, calls = torch.save, []
-def save_on_a_disk_that_fills(obj, f, *args, **kwargs):
+
+class Failing:
+    def __init__(self, file):
+        self.file, self.writes = file, 0
+    def write(self, data):
+        self.writes += 1
+        if self.writes == 2:
+            failure = {failure}
+            if failure is not None:
+                raise failure
+        return self.file.write(data)
+    def flush(self):
+        self.file.flush()
+
+def save_failing_on_the_third_call(obj, f, *args, **kwargs):
     calls.append(None)
-    if len(calls) == 3:
-        f.write(b"half a checkpoint")
-        raise OSError(errno.ENOSPC, "No space left on device")
-    return save(obj, f, *args, **kwargs)
-torch.save = save_on_a_disk_that_fills
+    return save(obj, Failing(f) if len(calls) == 3 else f, *args, **kwargs)
+torch.save = save_failing_on_the_third_call
 sys.argv = ["train.py", *{[*TINY, *SHORT, *data_overrides(data_root), f"hydra.run.dir={run_dir}"]!r}]
 runpy.run_path({str(REPO / "train.py")!r}, run_name="__main__")
 """
     result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=ENV, capture_output=True, text=True,
                             timeout=180)
-    assert_one_line_error(result, "train.py", f"cannot save {run_dir}/last.pt (No space left on device)",
-                          "the previous one is kept", status=1)
+    assert_one_line_error(result, "train.py", *(f.format(run_dir=run_dir) for f in fragments), status=status)
     assert torch.load(run_dir / "last.pt", weights_only=True)["training"]["step"] == 2
     assert not list(run_dir.glob(".*.tmp"))
+
+
+def test_a_closed_stdout_is_one_line_for_train(tmp_path):
+    command = " ".join(f"'{arg}'" for arg in [sys.executable, str(REPO / "train.py"), *TINY])
+    result = subprocess.run(["bash", "-c", f"{command} >&-"], cwd=tmp_path, env=ENV, capture_output=True, text=True,
+                            timeout=120)
+    assert_one_line_error(result, "train.py", "standard output is closed")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_full_stdout_is_one_line_for_train(tmp_path, data_root):
+    with open("/dev/full", "w") as full:
+        result = subprocess.run([sys.executable, str(REPO / "train.py"), *TINY, *data_overrides(data_root)],
+                                cwd=tmp_path, env=ENV, stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert_one_line_error(result, "train.py", "cannot write to standard output (No space left on device)",
+                          status=1)
+    assert list((tmp_path / "runs").iterdir()) == []  # it failed before its first step
+
+
+def test_sigterm_while_preparing_the_data_leaves_nothing_behind(tmp_path):
+    """The data's source is a pipe nobody writes to: preparation waits on it until the signal."""
+    source, root = tmp_path / "source", tmp_path / "data"
+    os.mkfifo(source)
+    process = subprocess.Popen([sys.executable, str(REPO / "train.py"), *TINY, f"data.url={source.as_uri()}",
+                                f"data.root={root}", "data.sha256=0"], cwd=tmp_path, env=ENV,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        while not list(root.glob(".staging-*")) and process.poll() is None:
+            time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 130 and stderr == "train.py: error: interrupted\n", stderr
+    assert list(root.iterdir()) == [] and list((tmp_path / "runs").iterdir()) == []
+
+
+def test_a_failure_while_the_config_is_first_written_leaves_no_directory(tmp_path):
+    script = f"""
+import errno, runpy, sys
+import hydra.core.utils
+sys.path.insert(0, {str(REPO)!r})
+def save_on_a_full_disk(cfg, filename, output_dir):
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / filename).write_text("")
+    raise OSError(errno.ENOSPC, "No space left on device", str(output_dir / filename))
+hydra.core.utils._save_config = save_on_a_full_disk
+sys.argv = ["train.py", *{TINY!r}]
+runpy.run_path({str(REPO / "train.py")!r}, run_name="__main__")
+"""
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=ENV, capture_output=True, text=True,
+                            timeout=120)
+    assert_one_line_error(result, "train.py", "No space left on device", status=1)
+    assert list((tmp_path / "runs").iterdir()) == []
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_under_torchrun_a_mistake_is_told_once_and_every_rank_exits_alike(tmp_path, rank):
+    env = {**ENV, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank)}
+    result = subprocess.run([sys.executable, str(REPO / "train.py"), *TINY, "model.n_head=5"], cwd=tmp_path,
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    if rank == 0:
+        assert_one_line_error(result, "train.py", "model: n_embd 32 is not divisible by n_head 5")
+    else:
+        assert result.stderr == ""
+    assert not (tmp_path / "runs").exists() or list((tmp_path / "runs").iterdir()) == []
 
 
 # --- debris -------------------------------------------------------------------------------------------------------
@@ -485,7 +623,7 @@ def test_a_training_step_and_an_evaluation_under_bf16_autocast(tmp_path, data_ro
         def __getattr__(self, name):
             return lambda *args, **kwargs: None
 
-    trainer = Trainer(settings, model, data, torch.device("cpu"), tmp_path, {}, NoSummaries())
+    trainer = Trainer(settings, model, data, torch.device("cpu"), tmp_path, NoSummaries())
     trainer.autocast = torch.autocast("cpu", dtype=torch.bfloat16)  # what the Trainer uses on CUDA
     logits_dtypes = []
     model.register_forward_hook(lambda module, args, out: logits_dtypes.append(out[0].dtype))

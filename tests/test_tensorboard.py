@@ -1,5 +1,6 @@
 """What a person sees in TensorBoard, read from TensorBoard's own server over its HTTP data API: three tiny
-trainings in one log directory: a single run and a sweep of two jobs, one of them with AdamW alone."""
+trainings in one log directory: a single run, a sweep of two jobs (one of them with AdamW alone), and a run
+crashed and resumed in its directory."""
 
 import json
 import math
@@ -16,10 +17,13 @@ from pathlib import Path
 import pytest
 
 import train
+from model import GPT
 from test_train import config
 
+RESUMED = "2026-01-01_00-02-00"  # crashed in step 7, after its checkpoint at step 5, and resumed from it
 RUNS = {"2026-01-01_00-00-00": ["optim.lr=1e-2"], "multirun/2026-01-01_00-01-00/0": ["optim.lr=5e-3"],
-        "multirun/2026-01-01_00-01-00/1": ["optim=adamw", "optim.lr=2e-3"]}  # the others: the cpu preset's Muon
+        "multirun/2026-01-01_00-01-00/1": ["optim=adamw", "optim.lr=2e-3"],  # the others: the cpu preset's Muon
+        RESUMED: ["optim.lr=3e-3"]}
 STEPS = 10  # evaluated at 0, 5 and 10
 SCALARS = {"loss/train", "loss/train_eval", "loss/val", "loss/val_best", "optim/grad_norm", "optim/lr",
            "perf/tokens_per_sec"}
@@ -88,9 +92,12 @@ class Server:
 def server(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("tensorboard")
     logdir = tmp_path / "runs"
-    for name, overrides in RUNS.items():
-        train.main(config(tmp_path, tmp_path / "data", f"train.max_iters={STEPS}", "train.eval_interval=5",
-                          *overrides), logdir / name)
+    for name, override in RUNS.items():
+        overrides = [f"train.max_iters={STEPS}", "train.eval_interval=5", *override]
+        if name == RESUMED:
+            crash_in_step_7(tmp_path, overrides + ["train.log_interval=1"], logdir / name)
+            overrides.append(f"train.resume={logdir / name}")
+        train.main(config(tmp_path, tmp_path / "data", *overrides), logdir / name)
     server = Server(logdir)
     try:
         server.wait_until_loaded(len(RUNS))
@@ -99,8 +106,36 @@ def server(tmp_path_factory):
         server.stop()
 
 
+def crash_in_step_7(tmp_path: Path, overrides: list[str], run_dir: Path):
+    """Train until the forward pass of step 7 fails: steps 0-6 are logged, last.pt holds step 5."""
+    forward, steps = GPT.forward, []
+
+    def forward_failing_in_step_7(model, *args, **kwargs):
+        steps.extend([None] if model.training else [])
+        if len(steps) == 8:
+            raise RuntimeError("the machine failed")
+        return forward(model, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(GPT, "forward", forward_failing_in_step_7)
+        with pytest.raises(RuntimeError, match="the machine failed"):
+            train.main(config(tmp_path, tmp_path / "data", *overrides), run_dir)
+
+
 def test_one_run_per_training_run(server):
     assert sorted(server.get("runs")) == sorted(RUNS)
+
+
+def test_a_resumed_run_goes_on_as_one_curve(server):
+    """The points the crashed run logged past its checkpoint are dropped, and the resumed run draws them anew:
+    every step once, in every chart."""
+    for tag, steps in (("loss/train", list(range(STEPS))), ("loss/val", [0, 5, 10]), ("loss/val_best", [0, 5, 10])):
+        assert [step for _, step, _ in server.get("plugin/scalars/scalars", run=RESUMED, tag=tag)] == steps, tag
+    walltimes = [walltime for walltime, _, _ in server.get("plugin/scalars/scalars", run=RESUMED, tag="loss/train")]
+    assert walltimes == sorted(walltimes)  # steps 5 and 6 are the resumed run's, logged after the crashed run's 4
+    (layer0head0,) = [tag for tag in ATTENTION if tag.endswith("layer0/head0")]
+    shown = server.get("plugin/images/images", run=RESUMED, tag=layer0head0, sample=0)
+    assert [image["step"] for image in shown] == [0, 5, 10]
 
 
 def test_loss_group_opens_first_and_every_loss_starts_at_step_0(server):
@@ -163,7 +198,7 @@ def test_hparams_columns_and_metrics(server):
         val = [value for _, _, value in server.get("plugin/scalars/scalars", run=session["name"], tag="loss/val")]
         metrics = {m["name"]["tag"]: m["value"] for m in session["metricValues"]}
         assert metrics == {"loss/val_best": pytest.approx(min(val)), "loss/val": pytest.approx(val[-1])}
-    assert sorted(g["hparams"][names["optim.lr"]] for g in groups) == [2e-3, 5e-3, 1e-2]
+    assert sorted(g["hparams"][names["optim.lr"]] for g in groups) == [2e-3, 3e-3, 5e-3, 1e-2]  # one row per run
 
 
 def test_hparams_integers_shown_as_integers(server):
@@ -181,7 +216,7 @@ def test_hparams_show_the_optimiser_and_only_the_learning_rates_it_uses(server):
     shown = {group["sessions"][0]["name"]: group["hparams"] for group in groups}
     muon = {names["optim.name"]: "muon", names["optim.muon_lr"]: 0.02, names["optim.muon_weight_decay"]: 0.1}
     assert {run: {name: hparams.get(name) for name in muon} for run, hparams in shown.items()} == {
-        "2026-01-01_00-00-00": muon, "multirun/2026-01-01_00-01-00/0": muon,
+        "2026-01-01_00-00-00": muon, "multirun/2026-01-01_00-01-00/0": muon, RESUMED: muon,
         "multirun/2026-01-01_00-01-00/1": {names["optim.name"]: "adamw", names["optim.muon_lr"]: None,
                                            names["optim.muon_weight_decay"]: None}}  # blank: AdamW has no such rate
     assert shown["multirun/2026-01-01_00-01-00/1"][names["optim.lr"]] == 2e-3

@@ -22,6 +22,7 @@ from tensorboard.plugins.hparams import plugin_data_pb2
 
 import corpus
 import train
+import training.config
 import training.loop
 from model import GPT, GPTConfig
 from training.config import validate
@@ -169,9 +170,12 @@ def test_resume_equals_uninterrupted_run(tmp_path, data_root, monkeypatch, optim
     assert sorted(got) == list(range(14, 30))
     assert [got[s] for s in got] == pytest.approx([expected[s] for s in got], rel=1e-5)
     assert scalars(resumed, "optim/lr") == pytest.approx({s: scalars(uninterrupted, "optim/lr")[s] for s in got})
-    assert scalars(resumed, "loss/val") == pytest.approx({20: scalars(uninterrupted, "loss/val")[20],
-                                                           30: scalars(uninterrupted, "loss/val")[30]}, rel=1e-5)
-    assert 0 in scalars(uninterrupted, "loss/val")  # a fresh run evaluates at step 0, a resumed one does not
+    resumed_val = scalars(resumed, "loss/val")
+    assert sorted(resumed_val) == [14, 20, 30]  # evaluated where it resumed, then as the uninterrupted run
+    assert {s: resumed_val[s] for s in (20, 30)} == pytest.approx({20: scalars(uninterrupted, "loss/val")[20],
+                                                                   30: scalars(uninterrupted, "loss/val")[30]},
+                                                                  rel=1e-5)
+    assert 0 in scalars(uninterrupted, "loss/val")
     a = torch.load(uninterrupted / "last.pt", weights_only=True)
     b = torch.load(resumed / "last.pt", weights_only=True)
     assert a["training"]["step"] == b["training"]["step"] == 30
@@ -233,7 +237,7 @@ def test_every_preset_composes(preset):
         cfg = compose("config", overrides=[f"preset={preset}"], return_hydra_config=True)
     assert cfg.hydra.job.chdir is False
     dirs = {mode: OmegaConf.to_container(cfg.hydra[mode], resolve=False)["dir"] for mode in ("run", "sweep")}
-    assert dirs == {"run": "${new_run_dir:${runs_dir}}", "sweep": "${new_run_dir:${runs_dir}/multirun}"}
+    assert dirs == {"run": "???", "sweep": "${runs_dir}/multirun/${now:%Y-%m-%d_%H-%M-%S}"}  # ???: training/runs.py's
     assert cfg.data.text is None and cfg.data.root == "datasets" and cfg.train.resume is None
     model_config = validate(cfg).model  # a preset is a config that can work
     if preset == "gpu":  # nanoGPT's shakespeare-char recipe
@@ -244,15 +248,14 @@ def test_every_preset_composes(preset):
         assert (cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_iters, cfg.optim.beta2) == (1e-3, 1e-4, 100, 0.99)
 
 
-def test_preset_is_picked_from_the_device(monkeypatch, capsys):
-    found = {"auto": "cpu"}  # what device=auto finds
-    monkeypatch.setattr(train, "choose_device", lambda name: torch.device(found.get(name, name)))
-    assert train.added_overrides([]) == ["preset=cpu"]
-    assert "preset=cpu for the cpu device found" in capsys.readouterr().err
-    found["auto"] = "cuda"
-    assert train.added_overrides([]) == ["preset=gpu"]
-    assert train.added_overrides(["device=cpu"]) == ["preset=cpu"]
-    assert train.added_overrides(["preset=cpu"]) == []  # forced
+@pytest.mark.parametrize("found, overrides, preset", [("cpu", [], "cpu"), ("cuda", [], "gpu"), ("mps", [], "gpu"),
+                                                       ("cuda", ["preset=cpu"], "cpu")])
+def test_preset_is_picked_from_the_device(monkeypatch, found, overrides, preset):
+    monkeypatch.setattr(training.config, "choose_device", lambda name: torch.device(found if name == "auto" else name))
+    with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=overrides, return_hydra_config=True)
+    assert cfg.hydra.runtime.choices.preset == preset
+    assert cfg.train.max_iters == (1000 if preset == "cpu" else 5000)
 
 
 def train_env() -> dict:
@@ -260,10 +263,14 @@ def train_env() -> dict:
 
 
 @pytest.mark.parametrize("override, message", [
-    ("model.n_layr=3", "Could not override 'model.n_layr'; Key 'n_layr' not in 'GPTConfig'"),
+    ("model.n_layr=3", "Key 'n_layr' not in 'GPTConfig'"),
     ("model.n_head=5", "model: n_embd 32 is not divisible by n_head 5"),
     ("train.resume=runs/nowhere", "train.resume: no checkpoint at runs/nowhere"),
     ("data.url=file:///my.txt", "Could not override 'data.url'; Key 'url' not in 'DataConfig'"),  # data.text is
+    ("model=huge", "model=huge is not an option; choose one of classic, small"),
+    ("optim=sgd", "optim=sgd is not an option; choose one of adamw, muon"),
+    ("preset=tpu", "preset=tpu is not an option; choose one of cpu, gpu"),
+    ("+devise=cpu", "devise is not a setting"),
 ])
 def test_bad_override_fails_fast(tmp_path, override, message):
     result = subprocess.run([sys.executable, str(REPO / "train.py"), *TINY, override], cwd=tmp_path,

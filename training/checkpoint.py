@@ -26,7 +26,7 @@ from data import CharVocab, DataError, PreparedData
 from model import GPT, GPTConfig
 from model.quantize import to_precision
 
-from .errors import CheckpointError, one_line
+from .errors import CheckpointError, OutputError, one_line
 from .files import write_atomically
 
 FORMAT = "kvgpt-checkpoint"
@@ -52,13 +52,16 @@ def build_checkpoint(model: GPT, vocab: CharVocab, training: dict | None = None,
 
 def save_checkpoint(contents: dict, path) -> Path:
     """Write a checkpoint atomically: a crash mid-write leaves the previous file intact. A failed write (a full
-    disk) is a CheckpointError."""
+    disk) is an OutputError; an interruption during the write (a second Ctrl-C) stays a KeyboardInterrupt."""
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         return write_atomically(path, lambda file: torch.save(contents, file))
-    except OSError as e:  # a full disk, a read-only folder, ...
-        raise CheckpointError(f"cannot save {path} ({e.strerror or e}); "
+    except (OSError, RuntimeError) as e:  # torch.save turns what its writes raise into a RuntimeError
+        cause = e.__context__ if isinstance(e, RuntimeError) and e.__context__ is not None else e
+        if isinstance(cause, KeyboardInterrupt):
+            raise cause from None
+        raise OutputError(f"cannot save {path} ({one_line(cause)}); "
                               f"{'the previous one is kept' if path.exists() else 'nothing was saved'}") from None
 
 
@@ -99,8 +102,9 @@ def load_checkpoint(path, prefer: str = "best.pt", map_location="cpu") -> dict:
         raise CheckpointError(f"{path} is corrupt or not a PyTorch checkpoint; pass a best.pt or last.pt "
                               f"written by train.py") from None
     except Exception as e:  # a damaged file can fail anywhere inside the unpickler
-        raise CheckpointError(f"{path} is truncated or corrupt ({type(e).__name__}: {one_line(e)}); "
-                              f"use another checkpoint") from None
+        other = path.with_name("best.pt" if path.name == "last.pt" else "last.pt")
+        raise CheckpointError(f"{path} is truncated or corrupt ({type(e).__name__}: {one_line(e)[:200]}); use another "
+                              f"checkpoint{f', e.g. {other}' if other.is_file() else ''}") from None
     if not isinstance(contents, dict) or not str(contents.get("format", "")).startswith(FORMAT):
         raise CheckpointError(f"{path} is not a kvgpt checkpoint (no '{FORMAT}' format marker); "
                               f"pass a best.pt or last.pt written by train.py")
@@ -124,7 +128,7 @@ def load_model(path, device="cpu", prefer: str = "best.pt", precision: str = "fp
     except (KeyError, TypeError, ValueError, RuntimeError, DataError) as e:
         # A kvgpt checkpoint, but one this version of the code cannot rebuild a model from.
         raise CheckpointError(f"{resolve_checkpoint(path, prefer)} does not fit this version of the model "
-                              f"({one_line(e)})") from None
+                              f"({one_line(e)[:200]})") from None
     broken = [name for name, weight in model.named_parameters() if not weight.isfinite().all()]
     if broken:
         raise CheckpointError(f"{resolve_checkpoint(path, prefer)} holds NaN or infinite weights (in "

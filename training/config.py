@@ -11,18 +11,16 @@ from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
-from hydra.errors import MissingConfigException, OverrideParseException
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from model import GPTConfig
+
+from .devices import choose_device
+from .errors import ConfigError, one_line
 
 OPTIMIZERS = ("adamw", "muon")
 DECAYS = ("cosine", "linear")
 MAX_SEED = 2**32 - 1  # numpy's and CUDA's generators take 32-bit seeds
-
-
-class ConfigError(Exception):
-    """A setting that cannot work, found before any training. One line; the command line exits with status 2."""
 
 
 def _require(owner, ok, what: str, *names: str) -> None:
@@ -43,7 +41,7 @@ class DataConfig:
 class OptimConfig:
     """A linear warm-up to lr, then a cosine or linear decay to min_lr at train.max_iters."""
 
-    name: str = "adamw"  # the conf/optim choice: adamw, or muon for the blocks' matrices and adamw for the rest
+    name: str = "adamw"  # the optim group's choice: adamw, or muon for the blocks' matrices and adamw for the rest
     lr: float = 1e-3  # AdamW's peak
 
     min_lr: float = 1e-4
@@ -115,15 +113,27 @@ class Settings:
     data: DataConfig
     optim: OptimConfig
     train: TrainConfig
+    config: dict  # the whole composed config, resolved: what checkpoints record and TensorBoard shows
 
 
 def register() -> None:
-    """Make Config the schema of conf/config.yaml (which lists `schema` first in its defaults)."""
-    ConfigStore.instance().store(name="schema", node=Config)
+    """Make Config the schema of conf/config.yaml (which lists `schema` first in its defaults), each optimiser an
+    option of the optim group, and `${device_preset:}` the preset for the device found (the preset's default)."""
+    store = ConfigStore.instance()
+    store.store(name="schema", node=Config)
+    for name in OPTIMIZERS:
+        store.store(group="optim", name=name, node={"name": name})
+    OmegaConf.register_new_resolver(
+        "device_preset", lambda: "cpu" if choose_device("auto").type == "cpu" else "gpu", replace=True)
 
 
 def validate(cfg: DictConfig) -> Settings:
     """Every section as its dataclass, its ranges checked, or a ConfigError naming the setting."""
+    cfg = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])  # composed with or without Hydra's
+    try:  # `+key=value` adds a key past the schema: Hydra lets it through, the schema refuses it here
+        OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.to_container(cfg))
+    except ConfigKeyError as e:
+        raise ConfigError(f"{e.full_key} is not a setting; python train.py --cfg job lists them") from None
     sections = {}
     for name in ("data", "optim", "train", "model"):
         node = cfg[name]
@@ -132,19 +142,14 @@ def validate(cfg: DictConfig) -> Settings:
         try:
             sections[name] = OmegaConf.to_object(node)
         except OmegaConfBaseException as e:
-            raise ConfigError(f"{name}.{e.full_key}: {first_line(e)}") from None
+            raise ConfigError(f"{name}.{e.full_key}: {one_line(e)}") from None
         except ValueError as e:
-            raise ConfigError(f"{name}.{first_line(e)}" if name != "model" else f"model: {first_line(e)}") from None
-    settings = Settings(**sections)
+            raise ConfigError(f"{name}.{one_line(e)}" if name != "model" else f"model: {one_line(e)}") from None
+    settings = Settings(**sections, config=OmegaConf.to_container(cfg, resolve=True))
     if not settings.optim.warmup_iters < settings.train.max_iters:
         raise ConfigError(f"optim.warmup_iters must be below train.max_iters={settings.train.max_iters}, "
                           f"got {settings.optim.warmup_iters}")
     return settings
-
-
-def first_line(error: Exception) -> str:
-    lines = str(error).strip().splitlines()
-    return lines[0] if lines else type(error).__name__
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:
@@ -156,19 +161,3 @@ def flatten(tree: dict, prefix: str = "") -> dict:
         else:
             flat[f"{prefix}{key}"] = value
     return flat
-
-
-def config_error_line(error: Exception) -> str:
-    """Hydra's and OmegaConf's errors, several lines long, as one."""
-    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
-    if isinstance(error, OverrideParseException):  # the last line links to the override grammar
-        return f"cannot parse {error.override!r} ({lines[0]}); {lines[-1]}"
-    ours = "ConfigError raised while resolving interpolation: "  # a resolver's own one-line error
-    if lines[0].startswith(ours):
-        return lines[0].removeprefix(ours)
-    parts = [lines[0].rstrip(".")]
-    if error.__cause__ is not None:
-        parts.append(first_line(error.__cause__))
-    if isinstance(error, MissingConfigException) and error.options:
-        parts.append(f"options: {', '.join(error.options)}")
-    return "; ".join(parts)

@@ -1,6 +1,11 @@
-"""Which torch device to run on: the one named, or with "auto" the best one present."""
+"""Which torch device to run on (the one named, or with "auto" the best one present), and whether a training fits
+in its memory."""
+
+import os
 
 import torch
+
+from model import GPT, GPTConfig
 
 
 def choose_device(name: str) -> torch.device:
@@ -15,3 +20,19 @@ def choose_device(name: str) -> torch.device:
         usable = ", ".join(device for device, ok in available.items() if ok)
         raise ValueError(f"{name} is not available on this machine (available: {usable}, or auto)")
     return torch.device(name)
+
+
+def memory_needed(config: GPTConfig, batch_size: int) -> int:
+    """A lower bound, in bytes, on what training `config` on micro-batches of batch_size takes: fp32 weights,
+    gradients and AdamW's two moments (16 bytes a parameter), and each layer's input, which backward keeps (2 bytes
+    a value at least, in bf16)."""
+    with torch.device("meta"):  # counts the parameters without allocating them
+        n_params = sum(p.numel() for p in GPT(config).parameters())
+    return 16 * n_params + 2 * batch_size * config.block_size * config.n_layer * config.n_embd
+
+
+def memory_of(device: torch.device) -> int:
+    """The device's total memory in bytes (the machine's for cpu and mps)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

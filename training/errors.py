@@ -8,11 +8,15 @@ Code anywhere raises its own exception with a message that says what is wrong an
 points turn it into a line and a status, here.
 """
 
+import os
 import sys
 
-from data import DataError
+from hydra.errors import HydraException, MissingConfigException
+from omegaconf.errors import OmegaConfBaseException
 
-from .config import ConfigError
+from data import DataError
+from tqdm import tqdm
+
 
 USAGE, FAILURE, INTERRUPTED = 2, 1, 130
 
@@ -21,15 +25,31 @@ class UsageError(Exception):
     """A mistake in a command line or its inputs, found by an entry point."""
 
 
+class ConfigError(Exception):
+    """A setting that cannot work, found before any training."""
+
+
 class CheckpointError(Exception):
-    """A checkpoint that is missing, unreadable, unsafe or not this project's (training/checkpoint.py)."""
+    """A checkpoint that is missing, unreadable, unsafe or not this project's."""
 
 
-MISTAKES = (UsageError, ConfigError, CheckpointError, DataError)  # what the user can fix: exit status 2
+class OutputError(Exception):
+    """What a run writes (a checkpoint, standard output) cannot be written: a full disk, a closed pipe."""
+
+
+# What the user can fix: exit status 2. Hydra's and OmegaConf's errors are a bad override or config group option.
+MISTAKES = (UsageError, ConfigError, CheckpointError, DataError, HydraException, OmegaConfBaseException)
 
 
 def one_line(error: BaseException) -> str:
     """The error's whole message on one line (library messages span several)."""
+    if isinstance(error, MissingConfigException) and error.options:  # its message goes on with Hydra's search path
+        group, _, option = error.missing_cfg_file.rpartition("/")
+        return f"{group}={option} is not an option; choose one of {', '.join(error.options)}"
+    if isinstance(error, HydraException) and isinstance(error.__cause__, OmegaConfBaseException):
+        error = error.__cause__  # what is wrong with an override, rather than Hydra's advice on overriding
+    if isinstance(error, OSError) and error.strerror:
+        return f"{error.strerror}: {error.filename}" if error.filename else error.strerror
     return " ".join(str(error).split()) or type(error).__name__
 
 
@@ -42,7 +62,19 @@ def exit_status(error: BaseException) -> int:
 def fail(prog: str, error: BaseException, *, speak: bool = True):
     """Report error as `prog: error: <one line>` on stderr (unless speak is False: another process already
     does) and exit with its status."""
+    if isinstance(error, OutputError):  # what is left in stdout's buffer (if it failed) would fail again at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     if speak:
         message = "interrupted" if isinstance(error, KeyboardInterrupt) else one_line(error)
         print(f"{prog}: error: {message}", file=sys.stderr)
     sys.exit(exit_status(error))
+
+
+def write_line(text: str) -> None:
+    """Print a line on standard output now (around a progress bar, if one is shown); an OutputError if it
+    cannot be written."""
+    try:
+        tqdm.write(text, file=sys.stdout)
+        sys.stdout.flush()
+    except OSError as e:
+        raise OutputError(f"cannot write to standard output ({e.strerror or e})") from None

@@ -56,7 +56,3 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # it exists, owned by someone else
         return True
     return True
-
-
-def os_error_line(error: OSError) -> str:
-    return f"{error.strerror or error}{': ' + str(error.filename) if error.filename else ''}"

@@ -16,6 +16,7 @@ from model import GPT
 from .checkpoint import build_checkpoint, save_checkpoint
 from .config import Settings
 from .distributed import gather
+from .errors import write_line
 from .evaluation import evaluate
 from .optim import make_optimizers, make_scheduler
 from .rng import restore_rng, rng_state
@@ -36,12 +37,11 @@ class Trainer:
     Rank 0 alone writes checkpoints, events and progress."""
 
     def __init__(self, settings: Settings, model: GPT, data: PreparedData, device: torch.device, run_dir: Path,
-                 config: dict, summaries: Summaries | None, resumed: dict | None = None, rank: int = 0,
-                 world_size: int = 1):
-        """config: the whole composed config, saved in checkpoints; summaries: rank 0's TensorBoard events.
-        A sample_prompt outside the data's vocabulary is an UnknownCharacterError, raised before any step."""
+                 summaries: Summaries | None, resumed: dict | None = None, rank: int = 0, world_size: int = 1):
+        """summaries: rank 0's TensorBoard events. A sample_prompt outside the data's vocabulary is an
+        UnknownCharacterError, raised before any step."""
         tc = self.tc = settings.train
-        self.settings, self.data, self.device, self.run_dir, self.config = settings, data, device, run_dir, config
+        self.settings, self.data, self.device, self.run_dir = settings, data, device, run_dir
         self.rank, self.world_size, self.is_master = rank, world_size, rank == 0
         self.raw_model = model  # the module saved: no torch.compile or DDP prefix in its keys
         self.vocab = data.vocab
@@ -52,6 +52,7 @@ class Trainer:
         self.step, self.best_val_loss, self.last_val_loss = 0, math.inf, None  # step: optimiser steps taken
         if resumed is not None:
             self.restore(resumed)
+        self.start_step = self.step
         compiled = torch.compile(model) if tc.compile else model
         self.model = DDP(compiled, device_ids=[device.index] if device.type == "cuda" else None) \
             if world_size > 1 else compiled
@@ -79,11 +80,11 @@ class Trainer:
                    disable=None if self.is_master else True)  # None: no bar when stderr is not a terminal
         self.timer = time.perf_counter()
         if self.is_master:
-            self.summaries.start_session(self.config, self.device.type)
+            self.summaries.start_session(self.settings.config, self.device.type)
         try:
             with StopSignals() as stop:
-                if self.step == 0:  # the untrained model: every curve starts at about ln(vocabulary size)
-                    self.evaluate_and_save()
+                # every curve starts at about ln(vocabulary size); a resumed run's goes on from where it resumed
+                self.evaluate_and_save()
                 while self.step < tc.max_iters:
                     if stop.agreed(self.step, tc.log_interval, self.device):
                         self.stop(stop.signal_name)
@@ -149,15 +150,16 @@ class Trainer:
         if not all(math.isfinite(v) for v in losses.values()):
             raise self.diverged(f"non-finite evaluation loss {losses} at step {self.step}")
         self.last_val_loss = losses["val"]
-        improved = self.last_val_loss < self.best_val_loss and self.step > 0  # the untrained weights are not kept
+        trained = self.step > self.start_step  # the weights as they started are saved already, or not worth it
+        improved = self.last_val_loss < self.best_val_loss and trained
         self.best_val_loss = min(self.best_val_loss, self.last_val_loss)
-        if self.step > 0:
+        if trained:
             self.save("last.pt", *(["best.pt"] if improved else []))
         if self.is_master:
             self.summaries.evaluation(self.step, losses, self.best_val_loss)
             self.summaries.sample_and_attention(self.raw_model, self.vocab, self.prompt, tc.sample_tokens,
                                                 tc.seed, self.step)
-            tqdm.write(f"step {self.step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
+            write_line(f"step {self.step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
                        f"{' (best)' if improved else ''}, lr {self.schedulers[0].get_last_lr()[0]:.2e}")
         self.timer = time.perf_counter()  # tokens/s counts training only
 
@@ -168,7 +170,7 @@ class Trainer:
                     "step": self.step, "best_val_loss": self.best_val_loss,
                     # every process's generators, so that a resumed DDP run draws what this one would
                     "rng": gather(rng_state(self.batches, self.device), self.world_size),
-                    "config": self.config}
+                    "config": self.settings.config}
         if self.is_master:
             contents = build_checkpoint(self.raw_model, self.vocab, training, text=self.data)
             for name in names:

@@ -7,8 +7,8 @@ import torch
 from model import GPT, GPTConfig
 
 from .checkpoint import TRAINING_KEYS, load_checkpoint
-from .config import ConfigError, OptimConfig, flatten
-from .errors import CheckpointError, one_line
+from .config import OptimConfig, flatten
+from .errors import CheckpointError, ConfigError, one_line
 from .optim import make_optimizers, make_scheduler
 
 # Settings a resumed run must share with the run it continues: the model, the optimiser, the schedule and
@@ -39,7 +39,7 @@ def load_resume_checkpoint(path, config: dict, max_iters: int, optim: OptimConfi
     try:
         check_restorable(contents, optim, max_iters)
     except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, IndexError) as e:
-        raise ConfigError(f"train.resume: {path} is damaged ({one_line(e)}); resume from another checkpoint") from None
+        raise ConfigError(f"train.resume: {path} is damaged ({one_line(e)[:200]}); resume from another checkpoint") from None
     return contents
 
 

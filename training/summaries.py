@@ -79,8 +79,10 @@ def described_image(tag: str, pixels: torch.Tensor, description: str) -> Summary
 class Summaries:
     """The run's TensorBoard events, written by one process."""
 
-    def __init__(self, run_dir: Path, config_yaml: str):
-        self.writer = SummaryWriter(str(run_dir))
+    def __init__(self, run_dir: Path, config_yaml: str, purge_step: int | None = None):
+        """purge_step: the step a resumed run goes on from; the points its earlier life logged there and after are
+        dropped, so that the run's curves go on as one."""
+        self.writer = SummaryWriter(str(run_dir), purge_step=purge_step)
         self.writer.add_text("config", as_code(config_yaml))
         self.writer.add_custom_scalars({"loss": {
             "train and val loss": ["Multiline", ["^loss/(train|train_eval|val)$"]],
