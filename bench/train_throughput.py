@@ -36,7 +36,7 @@ def measure(shape: Settings, data: PreparedData, device: torch.device, warmup: i
     seconds the warm-up took."""
     torch.manual_seed(0)
     model = GPT(dataclasses.replace(shape.model, vocab_size=len(data.vocab))).to(device)
-    trainer = Trainer(shape, model, data, device, run_dir=None, config={}, summaries=None)  # nothing is saved
+    trainer = Trainer(shape, model, data, device, run_dir=None, summaries=None)  # nothing is saved
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     start = time.perf_counter()
     for _ in range(warmup):

@@ -267,18 +267,19 @@ def test_sigterm_while_preparing_the_data_leaves_nothing_behind(tmp_path):
     """The data's source is a pipe nobody writes to: preparation waits on it until the signal."""
     source, root = tmp_path / "source", tmp_path / "data"
     os.mkfifo(source)
-    process = subprocess.Popen([sys.executable, str(REPO / "train.py"), *TINY, f"data.url={source.as_uri()}",
-                                f"data.root={root}", "data.sha256=0"], cwd=tmp_path, env=ENV,
+    process = subprocess.Popen([sys.executable, str(REPO / "train.py"), *TINY, f"data.text={source}",
+                                f"data.root={root}"], cwd=tmp_path, env=ENV,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        while not list(root.glob(".staging-*")) and process.poll() is None:
+        while not any((tmp_path / "runs").glob("*")) and process.poll() is None:  # the run has claimed its folder
             time.sleep(0.05)
+        time.sleep(1)  # and now waits on the pipe
         process.send_signal(signal.SIGTERM)
         _, stderr = process.communicate(timeout=60)
     finally:
         process.kill()
     assert process.returncode == 130 and stderr == "train.py: error: interrupted\n", stderr
-    assert list(root.iterdir()) == [] and list((tmp_path / "runs").iterdir()) == []
+    assert (not root.exists() or list(root.rglob("*")) == []) and list((tmp_path / "runs").iterdir()) == []
 
 
 def test_a_failure_while_the_config_is_first_written_leaves_no_directory(tmp_path):

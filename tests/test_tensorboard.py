@@ -29,7 +29,7 @@ SCALARS = {"loss/train", "loss/train_eval", "loss/val", "loss/val_best", "optim/
            "perf/tokens_per_sec"}
 ATTENTION = {f"sample/attention/layer{layer}/head{head}" for layer in range(2) for head in range(2)}
 HPARAMS = ["optim.name", "optim.lr", "optim.muon_lr", "model.n_layer", "model.n_embd", "model.n_head",
-           "model.block_size", "model.dropout", "model.bias", "optim.decay", "optim.min_lr", "optim.weight_decay",
+           "model.block_size", "model.pos_emb", "model.dropout", "model.bias", "optim.decay", "optim.min_lr", "optim.weight_decay",
            "optim.muon_weight_decay", "train.batch_size", "train.grad_accum_steps", "train.max_iters", "train.seed",
            "device"]
 INTEGERS = ["model.n_layer", "model.n_embd", "model.n_head", "model.block_size", "train.batch_size",
