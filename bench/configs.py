@@ -9,6 +9,7 @@ from omegaconf import DictConfig
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from data import SHAKESPEARE, PreparedData, prepare_shakespeare  # noqa: E402
 from model import GPTConfig  # noqa: E402
 from training.config import Settings, register, validate  # noqa: E402
 
@@ -28,3 +29,8 @@ def settings(*overrides: str) -> Settings:
 def model_config(shape: str, vocab_size: int = TINY_SHAKESPEARE_VOCAB_SIZE) -> GPTConfig:
     """conf/model/<shape>.yaml as a GPTConfig."""
     return dataclasses.replace(settings("preset=cpu", f"model={shape}").model, vocab_size=vocab_size)
+
+
+def shakespeare() -> PreparedData:
+    """tiny_shakespeare, prepared where train.py prepares it (downloaded on first use)."""
+    return prepare_shakespeare(Path(settings("preset=cpu").data.root) / SHAKESPEARE)

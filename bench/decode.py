@@ -10,14 +10,12 @@ every row (16-token prompt, 240 new). The bound times only the matmuls of every 
 computes them (model/quantize.py), for one token per row, back to back: what a step would cost with no
 attention, norms, activations or Python at all. Each figure is the median of --repeats runs, with their
 spread (min-max); every ratio is taken within this run. --checkpoint: the mean loss on tiny_shakespeare's
-val split (KVGPT_DATA_URL, as train.py) of the checkpoint's model at each precision, in float32 from logits.
+val split of the checkpoint's model at each precision, in float32 from logits.
 """
 
 import argparse
-import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -25,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.configs import model_config  # noqa: E402
-from data import SOURCE_URL, Batches, prepare_shakespeare  # noqa: E402
+from bench.configs import model_config, shakespeare  # noqa: E402
+from data import Batches  # noqa: E402
 from model import GPT, GREEDY, generate  # noqa: E402
 from model.quantize import PRECISIONS, Int8Linear, to_precision  # noqa: E402
 from training.checkpoint import load_model  # noqa: E402
@@ -142,9 +140,8 @@ def main() -> None:
         print_profile(model, sync)
 
     if args.checkpoint:
-        with tempfile.TemporaryDirectory() as tmp:
-            data = prepare_shakespeare(tmp, url=os.environ.get("KVGPT_DATA_URL", SOURCE_URL))
-            losses = {p: val_loss(load_model(args.checkpoint, device, precision=p)[0], data.val) for p in PRECISIONS}
+        data = shakespeare()
+        losses = {p: val_loss(load_model(args.checkpoint, device, precision=p)[0], data.val) for p in PRECISIONS}
         print(f"\nval loss of {args.checkpoint} (tiny_shakespeare val split, 20 fixed batches of 16):")
         print("| precision | val loss | change from fp32 |")
         print("|---|---|---|")

@@ -12,17 +12,15 @@ Ratios are taken within each repeat; the table gives the median (min-max) over -
 
 Quality (--checkpoint, a rope checkpoint): training sees windows of block_size tokens, while the rolling cache
 sees every token's last block_size tokens through keys that themselves saw further back. On tiny_shakespeare's
-val split (KVGPT_DATA_URL, as train.py), over the same tokens, all past the first block_size of their stretch:
+val split, over the same tokens, all past the first block_size of their stretch:
 the loss through the rolling cache, and the loss of a full forward over exactly the block_size tokens ending at
 each one (the crop). A third figure is the loss as training measures it: every position of block_size windows.
 """
 
 import argparse
 import dataclasses
-import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -30,10 +28,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.configs import model_config  # noqa: E402
+from bench.configs import model_config, shakespeare  # noqa: E402
 from bench.decode import PROMPT_LEN  # noqa: E402
-from data import prepare_shakespeare  # noqa: E402
-from data.shakespeare import SOURCE_URL  # noqa: E402
 from model import GPT, GREEDY, generate_tokens  # noqa: E402
 from model.quantize import PRECISIONS, to_precision  # noqa: E402
 from training.checkpoint import load_model  # noqa: E402
@@ -100,9 +96,7 @@ def rolling_quality(checkpoint: Path, stretches: int = 8, past: int = 512) -> No
     if model.config.pos_emb != "rope":
         raise SystemExit(f"rolling.py: {checkpoint} has learned positions; the rolling cache needs model.pos_emb=rope")
     block = model.config.block_size
-    with tempfile.TemporaryDirectory() as tmp:
-        val = torch.from_numpy(prepare_shakespeare(tmp, url=os.environ.get("KVGPT_DATA_URL", SOURCE_URL)).val
-                               .astype("int64"))
+    val = torch.from_numpy(shakespeare().val.astype("int64"))
     length = block + past
     starts = torch.linspace(0, len(val) - length - 1, stretches).long()
     seq = torch.stack([val[s:s + length + 1] for s in starts])  # (stretches, length + 1): inputs and targets

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.configs import settings  # noqa: E402
-from data import SHAKESPEARE, PreparedData, prepare_shakespeare  # noqa: E402
+from bench.configs import settings, shakespeare  # noqa: E402
+from data import PreparedData  # noqa: E402
 from model import GPT  # noqa: E402
 from training.config import Settings  # noqa: E402
 from training.loop import Trainer  # noqa: E402
@@ -59,8 +59,7 @@ def main() -> None:
     args = parser.parse_args()
 
     device = torch.device(args.device)
-    preset = settings("preset=cpu")
-    data = prepare_shakespeare(Path(preset.data.root) / SHAKESPEARE)
+    data = shakespeare()
     print(f"# training throughput: {torch.__version__}, device {device}, {torch.get_num_threads()} threads, "
           f"{args.steps} timed steps after {args.warmup} warm-up steps")
     print("| shape | optimiser | batch | eager tok/s | compiled tok/s | compiled / eager | compile warm-up s |")
