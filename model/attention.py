@@ -31,22 +31,24 @@ def causal_mask(t_q: int, t_k: int, device=None, window: int | None = None) -> t
 
 
 def rotary(positions: torch.Tensor, head_dim: int, base: float = 10_000.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE's (cos, sin) for token positions (T,) or (B, T): each (T, head_dim/2) or (B, 1, T, head_dim/2), to
-    broadcast over (B, nh, T, head_dim/2). Channel pair i of a head (i and i + head_dim/2) turns by
-    position * base^(-2i / head_dim). The angles are taken in float64 (MPS has none: float32 there), because in
-    float32 a position in the thousands already loses digits of its angle, and decoding goes that far."""
+    """RoPE's (cos, sin) for token positions (T,) or (B, T), for rotate(): each (T, head_dim) or
+    (B, 1, T, head_dim), to broadcast over (B, nh, T, head_dim). Channel pair i of a head (i and i + head_dim/2)
+    turns by position * base^(-2i / head_dim); sin carries the sign of each half, (-sin, sin). The angles are
+    taken in float64 (MPS has none: float32 there), because in float32 a position in the thousands already
+    loses digits of its angle, and decoding goes that far."""
     dtype = torch.float32 if positions.device.type == "mps" else torch.float64
     inv_freq = base ** -(torch.arange(0, head_dim, 2, device=positions.device, dtype=dtype) / head_dim)
     angles = positions.to(dtype)[..., None] * inv_freq  # (T, hd/2) or (B, T, hd/2)
     if angles.dim() == 3:
         angles = angles[:, None]  # (B, 1, T, hd/2): every head turns alike
-    return angles.cos().float(), angles.sin().float()
+    cos, sin = angles.cos().float(), angles.sin().float()
+    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, nh, T, hd) with each channel pair (x_i, x_{i + hd/2}) turned by its angle, in float32."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    """x (B, nh, T, hd) with each channel pair (x_i, x_{i + hd/2}) turned by its angle, in float32:
+    (x_i cos - x_{i + hd/2} sin, x_{i + hd/2} cos + x_i sin), with the halves swapped by one roll."""
+    return (x * cos + x.roll(x.size(-1) // 2, dims=-1) * sin).to(x.dtype)
 
 
 def attention_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:

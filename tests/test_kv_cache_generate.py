@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from model import GPT, GREEDY, Sampling, generate, generate_tokens
+from model.gpt import POSITIONS
 from tiny_models import BLOCK_SIZE, VOCAB, random_model, random_tokens
 
 
@@ -118,7 +119,10 @@ SAMPLING = [dict(temperature=0.8), dict(temperature=0.8, top_k=4), dict(temperat
 
 
 @pytest.mark.parametrize("sampling", SAMPLING, ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()))
-def test_seeded_sampling_is_reproducible_and_equal_with_and_without_cache(model, sampling):
+@pytest.mark.parametrize("pos_emb", POSITIONS)
+def test_seeded_sampling_is_reproducible_and_equal_with_and_without_cache(pos_emb, sampling):
+    """Past block_size too: the learned model's cache is refilled, the rotary model's rolls."""
+    model = random_model(pos_emb=pos_emb)
     prompt = random_tokens(2, 5)
 
     def sample(seed, use_cache):

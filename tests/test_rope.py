@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from model import GREEDY, KVCache, Sampling, generate
+from model import GREEDY, KVCache, generate
 from model.attention import rotary, rotate
 from tiny_models import BLOCK_SIZE, VOCAB, random_model, random_tokens, train_briefly
 
@@ -207,21 +207,6 @@ def test_greedy_generation_with_the_rolling_cache_equals_without_it(prompt_len):
     cached = generate(model, prompt, N_NEW, sampling=GREEDY)
     assert torch.equal(cached, generate(model, prompt, N_NEW, sampling=GREEDY, use_cache=False))
     assert torch.equal(cached, generate(model, prompt, N_NEW, sampling=GREEDY, window=BLOCK_SIZE))
-
-
-@pytest.mark.parametrize("sampling", [dict(temperature=0.8), dict(temperature=1.0, top_k=6, top_p=0.9)],
-                         ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()))
-def test_seeded_sampling_with_the_rolling_cache_equals_without_it(sampling):
-    model = rope_model()
-    prompt = random_tokens(2, 5)
-
-    def sample(seed, use_cache):
-        return generate(model, prompt, N_NEW, use_cache=use_cache, generator=torch.Generator().manual_seed(seed),
-                        sampling=Sampling(**sampling))
-
-    first = sample(0, use_cache=True)
-    assert torch.equal(sample(0, use_cache=False), first)
-    assert not torch.equal(sample(1, use_cache=True), first)
 
 
 @pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "no_cache"])

@@ -24,6 +24,7 @@ import corpus
 import train
 import training.config
 import training.loop
+import training.optim
 from model import GPT, GPTConfig
 from training.config import validate
 from training.loop import Diverged, Stopped
@@ -197,6 +198,36 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest(tmp_path, data_root):
     assert sum(len(g["params"]) for g in adamw["param_groups"]) == len(names) - len(hidden)
     adamw_lr, muon_lr = (s["_last_lr"][0] for s in last["training"]["schedulers"])
     assert muon_lr / adamw_lr == pytest.approx(0.02 / 1e-2) and adamw_lr < 1e-2  # one schedule, two peaks
+
+
+def newton_schulz_float64(g, steps=5, a=3.4445, b=-4.7750, c=2.0315):
+    """Muon's quintic iteration X <- a X + (b A + c A^2) X with A = X X^T, written out here in float64."""
+    x = g.double().T if g.size(0) > g.size(1) else g.double()
+    x = x / x.norm()
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if g.size(0) > g.size(1) else x
+
+
+@pytest.mark.parametrize("shape", [(48, 16), (16, 64), (32, 32)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_muon_orthogonalizes_in_float32_and_follows_torchs_muon(shape):
+    """The iteration equals the formula in float64 to float32 precision; five steps of the optimiser agree with
+    torch.optim.Muon's (which iterates in bfloat16) to within bfloat16's rounding."""
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(training.optim.orthogonalize(g, (3.4445, -4.7750, 2.0315), 5, 1e-7),
+                               newton_schulz_float64(g).float(), atol=1e-5, rtol=1e-4)
+    start = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    ours, torchs = (start.clone().requires_grad_() for _ in range(2))
+    optimizers = [training.optim.Muon([ours], lr=0.02, weight_decay=0.1),
+                  torch.optim.Muon([torchs], lr=0.02, weight_decay=0.1, adjust_lr_fn="original")]
+    for step in range(5):
+        ours.grad = torchs.grad = torch.randn(shape, generator=torch.Generator().manual_seed(10 + step))
+        for optimizer in optimizers:
+            optimizer.step()
+    ours_moved, torchs_moved = (ours - start).detach(), (torchs - start).detach()
+    assert ((ours_moved - torchs_moved).norm() / torchs_moved.norm()).item() < 0.01
+    assert optimizers[0].state_dict()["state"][0].keys() == optimizers[1].state_dict()["state"][0].keys()
 
 
 def test_muon_settings_are_refused_without_muon(tmp_path, data_root):
