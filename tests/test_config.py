@@ -23,6 +23,7 @@ def composed(*overrides):
     ("train.seed=-1", "train.seed must be an integer in [0, 4294967295], got -1"),
     ("train.seed=4294967296", "train.seed must be an integer in [0, 4294967295]"),
     ("train.sample_prompt=''", "train.sample_prompt must be at least one character"),
+    ("train.ema_decay=0", "train.ema_decay must be in (0, 1), or null for no average, got 0.0"),
     ("optim.min_lr=1", "optim.min_lr must be in [0, lr="),
     ("optim.beta2=1.0", "optim.beta2 must be in [0, 1)"),
     ("optim.grad_clip=0", "optim.grad_clip must be a positive number"),

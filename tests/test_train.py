@@ -2,6 +2,7 @@
 command line's errors and SIGTERM in a subprocess, and DDP with two gloo processes. They train on tests/corpus.py's
 text, so they need neither the network nor the real data set."""
 
+import dataclasses
 import hashlib
 import math
 import os
@@ -10,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -26,8 +28,10 @@ import training.config
 import training.loop
 import training.optim
 from model import GPT, GPTConfig
+from training.checkpoint import save_checkpoint
 from training.config import validate
-from training.loop import Diverged, Stopped
+from training.evaluation import evaluate
+from training.loop import Diverged, Stopped, Trainer
 
 REPO = corpus.REPO
 TINY = ["preset=cpu", "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16",
@@ -143,9 +147,10 @@ def test_checkpoints_load_with_weights_only(tiny_run, data_root):
 
 # --- resume -------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("optim", ["adamw", "muon"])
-def test_resume_equals_uninterrupted_run(tmp_path, data_root, monkeypatch, optim):
-    overrides = ["train.max_iters=30", "train.eval_interval=10", "train.grad_accum_steps=2", f"optim={optim}"]
+@pytest.mark.parametrize("extra", [["optim=adamw"], ["optim=muon"], ["optim=adamw", "train.ema_decay=0.9"]],
+                         ids=["adamw", "muon", "adamw-ema"])
+def test_resume_equals_uninterrupted_run(tmp_path, data_root, monkeypatch, extra):
+    overrides = ["train.max_iters=30", "train.eval_interval=10", "train.grad_accum_steps=2", *extra]
     uninterrupted = tmp_path / "runs/uninterrupted"
     train.main(config(tmp_path, data_root, *overrides), uninterrupted)
 
@@ -235,6 +240,75 @@ def test_muon_settings_are_refused_without_muon(tmp_path, data_root):
         train.main(config(tmp_path, data_root, "optim=adamw", "optim.muon_lr=0.05"), tmp_path / "runs/refused")
 
 
+# --- a moving average of the weights -----------------------------------------------------------------------------
+
+EMA = ["train.ema_decay=0.9", "train.max_iters=10", "train.eval_interval=5"]
+
+
+@pytest.fixture(scope="module")
+def ema_run(tmp_path_factory, data_root) -> Path:
+    tmp_path = tmp_path_factory.mktemp("ema")
+    run_dir = tmp_path / "runs/ema"
+    train.main(config(tmp_path, data_root, *EMA), run_dir)
+    return run_dir
+
+
+def test_the_moving_average_starts_at_the_initial_weights_and_follows_each_step(tmp_path, data_root):
+    decay = 0.8
+    settings = validate(config(tmp_path, data_root, f"train.ema_decay={decay}"))
+    data = train.prepare_data(settings)
+    model = GPT(dataclasses.replace(settings.model, vocab_size=len(data.vocab)))
+    trainer = Trainer(settings, model, data, torch.device("cpu"), tmp_path, summaries=None)
+    expected = {name: weight.clone() for name, weight in model.state_dict().items()}
+    for _ in range(5):
+        trainer.train_step()
+        for name, weight in model.state_dict().items():
+            expected[name] = decay * expected[name] + (1 - decay) * weight
+    average, trained = trainer.eval_model.state_dict(), model.state_dict()
+    assert average.keys() == expected.keys()
+    for name, weight in expected.items():
+        torch.testing.assert_close(average[name], weight, msg=name)
+    assert max((average[name] - trained[name]).abs().max() for name in trained) > 1e-3  # no copy of the weights
+
+
+def test_evaluations_see_the_moving_average_and_best_pt_holds_it(tmp_path, data_root, ema_run):
+    best = torch.load(ema_run / "best.pt", weights_only=True)
+    settings = validate(config(tmp_path, data_root, *EMA))
+    tc, data = settings.train, train.prepare_data(settings)
+
+    def val_loss(weights: dict) -> float:
+        model = GPT(GPTConfig(**best["model_config"]))
+        model.load_state_dict(weights)
+        return evaluate(model, data, model.config.block_size, tc.batch_size, tc.eval_iters, tc.seed,
+                        torch.device("cpu"), nullcontext(), world_size=1)["val"]
+
+    logged = scalars(ema_run, "loss/val")[best["training"]["step"]]
+    assert val_loss(best["model"]) == pytest.approx(logged, rel=1e-6)
+    assert abs(val_loss(best["training"]["raw_model"]) - logged) > 1e-3  # the weights trained score otherwise
+
+
+def test_a_resume_keeps_the_moving_average_of_the_run_it_continues(tmp_path, data_root, tiny_run, ema_run):
+    def resume(path, *overrides):
+        train.main(config(tmp_path, data_root, *overrides, f"train.resume={path}"), tmp_path / "runs/resumed")
+
+    with pytest.raises(train.ConfigError, match=r"add them to the command: train.ema_decay=0.9$"):
+        resume(ema_run, *EMA, "train.ema_decay=0.95")
+    with pytest.raises(train.ConfigError, match=r"add them to the command: train.ema_decay=null$"):
+        resume(tiny_run[0], "train.ema_decay=0.9")
+    older = torch.load(tiny_run[0] / "last.pt", weights_only=True)  # saved before train.ema_decay existed
+    del older["training"]["config"]["train"]["ema_decay"]
+    older["training"]["step"] = 20
+    save_checkpoint(older, tmp_path / "older.pt")
+    with pytest.raises(train.ConfigError, match=r"add them to the command: train.ema_decay=null$"):
+        resume(tmp_path / "older.pt", "train.ema_decay=0.9")
+    damaged = torch.load(ema_run / "last.pt", weights_only=True)
+    del damaged["training"]["raw_model"]
+    damaged["training"]["step"] = 5
+    save_checkpoint(damaged, tmp_path / "damaged.pt")
+    with pytest.raises(train.ConfigError, match=rf"^train.resume: {tmp_path / 'damaged.pt'} is damaged \("):
+        resume(tmp_path / "damaged.pt", *EMA)
+
+
 # --- divergence ---------------------------------------------------------------------------------------------------
 
 def test_nonfinite_loss_stops_with_message(tmp_path, data_root, monkeypatch):
@@ -302,6 +376,7 @@ def train_env() -> dict:
     ("optim=sgd", "optim=sgd is not an option; choose one of adamw, muon"),
     ("preset=tpu", "preset=tpu is not an option; choose one of cpu, gpu"),
     ("+devise=cpu", "devise is not a setting"),
+    ("train.ema_decay=1", "train.ema_decay must be in (0, 1), or null for no average, got 1.0"),
 ])
 def test_bad_override_fails_fast(tmp_path, override, message):
     result = subprocess.run([sys.executable, str(REPO / "train.py"), *TINY, override], cwd=tmp_path,

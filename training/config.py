@@ -83,6 +83,9 @@ class TrainConfig:
     log_interval: int = 10  # steps between progress and TensorBoard updates, the only host-device syncs
     seed: int = 1337
     compile: bool = False  # torch.compile the model
+    # an exponential moving average of the weights, updated after every step with this decay, is what evaluations
+    # see and best.pt and last.pt hold (0.99 averages about the last 100 steps); null: the weights as trained
+    ema_decay: float | None = None
     resume: str | None = None  # a run directory (continues from its last.pt) or a checkpoint file
     sample_prompt: str = "JULIET:\nO Romeo, Romeo! wherefore art thou Romeo?\n"  # also the attention maps' input
     sample_tokens: int = 200  # characters generated after sample_prompt at each evaluation
@@ -93,6 +96,7 @@ class TrainConfig:
         _require(self, lambda v: v >= 0, "a non-negative integer", "sample_tokens")
         _require(self, lambda v: 0 <= v <= MAX_SEED, f"an integer in [0, {MAX_SEED}]", "seed")
         _require(self, lambda v: v != "", "at least one character", "sample_prompt")
+        _require(self, lambda v: v is None or 0 < v < 1, "in (0, 1), or null for no average", "ema_decay")
 
 
 @dataclass

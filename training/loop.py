@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from tensorboard.plugins.hparams.api_pb2 import STATUS_FAILURE, STATUS_SUCCESS
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from tqdm import tqdm
 
 from data import Batches, PreparedData
@@ -43,7 +44,12 @@ class Trainer:
         tc = self.tc = settings.train
         self.settings, self.data, self.device, self.run_dir = settings, data, device, run_dir
         self.rank, self.world_size, self.is_master = rank, world_size, rank == 0
-        self.raw_model = model  # the module saved: no torch.compile or DDP prefix in its keys
+        self.raw_model = model  # the module trained: no torch.compile or DDP prefix in its keys
+        self.ema = None  # with train.ema_decay, the moving average of the weights, updated after every step
+        if tc.ema_decay is not None:
+            self.ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(tc.ema_decay))
+            self.ema.update_parameters(model)  # the first update copies: the average starts at the initial weights
+        self.eval_model = model if self.ema is None else self.ema.module  # evaluated, sampled and saved as `model`
         self.vocab = data.vocab
         self.prompt = torch.tensor([self.vocab.encode(tc.sample_prompt)], device=device)
         self.batches = Batches(data.train, model.config.block_size, tc.batch_size, device, seed=tc.seed + rank)
@@ -53,17 +59,21 @@ class Trainer:
         if resumed is not None:
             self.restore(resumed)
         self.start_step = self.step
-        compiled = torch.compile(model) if tc.compile else model
+        compile_if_asked = torch.compile if tc.compile else lambda module: module
+        compiled = compile_if_asked(model)
         self.model = DDP(compiled, device_ids=[device.index] if device.type == "cuda" else None) \
             if world_size > 1 else compiled
+        self.evaluated = self.model if self.ema is None else compile_if_asked(self.eval_model)  # what evaluations run
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
         self.tokens_per_step = tc.batch_size * model.config.block_size * tc.grad_accum_steps * world_size
         self.pending = []  # (loss, grad norm, lr, wall time) of the steps since the last log; read back in one sync
         self.summaries = summaries
 
     def restore(self, resumed: dict) -> None:
-        self.raw_model.load_state_dict(resumed["model"])
         state = resumed["training"]
+        self.eval_model.load_state_dict(resumed["model"])
+        if self.ema is not None:  # the checkpoint's model is the average; the weights it averages are kept beside it
+            self.raw_model.load_state_dict(state["raw_model"])
         for optimizer, optimizer_state in zip(self.optimizers, state["optimizers"], strict=True):
             optimizer.load_state_dict(optimizer_state)
         for scheduler, scheduler_state in zip(self.schedulers, state["schedulers"], strict=True):
@@ -120,6 +130,8 @@ class Trainer:
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema.update_parameters(self.raw_model)
         self.pending.append((loss_sum / tc.grad_accum_steps, grad_norm, lr, time.time()))
         self.step += 1
 
@@ -145,7 +157,7 @@ class Trainer:
 
     def evaluate_and_save(self) -> None:
         tc = self.tc
-        losses = evaluate(self.model, self.data, self.raw_model.config.block_size, tc.batch_size, tc.eval_iters,
+        losses = evaluate(self.evaluated, self.data, self.raw_model.config.block_size, tc.batch_size, tc.eval_iters,
                           tc.seed + self.rank, self.device, self.autocast, self.world_size)
         if not all(math.isfinite(v) for v in losses.values()):
             raise self.diverged(f"non-finite evaluation loss {losses} at step {self.step}")
@@ -157,7 +169,7 @@ class Trainer:
             self.save("last.pt", *(["best.pt"] if improved else []))
         if self.is_master:
             self.summaries.evaluation(self.step, losses, self.best_val_loss)
-            self.summaries.sample_and_attention(self.raw_model, self.vocab, self.prompt, tc.sample_tokens,
+            self.summaries.sample_and_attention(self.eval_model, self.vocab, self.prompt, tc.sample_tokens,
                                                 tc.seed, self.step)
             write_line(f"step {self.step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
                        f"{' (best)' if improved else ''}, lr {self.schedulers[0].get_last_lr()[0]:.2e}")
@@ -171,8 +183,10 @@ class Trainer:
                     # every process's generators, so that a resumed DDP run draws what this one would
                     "rng": gather(rng_state(self.batches, self.device), self.world_size),
                     "config": self.settings.config}
+        if self.ema is not None:
+            training["raw_model"] = self.raw_model.state_dict()
         if self.is_master:
-            contents = build_checkpoint(self.raw_model, self.vocab, training, text=self.data)
+            contents = build_checkpoint(self.eval_model, self.vocab, training, text=self.data)
             for name in names:
                 save_checkpoint(contents, self.run_dir / name)
 

@@ -11,10 +11,10 @@ from .config import OptimConfig, flatten
 from .errors import CheckpointError, ConfigError, one_line
 from .optim import make_optimizers, make_scheduler
 
-# Settings a resumed run must share with the run it continues: the model, the optimiser, the schedule and
-# the split of its text (train.py checks that the text is the same, whatever its path).
+# Settings a resumed run must share with the run it continues: the model, the optimiser, the schedule, the weights'
+# average and the split of its text (train.py checks that the text is the same, whatever its path).
 MUST_MATCH = ("model.", "optim.", "train.max_iters", "train.batch_size", "train.grad_accum_steps", "train.seed",
-              "data.val_fraction")
+              "train.ema_decay", "data.val_fraction")
 
 
 def load_resume_checkpoint(path, config: dict, max_iters: int, optim: OptimConfig) -> dict:
@@ -28,7 +28,8 @@ def load_resume_checkpoint(path, config: dict, max_iters: int, optim: OptimConfi
     if not isinstance(state, dict) or not isinstance(state.get("config"), dict) \
             or any(key not in state for key in TRAINING_KEYS):
         raise ConfigError(f"train.resume: {path} holds weights only, no training state to continue")
-    ours, theirs = flatten(config), flatten(state["config"])
+    ours = flatten(config)
+    theirs = {"train.ema_decay": None, **flatten(state["config"])}  # one saved before the setting existed: no average
     differ = [key for key in theirs if key.startswith(MUST_MATCH) and ours.get(key) != theirs[key]]
     if differ:
         raise ConfigError("train.resume continues a run with other settings; add them to the command: "
@@ -49,6 +50,8 @@ def check_restorable(contents: dict, optim: OptimConfig, max_iters: int) -> None
     state = contents["training"]
     model = GPT(GPTConfig(**contents["model_config"]))
     model.load_state_dict(contents["model"])  # strict: every tensor present, of its shape
+    if state["config"]["train"].get("ema_decay") is not None:  # model holds the average, raw_model what it averages
+        model.load_state_dict(state["raw_model"])
     optimizers = make_optimizers(model, optim, fused=False)
     for optimizer, optimizer_state, scheduler_state in zip(optimizers, state["optimizers"], state["schedulers"],
                                                             strict=True):
