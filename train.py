@@ -74,7 +74,7 @@ def main(cfg: DictConfig, run_dir) -> float | None:
         model = GPT(model_config).to(device)
         used = {**settings.config, "model": dataclasses.asdict(model_config)}  # vocab_size filled in from the data
         summaries = Summaries(run_dir, OmegaConf.to_yaml(used),
-                              purge_step=resumed and resumed["training"]["step"]) if rank == 0 else None
+                              first_step=resumed["training"]["step"] if resumed else 0) if rank == 0 else None
         started = False
         try:
             trainer = Trainer(settings, model, data, device, run_dir, summaries, resumed, rank, world_size)

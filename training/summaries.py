@@ -90,10 +90,14 @@ def described_image(tag: str, pixels: torch.Tensor, description: str) -> Summary
 class Summaries:
     """The run's TensorBoard events, written by one process."""
 
-    def __init__(self, run_dir: Path, config_yaml: str, purge_step: int | None = None):
-        """purge_step: the step a resumed run goes on from; the points its earlier life logged there and after are
-        dropped, so that the run's curves go on as one."""
-        self.writer = SummaryWriter(str(run_dir), purge_step=purge_step)
+    def __init__(self, run_dir: Path, config_yaml: str, first_step: int = 0):
+        """first_step: the step the run starts from, 0 or the resumed step. Every life of a run marks its start
+        there (purge_step writes a SessionLog START), so that TensorBoard's Python loader (--load_fast=false, or
+        where its Rust data server is not installed) drops what earlier lives logged there and after, in every tag,
+        and the run's curves go on as one. That loader takes a run's first START for its beginning, so a new run
+        writes one too. The Rust data server reads no SessionLog: it drops a tag's points where the tag's steps go
+        back."""
+        self.writer = SummaryWriter(str(run_dir), purge_step=first_step)
         self.writer.add_text("config", as_code(config_yaml))
         self.writer.add_custom_scalars({"loss": {
             "train and val loss": ["Multiline", ["^loss/(train|train_eval|val)$"]],
