@@ -19,6 +19,7 @@ import dataclasses
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 import hydra
@@ -35,11 +36,11 @@ from training.checkpoint import resolve_checkpoint, trained_on
 from training.config import TrainConfig, register, validate
 from training.devices import choose_device, memory_needed, memory_of
 from training.distributed import init_distributed, is_rank_zero
-from training.errors import ConfigError, UsageError, fail, one_line, write_line
+from training.errors import ConfigError, OutputError, UsageError, fail, one_line, write_line
 from training.files import remove_stale_temporaries
 from training.loop import Stopped, Trainer
 from training.resume import load_resume_checkpoint
-from training.summaries import Summaries
+from training.summaries import Summaries, report_thread_error
 
 register()
 
@@ -73,7 +74,7 @@ def main(cfg: DictConfig, run_dir) -> float | None:
         model = GPT(model_config).to(device)
         used = {**settings.config, "model": dataclasses.asdict(model_config)}  # vocab_size filled in from the data
         summaries = Summaries(run_dir, OmegaConf.to_yaml(used),
-                              purge_step=resumed and resumed["training"]["step"]) if rank == 0 else None
+                              first_step=resumed["training"]["step"] if resumed else 0) if rank == 0 else None
         started = False
         try:
             trainer = Trainer(settings, model, data, device, run_dir, summaries, resumed, rank, world_size)
@@ -142,17 +143,21 @@ def hydra_main(cfg: DictConfig) -> float | None:
             print(e, file=sys.stderr)
         sys.exit(0)  # also ends a multirun: one Ctrl-C stops the whole sweep
     except Exception as e:
+        if not os.path.isdir(job.runtime.output_dir):  # what failed first in it (events, a checkpoint) says less
+            e = OutputError(f"the run directory {job.runtime.output_dir} vanished while training (removed or "
+                            f"moved); if it was moved, continue the run with train.resume=<its new place>")
         if job.mode != RunMode.MULTIRUN:
             fail("train.py", e, speak=is_rank_zero())
         if is_rank_zero():  # the sweep goes on with its other jobs; Hydra raises e again at its end
             print(f"train.py: error: job {job.job.num} ({' '.join(job.overrides.task)}): {one_line(e)}",
                   file=sys.stderr)
-        raise
+        raise e
 
 
 if __name__ == "__main__":
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises its errors as they are, for fail() to report in one line
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # like Ctrl-C: what is half done is cleaned up
+    threading.excepthook = report_thread_error
     try:
         if sys.stdout is None:  # started with stdout closed (`>&-`)
             raise UsageError("standard output is closed; send it to a file or a pipe")

@@ -69,8 +69,10 @@ def test_a_run_directory_means_its_best_then_its_last_checkpoint(tmp_path):
 
 
 def test_newest_best_checkpoint_is_found_in_runs_and_multiruns(tmp_path):
-    old = save_checkpoint(STATE, tmp_path / "runs/2024-01-02_00-00-00/best.pt")
-    new = save_checkpoint(STATE, tmp_path / "runs/multirun/2024-01-01_00-00-00/0/best.pt")
+    old, new = tmp_path / "runs/2024-01-02_00-00-00/best.pt", tmp_path / "runs/multirun/2024-01-01_00-00-00/0/best.pt"
+    for path in (old, new):
+        path.parent.mkdir(parents=True)
+        save_checkpoint(STATE, path)
     os.utime(old, ns=(1_000_000_000, 1_000_000_000))
     assert find_latest_checkpoint(tmp_path / "runs") == new
     with pytest.raises(CheckpointError, match="python train.py"):

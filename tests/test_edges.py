@@ -28,7 +28,7 @@ from test_train import TINY, config, data_overrides
 from tiny_models import random_model, random_tokens
 from training.checkpoint import CheckpointError, build_checkpoint, save_checkpoint
 from training.config import ConfigError, OptimConfig, validate
-from training.errors import UsageError
+from training.errors import UsageError, one_line
 from training.files import remove_stale_temporaries, write_atomically
 from training.loop import Trainer
 from training.optim import make_optimizers
@@ -243,6 +243,38 @@ runpy.run_path({str(REPO / "train.py")!r}, run_name="__main__")
     assert_one_line_error(result, "train.py", *(f.format(run_dir=run_dir) for f in fragments), status=status)
     assert torch.load(run_dir / "last.pt", weights_only=True)["training"]["step"] == 2
     assert not list(run_dir.glob(".*.tmp"))
+
+
+@pytest.mark.parametrize("method, step", [("log_pending", 1), ("save", 2)],
+                         ids=["found by TensorBoard's writer thread", "found by a checkpoint save"])
+def test_a_run_directory_removed_while_training_is_one_line(tmp_path, data_root, method, step):
+    """The run directory is removed just before the run logs step 1's values (TensorBoard writes them in a thread
+    of its own) or saves step 2's checkpoint. It is not made again: a run without its directory cannot go on."""
+    run_dir = tmp_path / "run"
+    script = f"""
+import runpy, shutil, sys
+sys.path.insert(0, {str(REPO)!r})
+from training.loop import Trainer
+original = Trainer.{method}
+
+def removing_the_run_directory_first(self, *args, **kwargs):
+    if self.step == {step} and self.run_dir.exists():
+        shutil.rmtree(self.run_dir)
+    return original(self, *args, **kwargs)
+Trainer.{method} = removing_the_run_directory_first
+sys.argv = ["train.py", *{[*TINY, *SHORT, *data_overrides(data_root), f"hydra.run.dir={run_dir}"]!r}]
+runpy.run_path({str(REPO / "train.py")!r}, run_name="__main__")
+"""
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=ENV, capture_output=True, text=True,
+                            timeout=180)
+    assert_one_line_error(result, "train.py", f"the run directory {run_dir} vanished while training", status=1)
+    assert not run_dir.exists()
+
+
+def test_a_failed_write_of_the_events_names_their_file():
+    """TensorBoard's writer names its events file in bytes."""
+    error = OSError(errno.ENOSPC, "No space left on device", b"/runs/x/events.out.tfevents.1")
+    assert one_line(error) == "No space left on device: /runs/x/events.out.tfevents.1"
 
 
 def test_a_closed_stdout_is_one_line_for_train(tmp_path):

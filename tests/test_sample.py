@@ -155,8 +155,9 @@ def test_newest_run_is_found_under_runs(checkpoint, greedy, tmp_path):
     newer = tmp_path / "runs/2024-06-01/10-00-00/best.pt"
     newer.parent.mkdir(parents=True)
     newer.write_bytes(checkpoint.read_bytes())
-    older = save_checkpoint(checkpoint_state(tiny_model(seed=1, train_steps=0)),
-                            tmp_path / "runs/multirun/2024-06-02/10-00-00/0/best.pt")
+    older = tmp_path / "runs/multirun/2024-06-02/10-00-00/0/best.pt"
+    older.parent.mkdir(parents=True)
+    save_checkpoint(checkpoint_state(tiny_model(seed=1, train_steps=0)), older)
     os.utime(older, ns=(1_700_000_000 * 10**9,) * 2)
     os.utime(newer, ns=(1_700_000_100 * 10**9,) * 2)
     result = sample_ok("--prompt", PROMPT, "--temperature", 0, "--max-new-tokens", NEW_TOKENS, cwd=tmp_path)

@@ -1,6 +1,8 @@
 """What a person sees in TensorBoard, read from TensorBoard's own server over its HTTP data API: three tiny
 trainings in one log directory: a single run, a sweep of two jobs (one of them with AdamW alone), and a run
-crashed and resumed in its directory."""
+crashed and resumed in its directory. The server reads the events with its Rust data server, as `tensorboard
+--logdir runs` does where that is installed, and for a resumed run also with its Python loader, as it does
+elsewhere."""
 
 import json
 import math
@@ -38,15 +40,16 @@ TRIAL_ID_SHOWN = 14  # characters of the HParams table's Trial ID column (10em w
 
 
 class Server:
-    """`tensorboard --logdir` on a free loopback port, as a subprocess."""
+    """`tensorboard --logdir` on a free loopback port, as a subprocess. load_fast: "auto" reads the event files with
+    the Rust data server where it is installed, "false" with the Python loader."""
 
-    def __init__(self, logdir: Path):
+    def __init__(self, logdir: Path, load_fast: str = "auto"):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.url = f"http://127.0.0.1:{s.getsockname()[1]}"
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--host", "127.0.0.1",
-             "--port", self.url.rsplit(":", 1)[1], "--reload_interval", "1"],
+             "--port", self.url.rsplit(":", 1)[1], "--reload_interval", "1", f"--load_fast={load_fast}"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
     def get(self, path: str, **query):
@@ -89,7 +92,7 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def logdir(tmp_path_factory) -> Path:
     tmp_path = tmp_path_factory.mktemp("tensorboard")
     logdir = tmp_path / "runs"
     for name, override in RUNS.items():
@@ -98,16 +101,32 @@ def server(tmp_path_factory):
             crash_in_step_7(tmp_path, overrides + ["train.log_interval=1"], logdir / name)
             overrides.append(f"train.resume={logdir / name}")
         train.main(config(tmp_path, tmp_path / "data", *overrides), logdir / name)
-    server = Server(logdir)
+    return logdir
+
+
+def serve(logdir: Path, runs: int, load_fast: str = "auto"):
+    server = Server(logdir, load_fast)
     try:
-        server.wait_until_loaded(len(RUNS))
+        server.wait_until_loaded(runs)
         yield server
     finally:
         server.stop()
 
 
+@pytest.fixture(scope="module")
+def server(logdir):
+    yield from serve(logdir, len(RUNS))
+
+
+@pytest.fixture(scope="module")
+def python_loader(logdir):
+    """The resumed run alone (its run shows as "."), read by TensorBoard's Python loader."""
+    yield from serve(logdir / RESUMED, 1, load_fast="false")
+
+
 def crash_in_step_7(tmp_path: Path, overrides: list[str], run_dir: Path):
-    """Train until the forward pass of step 7 fails: steps 0-6 are logged, last.pt holds step 5."""
+    """Train until the forward pass of step 7 fails: steps 0-6 are logged (and the throughput after each), last.pt
+    holds step 5."""
     forward, steps = GPT.forward, []
 
     def forward_failing_in_step_7(model, *args, **kwargs):
@@ -128,7 +147,7 @@ def test_one_run_per_training_run(server):
 
 def test_a_resumed_run_goes_on_as_one_curve(server):
     """The points the crashed run logged past its checkpoint are dropped, and the resumed run draws them anew:
-    every step once, in every chart."""
+    every step once, in every chart. The Rust data server drops a tag's points where the tag's steps go back."""
     for tag, steps in (("loss/train", list(range(STEPS))), ("loss/val", [0, 5, 10]), ("loss/val_best", [0, 5, 10])):
         assert [step for _, step, _ in server.get("plugin/scalars/scalars", run=RESUMED, tag=tag)] == steps, tag
     walltimes = [walltime for walltime, _, _ in server.get("plugin/scalars/scalars", run=RESUMED, tag="loss/train")]
@@ -136,6 +155,15 @@ def test_a_resumed_run_goes_on_as_one_curve(server):
     (layer0head0,) = [tag for tag in ATTENTION if tag.endswith("layer0/head0")]
     shown = server.get("plugin/images/images", run=RESUMED, tag=layer0head0, sample=0)
     assert [image["step"] for image in shown] == [0, 5, 10]
+
+
+def test_a_resumed_run_drops_what_its_crashed_life_logged_past_the_checkpoint_in_every_tag(python_loader):
+    """TensorBoard's Python loader drops them at the SessionLog START that the resumed life writes (purge_step), in
+    every tag: also where the resumed run logs no point before the crashed run's last, as for the throughput, which
+    the crashed run logged after each step, up to step 7, and the resumed run logs every 5 steps, at 10."""
+    for tag, steps in (("loss/train", list(range(STEPS))), ("loss/val", [0, 5, 10]), ("loss/val_best", [0, 5, 10]),
+                       ("perf/tokens_per_sec", [1, 2, 3, 4, 10])):
+        assert [step for _, step, _ in python_loader.get("plugin/scalars/scalars", run=".", tag=tag)] == steps, tag
 
 
 def test_loss_group_opens_first_and_every_loss_starts_at_step_0(server):

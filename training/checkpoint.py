@@ -52,11 +52,11 @@ def build_checkpoint(model: GPT, vocab: CharVocab, training: dict | None = None,
 
 
 def save_checkpoint(contents: dict, path) -> Path:
-    """Write a checkpoint atomically: a crash mid-write leaves the previous file intact. A failed write (a full
-    disk) is an OutputError; an interruption during the write (a second Ctrl-C) stays a KeyboardInterrupt."""
+    """Write a checkpoint atomically into an existing folder (a run directory removed while its run trains is not
+    made again): a crash mid-write leaves the previous file intact. A failed write (a full disk, a folder gone) is
+    an OutputError; an interruption during the write (a second Ctrl-C) stays a KeyboardInterrupt."""
     path = Path(path)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         return write_atomically(path, lambda file: torch.save(contents, file))
     except (OSError, RuntimeError) as e:  # torch.save turns what its writes raise into a RuntimeError
         cause = e.__context__ if isinstance(e, RuntimeError) and e.__context__ is not None else e

@@ -34,7 +34,8 @@ class CheckpointError(Exception):
 
 
 class OutputError(Exception):
-    """What a run writes (a checkpoint, standard output) cannot be written: a full disk, a closed pipe."""
+    """What a run writes (a checkpoint, its events, standard output) cannot be written: a full disk, a closed pipe,
+    a run directory removed."""
 
 
 # What the user can fix: exit status 2. Hydra's and OmegaConf's errors are a bad override or config group option.
@@ -49,7 +50,7 @@ def one_line(error: BaseException) -> str:
     if isinstance(error, HydraException) and isinstance(error.__cause__, OmegaConfBaseException):
         error = error.__cause__  # what is wrong with an override, rather than Hydra's advice on overriding
     if isinstance(error, OSError) and error.strerror:
-        return f"{error.strerror}: {error.filename}" if error.filename else error.strerror
+        return f"{error.strerror}: {os.fsdecode(error.filename)}" if error.filename else error.strerror
     return " ".join(str(error).split()) or type(error).__name__
 
 

@@ -7,6 +7,7 @@ other dashboard can. Everything goes to the run's one event file, so that Tensor
 """
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from google.protobuf.struct_pb2 import Value
 from tensorboard.compat.proto.summary_pb2 import Summary
 from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2
 from tensorboard.plugins.image import metadata as image_metadata
+from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
 from tensorboard.util.tensor_util import make_tensor_proto
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import image
@@ -44,6 +46,15 @@ ATTENTION = ("Attention of layer {layer}, head {head} on the last {size} charact
              "Row i is the query at position i, column j the key at position j; the upper triangle is black "
              "because a query never sees later keys. Each row is scaled to its own maximum, so white marks "
              "each query's strongest key, not an absolute weight.")
+
+
+def report_thread_error(args: threading.ExceptHookArgs) -> None:
+    """train.py's threading.excepthook. TensorBoard's writer thread, which writes the events in the background, keeps
+    the error that stops it (a full disk, the run directory removed) and raises it again at the writer's next call
+    or at its close, in the training's thread, where it ends the run in one line; reported here, as every thread's
+    error is by default, it would add a traceback."""
+    if not isinstance(args.thread, _AsyncWriterThread):
+        threading.__excepthook__(args)
 
 
 def as_code(text: str) -> str:
@@ -79,10 +90,14 @@ def described_image(tag: str, pixels: torch.Tensor, description: str) -> Summary
 class Summaries:
     """The run's TensorBoard events, written by one process."""
 
-    def __init__(self, run_dir: Path, config_yaml: str, purge_step: int | None = None):
-        """purge_step: the step a resumed run goes on from; the points its earlier life logged there and after are
-        dropped, so that the run's curves go on as one."""
-        self.writer = SummaryWriter(str(run_dir), purge_step=purge_step)
+    def __init__(self, run_dir: Path, config_yaml: str, first_step: int = 0):
+        """first_step: the step the run starts from, 0 or the resumed step. Every life of a run marks its start
+        there (purge_step writes a SessionLog START), so that TensorBoard's Python loader (--load_fast=false, or
+        where its Rust data server is not installed) drops what earlier lives logged there and after, in every tag,
+        and the run's curves go on as one. That loader takes a run's first START for its beginning, so a new run
+        writes one too. The Rust data server reads no SessionLog: it drops a tag's points where the tag's steps go
+        back."""
+        self.writer = SummaryWriter(str(run_dir), purge_step=first_step)
         self.writer.add_text("config", as_code(config_yaml))
         self.writer.add_custom_scalars({"loss": {
             "train and val loss": ["Multiline", ["^loss/(train|train_eval|val)$"]],
