@@ -1,6 +1,6 @@
-"""Training throughput in tokens/s, eager and with torch.compile, for three shapes, in one run.
+"""Training throughput in tokens/s, eager and with torch.compile, for each shape, in one run.
 
-    python bench/train_throughput.py            # on CPU: the cpu preset's shape, a small one, the classic one
+    python bench/train_throughput.py            # the cpu preset (learned, then rotary positions), a small shape, the classic one
     python bench/train_throughput.py --device cuda
 
 Each step is train.py's own (training/loop.py's Trainer.train_step: forward, backward, gradient clipping,
@@ -26,6 +26,7 @@ from training.loop import Trainer  # noqa: E402
 
 SHAPES = {  # name: (overrides of the cpu preset, as on train.py's command line)
     "cpu preset": [],
+    "cpu preset, rope": ["model.pos_emb=rope"],
     "small (4L 4H 128w, block 64)": ["model.block_size=64", "train.batch_size=12"],
     "classic (6L 6H 384w, block 256)": ["model=classic", "train.batch_size=64"],
 }
