@@ -7,6 +7,7 @@ val losses, and the learning rate at that step.
 """
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -41,9 +42,8 @@ def main() -> None:
     print("| step | seconds | train loss | val loss | lr |")
     print("|---|---|---|---|---|")
     for row in curve:
-        print(f"| {row['step']} | {row['wall_time'] - start:.0f} | {row['train']:.4f} | {row['val']:.4f} | "
-              f"{row['lr']:.2e} |")
-
+        lr = "-" if math.isnan(row["lr"]) else f"{row['lr']:.2e}"  # no lr is logged before the first step
+        print(f"| {row['step']} | {row['wall_time'] - start:.0f} | {row['train']:.4f} | {row['val']:.4f} | {lr} |")
 
 if __name__ == "__main__":
     main()
