@@ -27,7 +27,7 @@ from data import CharVocab, UnknownCharacterError
 from model import Sampling, generate_tokens
 from model.quantize import PRECISIONS
 from training.checkpoint import load_model, resolve_checkpoint, trained_on
-from training.devices import choose_device
+from training.devices import choose_device, memory_of
 from training.errors import MISTAKES, UsageError, fail
 from training.runs import find_latest_checkpoint
 
@@ -81,10 +81,7 @@ def check_memory(args, prompt_len: int, model, device: torch.device) -> None:
     would not fit, rather than run out of memory midway. Without the cache, the forward passes hold at least as
     much."""
     per_sample = model.new_kv_cache(1).nbytes + (prompt_len + args.max_new_tokens) * torch.long.itemsize
-    if device.type == "cuda":
-        memory = torch.cuda.mem_get_info(device)[1]
-    else:
-        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    memory = memory_of(device)
     if args.num_samples * per_sample > MEMORY_SHARE * memory:
         most = int(MEMORY_SHARE * memory // per_sample)
         raise UsageError(f"--num-samples {args.num_samples} of --max-new-tokens {args.max_new_tokens} need "

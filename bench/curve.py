@@ -45,5 +45,6 @@ def main() -> None:
         lr = "-" if math.isnan(row["lr"]) else f"{row['lr']:.2e}"  # no lr is logged before the first step
         print(f"| {row['step']} | {row['wall_time'] - start:.0f} | {row['train']:.4f} | {row['val']:.4f} | {lr} |")
 
+
 if __name__ == "__main__":
     main()

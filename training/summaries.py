@@ -31,10 +31,11 @@ DEVICE_TYPES = ("cpu", "cuda", "mps")
 # The HParams table's columns, in this order; it shows the first five at first (the optimiser, its learning
 # rates, the depth and width) and offers the others. TensorBoard orders columns by name, hence the numbered names.
 HPARAMS = ("optim.name", "optim.lr", "optim.muon_lr", "model.n_layer", "model.n_embd", "model.n_head",
-           "model.block_size", "model.pos_emb", "model.dropout", "model.bias", "optim.decay", "optim.min_lr", "optim.weight_decay",
-           "optim.muon_weight_decay", "train.batch_size", "train.grad_accum_steps", "train.max_iters", "train.seed",
-           "device")
-CHOICES = {"optim.name": OPTIMIZERS, "optim.decay": DECAYS, "model.pos_emb": POSITIONS, "device": DEVICE_TYPES}  # the string hparams' every possible value
+           "model.block_size", "model.pos_emb", "model.dropout", "model.bias", "optim.decay", "optim.min_lr",
+           "optim.weight_decay", "optim.muon_weight_decay", "train.batch_size", "train.grad_accum_steps",
+           "train.max_iters", "train.seed", "device")
+# the string hparams' every possible value
+CHOICES = {"optim.name": OPTIMIZERS, "optim.decay": DECAYS, "model.pos_emb": POSITIONS, "device": DEVICE_TYPES}
 # The scalar tags that bench/curve.py reads back, too
 TRAIN_LOSS = "loss/train"
 TRAIN_EVAL_LOSS = "loss/train_eval"  # the train split, evaluated like val
