@@ -10,6 +10,12 @@ All given masks are combined with AND. A query whose keys are all masked gets ze
 
 Rotary positions (RoPE): rope=(cos, sin) from rotary() turns each query and key by the angle of its position
 before they meet, so a score depends only on how far apart the two tokens are, never on where they stand.
+
+Smaller caches (the designs of Llama, Mistral and Gemma), both off by default:
+- Grouped-query attention: n_kv_head key/value heads for n_head query heads; each group of n_head / n_kv_head
+  query heads reads one of them (n_kv_head = 1 is multi-query attention). Fewer keys and values to cache.
+- A block built with project_kv=False projects queries only and reads the keys and values of an earlier layer,
+  handed to it as `cache` (layers that share keys and values; model/gpt.py groups them).
 """
 
 import math
@@ -63,21 +69,31 @@ class MultiHeadAttention(nn.Module):
 
     Widths: inputs are embed_dim wide; queries and keys qk_dim in all, values v_dim in all (split
     evenly over the heads); the output projection maps v_dim to out_dim. Each defaults to embed_dim.
+    n_kv_head (default n_head): key/value heads, each read by n_head / n_kv_head query heads; keys and values
+    are then qk_dim and v_dim times n_kv_head / n_head wide. project_kv=False: queries only (see the module).
     """
 
     def __init__(self, embed_dim: int, n_head: int, *, qk_dim: int | None = None, v_dim: int | None = None,
-                 out_dim: int | None = None, bias: bool = True, out_proj: bool = True, dropout: float = 0.0):
+                 out_dim: int | None = None, bias: bool = True, out_proj: bool = True, dropout: float = 0.0,
+                 n_kv_head: int | None = None, project_kv: bool = True):
         super().__init__()
         qk_dim = qk_dim or embed_dim
         v_dim = v_dim or embed_dim
+        n_kv_head = n_kv_head or n_head
         for name, width in (("query/key width", qk_dim), ("value width", v_dim)):
             if width % n_head:
                 raise ValueError(f"{name} {width} is not divisible by n_head {n_head}")
+        if n_head % n_kv_head:
+            raise ValueError(f"n_kv_head {n_kv_head} must divide n_head {n_head}: each key/value head serves an "
+                             f"equal group of query heads")
         if not out_proj and out_dim not in (None, v_dim):
             raise ValueError(f"without an output projection the output width is the value width {v_dim}, "
                              f"not out_dim {out_dim}")
-        self.n_head, self.qk_dim, self.v_dim = n_head, qk_dim, v_dim
-        self.qkv = nn.Linear(embed_dim, 2 * qk_dim + v_dim, bias=bias)  # rows: Q, then K, then V
+        self.n_head, self.n_kv_head, self.qk_dim, self.v_dim = n_head, n_kv_head, qk_dim, v_dim
+        self.k_dim, self.kv_v_dim = qk_dim // n_head * n_kv_head, v_dim // n_head * n_kv_head  # key, value widths
+        self.project_kv = project_kv
+        # rows: Q, then K, then V (Q alone without project_kv)
+        self.qkv = nn.Linear(embed_dim, qk_dim + (self.k_dim + self.kv_v_dim if project_kv else 0), bias=bias)
         self.out_proj = nn.Linear(v_dim, out_dim or embed_dim, bias=bias) if out_proj else nn.Identity()
         self.attn_dropout = dropout
         self.out_dropout = nn.Dropout(dropout)
@@ -88,24 +104,34 @@ class MultiHeadAttention(nn.Module):
 
         cache: a LayerKV. The new keys and values are written into it and the queries attend to the
         slots it returns: all max_len of them, and then attn_mask must say which slots each query may see,
-        and let each query see at least one (KVCache.attn_mask lets each see its own); or the filled ones,
-        which is_causal alone may mask. Attention runs in the cache's dtype, else in attention_dtype().
+        and let each query see at least one (KVCache.attn_mask lets each see its own); or the filled ones only
+        (eagerly on the CPU), which is_causal alone may mask. Attention runs in the dtype the cache returns, else
+        in attention_dtype(). A block without project_kv reads its keys and values from `cache` instead.
         need_weights: take the explicit path and also return the attention weights.
         rope: (cos, sin) from rotary() for the positions of x's tokens (self-attention only): the keys are turned
         before they are cached, so cached keys keep their positions.
         Returns (out (B, T_q, out_dim), weights (B, n_head, T_q, T_k) or None).
         """
         B, T_q, _ = x.shape
-        q, k, v = self.project(x, context)
-        q = q.view(B, T_q, self.n_head, -1).transpose(1, 2)  # (B, nh, T_q, hs)
-        k = k.view(B, k.size(1), self.n_head, -1).transpose(1, 2)  # (B, nh, T_k, hs)
-        v = v.view(B, v.size(1), self.n_head, -1).transpose(1, 2)  # (B, nh, T_k, hs_v)
-        if rope is not None:
-            if context is not None:
-                raise ValueError("rotary positions apply to self-attention only: queries and keys from one sequence")
-            q, k = rotate(q, *rope), rotate(k, *rope)
-        if cache is not None:
-            k, v = cache.update(k, v)  # (B, nh, max_len, hs): every slot of this layer's cache
+        if rope is not None and context is not None:
+            raise ValueError("rotary positions apply to self-attention only: queries and keys from one sequence")
+        if not self.project_kv:  # keys and values come from an earlier layer, already turned and cached
+            if cache is None or context is not None:
+                raise ValueError("a block without project_kv attends to another layer's keys and values: pass them "
+                                 "as cache, and no context")
+            q = self.qkv(x).view(B, T_q, self.n_head, -1).transpose(1, 2)  # (B, nh, T_q, hs)
+            q = q if rope is None else rotate(q, *rope)
+            k, v = cache.read()  # (B, n_kv, T_k, hs)
+        else:
+            q, k, v = self.project(x, context)
+            q = q.view(B, T_q, self.n_head, -1).transpose(1, 2)  # (B, nh, T_q, hs)
+            k = k.view(B, k.size(1), self.n_kv_head, -1).transpose(1, 2)  # (B, n_kv, T_k, hs)
+            v = v.view(B, v.size(1), self.n_kv_head, -1).transpose(1, 2)  # (B, n_kv, T_k, hs_v)
+            if rope is not None:
+                q, k = rotate(q, *rope), rotate(k, *rope)
+            if cache is not None:
+                # the slots attention reads: all max_len of them, or the filled ones (eagerly, on the CPU)
+                k, v = cache.update(k, v)  # (B, n_kv, T_k, hs)
         dtype = k.dtype if cache is not None else attention_dtype(q.dtype, q.device)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         T_k = k.size(2)
@@ -116,7 +142,8 @@ class MultiHeadAttention(nn.Module):
         plain = attn_mask is None and key_padding_mask is None and (not is_causal or T_q in (1, T_k))
         if plain and not need_weights:
             # no mask tensor at all: lets SDPA pick its fastest kernel, and builds no T x T mask
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal and T_q > 1)
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal and T_q > 1,
+                                               enable_gqa=self.grouped)
             weights = None
         else:
             mask = self.combined_mask(T_q, T_k, x.device, attn_mask, key_padding_mask, is_causal)
@@ -136,10 +163,17 @@ class MultiHeadAttention(nn.Module):
             mask = attn_mask if mask is None else mask & attn_mask
         return mask
 
+    @property
+    def grouped(self) -> bool:
+        """Whether query heads share key/value heads (grouped- or multi-query attention)."""
+        return self.n_kv_head < self.n_head
+
     def attend(self, q, k, v, mask, dropout_p, need_weights):
         """softmax(q kᵀ / √d, masked) v, explicitly when the weights are wanted, else through SDPA.
         Returns (y (B, nh, T_q, hs_v), weights (B, nh, T_q, T_k) or None)."""
         if need_weights:
+            group = self.n_head // self.n_kv_head  # each key/value head, once for each query head it serves
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, nh, T_k, hs)
             scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))  # (B, nh, T_q, T_k)
             if mask is not None:
                 scores = scores.masked_fill(~mask, float("-inf"))
@@ -147,16 +181,16 @@ class MultiHeadAttention(nn.Module):
             if mask is not None:  # a row with every key masked is all NaN after softmax
                 weights = weights.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
             return F.dropout(weights, dropout_p, self.training) @ v, weights
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=self.grouped)
         # kernels differ on rows with every key masked (zeros on some, NaN on others): make them zeros
         return y.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0), None
 
     def project(self, x, context=None):
         """Queries from x; keys and values from x (self-attention) or from context (cross-attention)."""
         if context is None:  # one fused matmul for Q, K and V
-            return self.qkv(x).split([self.qk_dim, self.qk_dim, self.v_dim], dim=-1)
+            return self.qkv(x).split([self.qk_dim, self.k_dim, self.kv_v_dim], dim=-1)
         # the same weights, split: queries from x, keys and values from context
-        w_q, w_kv = self.qkv.weight.split([self.qk_dim, self.qk_dim + self.v_dim])
-        b_q, b_kv = (None, None) if self.qkv.bias is None else self.qkv.bias.split([self.qk_dim, self.qk_dim + self.v_dim])
-        k, v = F.linear(context, w_kv, b_kv).split([self.qk_dim, self.v_dim], dim=-1)
+        w_q, w_kv = self.qkv.weight.split([self.qk_dim, self.k_dim + self.kv_v_dim])
+        b_q, b_kv = (None, None) if self.qkv.bias is None else self.qkv.bias.split([self.qk_dim, self.k_dim + self.kv_v_dim])
+        k, v = F.linear(context, w_kv, b_kv).split([self.k_dim, self.kv_v_dim], dim=-1)
         return F.linear(x, w_q, b_q), k, v

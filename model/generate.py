@@ -1,5 +1,6 @@
 """Decoding, outside the network: how each token is drawn (Sampling), and the loop that prefills the KV cache
-and then feeds one token per step.
+and then feeds one token per step. Start with greedy_decode, the whole idea in ten lines; generate_tokens is the
+real loop, with sampling, ragged batches and contexts longer than block_size.
 
     ids = generate(model, prompt, 200, sampling=Sampling(temperature=0.8, top_k=40))
     for next_ids in generate_tokens(model, prompt, 200, sampling=GREEDY):  # (B,) per step, as they come
@@ -12,7 +13,7 @@ Past block_size. The model attends at most block_size tokens back, so each row's
   attends its last block_size tokens (sliding-window attention), so the last token still depends on up to
   n_layer * (block_size - 1) tokens before it, through the earlier layers: that is the context kept.
 - Learned positions: cached keys carry their absolute positions and cannot slide. When the next token would not
-  fit, start jumps forward so that only the last `window` tokens remain (default block_size // 2), and the cache
+  fit, start jumps forward so that only the last `window` tokens remain (default block_size // 2, at least 1), and the cache
   is refilled with one prefill over them: O(1) forward passes per token, amortised. window = block_size refills
   at every step, which is exactly the classic crop to the last block_size tokens.
 use_cache=False runs a full forward over the very same context at every step.
@@ -20,6 +21,9 @@ use_cache=False runs a full forward over the very same context at every step.
 Ragged batches. n_pad (B,) says how many tokens at the start of each row of idx are left padding. Each row's
 context, and when its window moves, is the one it would have alone; with learned positions a batch whose rows
 fill up at different steps refills the cache (for all rows) whenever one of them does.
+
+Many samples of one prompt. When every row of idx holds the same tokens, the prompt goes through the model once,
+at batch 1, and its cache is copied to every row (KVCache.fill_from).
 """
 
 import math
@@ -29,10 +33,36 @@ from dataclasses import dataclass
 import torch
 
 from .gpt import GPT, KVCache
+from .quantize import Int8KVCache
+
+
+@torch.no_grad()
+def greedy_decode(model: GPT, idx: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+    """The KV cache's whole idea: read the prompt once (prefill), then feed one token per step, each step's
+    attention reading every earlier key and value from the cache. idx (B, T) -> (B, T + max_new_tokens)."""
+    if idx.size(1) + max_new_tokens > model.config.block_size:
+        raise ValueError("greedy_decode keeps everything in one context of block_size tokens; use generate")
+    cache = model.new_kv_cache(idx.size(0))
+    logits = model.decode_step(idx, cache)  # (B, vocab_size): the prompt's keys and values are now cached
+    for _ in range(max_new_tokens):
+        next_id = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+        idx = torch.cat([idx, next_id], dim=1)
+        logits = model.decode_step(next_id, cache)  # one token through the model, the past from the cache
+    return idx
+
 
 # Below this temperature, logits / temperature can overflow float32 to inf and softmax to NaN; the
 # distribution is then a point mass on the argmax anyway, so such a temperature is refused.
 MIN_TEMPERATURE = 1e-6
+
+
+def is_integer(x) -> bool:
+    """An int, and not a bool (which Python counts as one)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)
@@ -46,11 +76,11 @@ class Sampling:
 
     def __post_init__(self):
         t = self.temperature
-        if not (isinstance(t, (int, float)) and math.isfinite(t) and (t == 0 or t >= MIN_TEMPERATURE)):
+        if not (is_number(t) and math.isfinite(t) and (t == 0 or t >= MIN_TEMPERATURE)):
             raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {t!r}")
-        if self.top_k is not None and not (isinstance(self.top_k, int) and self.top_k >= 1):
+        if self.top_k is not None and not (is_integer(self.top_k) and self.top_k >= 1):
             raise ValueError(f"top_k must be an integer >= 1, got {self.top_k!r}")
-        if self.top_p is not None and not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+        if self.top_p is not None and not (is_number(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
 
     @property
@@ -61,6 +91,11 @@ class Sampling:
         """logits (B, vocab_size) -> next token ids (B,)."""
         if self.greedy:
             return logits.argmax(dim=-1)
+        return torch.multinomial(self.probs(logits), num_samples=1, generator=generator).squeeze(-1)
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits (..., vocab_size) -> the distribution a token is drawn from, after temperature, top-k and top-p
+        (not for greedy)."""
         logits = logits.float() / self.temperature
         if self.top_k is not None:
             kth_best = torch.topk(logits, min(self.top_k, logits.size(-1))).values[:, -1:]
@@ -71,11 +106,11 @@ class Sampling:
             # drop a token when the likelier ones before it already reach top_p (the first always stays)
             drop_sorted = probs.cumsum(dim=-1) - probs >= self.top_p
             logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
-        probs = logits.softmax(dim=-1)
-        return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+        return logits.softmax(dim=-1)
 
 
 GREEDY = Sampling(temperature=0)
+
 
 
 @torch.no_grad()
@@ -107,7 +142,7 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampl
     start = _check(model, idx, max_new_tokens, window, n_pad, use_cache, cache, compile)
     # the longest context that can still change the next token, and how much of it a jump forward keeps
     span = model.config.n_layer * (block_size - 1) + 1 if rolling else block_size
-    window = span if rolling else block_size // 2 if window is None else window
+    window = span if rolling else default_window(block_size) if window is None else window
     if use_cache:
         cache = cache if cache is not None else model.new_kv_cache(idx.size(0))
         one_token_step = torch.compile(model.decode_step, fullgraph=True) if compile else model.decode_step
@@ -128,6 +163,9 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampl
             if fed is None:
                 cache.reset(context_pad)
                 fed = first
+                if length == idx.size(1) and _same_rows(idx) and length - first <= block_size:
+                    logits = _prefill_once(model, buffer[:1, first:length], cache)  # every row the same prompt
+                    fed = length
             while fed < length:  # a prompt longer than the ring: one chunk fills it, then a token at a time
                 room = block_size - (fed - first)  # tokens that still fit before the ring first wraps
                 n = length - fed if length - fed <= room else max(room, 1)
@@ -141,9 +179,31 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampl
         yield next_ids
 
 
+def default_window(block_size: int) -> int:
+    """Context tokens that learned positions keep when the context passes block_size: half of it, at least one."""
+    return max(block_size // 2, 1)
+
+
+def _same_rows(idx: torch.Tensor) -> bool:
+    return idx.size(0) > 1 and bool((idx == idx[:1]).all())
+
+
+def _prefill_once(model: GPT, prompt: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """Prefill prompt (1, T) into a one-row cache like `cache`, copy it to all of cache's rows; the last logits,
+    (B, vocab_size)."""
+    one = model.new_kv_cache(1, cache.max_len, cache.k.dtype, read_all_slots=cache.read_all_slots)
+    logits = model.decode_step(prompt, one)
+    cache.fill_from(one)
+    return logits.expand(cache.batch_size, -1)
+
+
 def _check(model: GPT, idx, max_new_tokens, window, n_pad, use_cache, cache, compile) -> list[int]:
     """Refuse arguments that cannot work; each row's left padding as a list of ints."""
-    block_size = model.config.block_size
+    c = model.config
+    block_size = c.block_size
+    if model.training:
+        raise ValueError("model is in training mode, where dropout would change every token: call model.eval() "
+                         "before generating")
     if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.dtype not in (torch.long, torch.int):
         raise ValueError(f"idx must be a (B, T) tensor of token ids (int64), got "
                          f"{tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__}"
@@ -151,22 +211,42 @@ def _check(model: GPT, idx, max_new_tokens, window, n_pad, use_cache, cache, com
     B, T = idx.shape
     if B == 0 or T == 0:
         raise ValueError(f"idx must hold at least one row of at least one token, got shape {(B, T)}")
-    if not (isinstance(max_new_tokens, int) and max_new_tokens >= 0):
+    if idx.min() < 0 or idx.max() >= c.vocab_size:
+        raise ValueError(f"idx holds token ids outside the vocabulary [0, {c.vocab_size - 1}]: "
+                         f"{idx.min().item()} .. {idx.max().item()}")
+    if not (is_integer(max_new_tokens) and max_new_tokens >= 0):
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-    if model.config.pos_emb == "rope" and window not in (None, block_size):
+    if c.pos_emb == "rope" and window not in (None, block_size):
         raise ValueError(f"window applies to learned positions: a rotary-position model's cache rolls, and every "
                          f"token sees the last block_size={block_size} tokens; drop window")
-    if window is not None and not (isinstance(window, int) and 1 <= window <= block_size):
-        raise ValueError(f"window must be in [1, block_size={block_size}], got {window!r}")
+    if window is not None and not (is_integer(window) and 1 <= window <= block_size):
+        raise ValueError(f"window must be an integer in [1, block_size={block_size}], got {window!r}")
     if not use_cache and (cache is not None or compile):
         raise ValueError("cache and compile apply to cached decoding: pass use_cache=True, or neither of them")
-    if cache is not None and (cache.batch_size != B or cache.max_len != block_size):
-        raise ValueError(f"cache holds {cache.batch_size} rows of {cache.max_len} tokens; this generation "
-                         f"needs {B} rows of block_size={block_size}: use model.new_kv_cache({B})")
+    if cache is not None:
+        _check_cache(model, cache, B)
     if n_pad is None:
         return [0] * B
     pads = n_pad.tolist() if isinstance(n_pad, torch.Tensor) else list(n_pad)
-    if len(pads) != B or not all(isinstance(p, int) and 0 <= p < T for p in pads):
+    if len(pads) != B or not all(is_integer(p) and 0 <= p < T for p in pads):
         raise ValueError(f"n_pad must give each of the {B} rows its count of left-padding tokens, "
                          f"each in [0, {T - 1}], got {pads}")
     return pads
+
+
+def _check_cache(model: GPT, cache, batch_size: int) -> None:
+    """A cache passed in must be one that model.new_kv_cache(batch_size) could have made."""
+    c = model.config
+    if not isinstance(cache, KVCache):
+        raise ValueError(f"cache must be a KVCache from model.new_kv_cache, got {type(cache).__name__}")
+    layers, _, heads, _, head_dim = cache.k.shape
+    if (layers, heads, head_dim, cache.window) != (c.n_layer // c.kv_share, c.n_kv_head, c.head_dim, c.block_size):
+        raise ValueError(f"cache was made for another model shape ({layers} layers of {heads} key/value heads of "
+                         f"{head_dim}, window {cache.window}); use model.new_kv_cache({batch_size})")
+    if cache.batch_size != batch_size or cache.max_len < c.block_size:
+        raise ValueError(f"cache holds {cache.batch_size} rows of {cache.max_len} tokens; this generation "
+                         f"needs {batch_size} rows of at least block_size={c.block_size}: use "
+                         f"model.new_kv_cache({batch_size})")
+    if not (cache.k.is_floating_point() or isinstance(cache, Int8KVCache)):
+        raise ValueError(f"cache holds {cache.k.dtype}: keys and values are floating point, or int8 through "
+                         f"model.new_kv_cache({batch_size}, dtype=torch.int8)")

@@ -1,4 +1,4 @@
-"""Decoding precisions: fp32 (the trained weights as they are), bf16, and int8 weight-only.
+"""Decoding precisions: fp32 (the trained weights as they are), bf16, and int8 weight-only; and an int8 KV cache.
 
     model = to_precision(model, "int8")   # the one place a model changes precision
 
@@ -12,11 +12,19 @@ retraining.
 Per token at batch 1 the blocks' matmuls read every weight once, so decoding on a CPU is bound by memory
 bandwidth: bf16 halves the bytes read and int8 quarters them. A converted model is for decoding only:
 an int8 model refuses train() and state_dict(), so that it is never trained or saved as if it were fp32.
+
+The int8 KV cache (Int8KVCache, model.new_kv_cache(B, dtype=torch.int8)) works with a model of any precision: keys
+and values are stored as int8 with one scale per token and head, the same absmax rule as the weights, and
+dequantized as attention reads them.
 """
+
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from .gpt import KV_SCALE_DTYPE, KVCache
 
 PRECISIONS = ("fp32", "bf16", "int8")
 
@@ -31,6 +39,15 @@ class QuantizedModelError(RuntimeError):
 INT8_KERNEL_WIDTH = 16
 
 
+def quantize_int8(x: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric absmax quantization of x's last dimension: (q int8, scale of `scale_dtype`, the last dimension
+    kept as 1) with x ≈ scale * q, q in [-127, 127]. The scale is rounded to scale_dtype before q is computed, so
+    that q fits the scale that is kept."""
+    x = x.detach().float()
+    scale = (x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 127).to(scale_dtype)
+    return (x / scale.float()).round().clamp(-127, 127).to(torch.int8), scale
+
+
 class Int8Linear(nn.Module):
     """y = x Wᵀ + b with W stored as int8 (out_features, in_features) and a bf16 scale per output row.
 
@@ -42,10 +59,8 @@ class Int8Linear(nn.Module):
     def __init__(self, linear: nn.Linear, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         self.training = False
-        weight = linear.weight.detach().float()  # quantize from full precision, whatever the model holds
-        # (out,): the row's largest |w| maps to 127; rounded to `dtype` first, so that q fits the scale used
-        scales = (weight.abs().amax(dim=1).clamp(min=1e-12) / 127).to(dtype)
-        q = (weight / scales.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
+        q, scales = quantize_int8(linear.weight, dtype)  # each row's largest |w| maps to 127
+        scales = scales.squeeze(1)  # (out,)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.cpu_kernel = self.in_features % INT8_KERNEL_WIDTH == 0  # whether the fused kernel can take x
         self.register_buffer("weight", q)  # a buffer, not a Parameter: nothing to train
@@ -91,3 +106,51 @@ def to_precision(model: nn.Module, precision: str) -> nn.Module:
         # outputs (the vocabulary) torch's bf16 matmul takes a slow path on the CPU, several times the int8 one
         model.lm_head = Int8Linear(model.lm_head)
     return model.to(torch.bfloat16)
+
+
+class Int8LayerKV(NamedTuple):
+    """One layer's view of an int8 cache during one forward pass: LayerKV, with a scale beside each key and value."""
+
+    k: torch.Tensor  # (B, n_kv, max_len, hs) int8
+    v: torch.Tensor  # (B, n_kv, max_len, hs) int8
+    k_scale: torch.Tensor  # (B, n_kv, max_len, 1)
+    v_scale: torch.Tensor  # (B, n_kv, max_len, 1)
+    slots: torch.Tensor  # (T,) where the T new keys and values go
+    n_read: int | None  # attention reads slots [:n_read]; None: all max_len of them
+    dtype: torch.dtype  # what attention computes in
+
+    def update(self, k_new, v_new):
+        """Quantize the new keys/values (B, n_kv, T, hs) into their slots; return what attention reads."""
+        for store, scale, new in ((self.k, self.k_scale, k_new), (self.v, self.v_scale, v_new)):
+            q, s = quantize_int8(new, KV_SCALE_DTYPE)
+            store.index_copy_(2, self.slots, q)
+            scale.index_copy_(2, self.slots, s)
+        return self.read()
+
+    def read(self):
+        """The keys and values attention reads, dequantized: (B, n_kv, n_read or max_len, hs) in `dtype`."""
+        n = self.n_read
+        return (self.k[:, :, :n].to(self.dtype) * self.k_scale[:, :, :n].to(self.dtype),
+                self.v[:, :, :n].to(self.dtype) * self.v_scale[:, :, :n].to(self.dtype))
+
+
+class Int8KVCache(KVCache):
+    """A KVCache that stores keys and values as int8, with one KV_SCALE_DTYPE scale per token and head: about a
+    quarter of float32's bytes. `dtype` is what attention computes in. Everything else (the ring, the masks,
+    left padding, rollback) is KVCache's."""
+
+    def __init__(self, n_layer: int, batch_size: int, n_kv_head: int, max_len: int, head_dim: int,
+                 dtype=torch.float32, device=None, **kwargs):
+        super().__init__(n_layer, batch_size, n_kv_head, max_len, head_dim, dtype=torch.int8, device=device,
+                         **kwargs)
+        self.compute_dtype = dtype
+        scale_shape = (n_layer, batch_size, n_kv_head, max_len, 1)
+        self.register_buffer("k_scale", torch.zeros(scale_shape, dtype=KV_SCALE_DTYPE, device=device), persistent=False)
+        self.register_buffer("v_scale", torch.zeros(scale_shape, dtype=KV_SCALE_DTYPE, device=device), persistent=False)
+
+    @property
+    def nbytes(self) -> int:
+        return super().nbytes + self.k_scale.nbytes + self.v_scale.nbytes
+
+    def layer(self, i: int, slots: torch.Tensor, n_read: int | None) -> Int8LayerKV:
+        return Int8LayerKV(self.k[i], self.v[i], self.k_scale[i], self.v_scale[i], slots, n_read, self.compute_dtype)

@@ -113,7 +113,7 @@ def test_attention_block_with_a_layer_cache_equals_full_causal_attention(need_we
     mha = MultiHeadAttention(12, 3).eval()
     x = torch.randn(2, 10, 12)
     expected, _ = mha(x, is_causal=True)
-    cache = KVCache(n_layer=1, batch_size=2, n_head=3, max_len=10, head_dim=4)
+    cache = KVCache(n_layer=1, batch_size=2, n_kv_head=3, max_len=10, head_dim=4)
     outs, t = [], 0
     for n in (4, 1, 1, 1, 3):
         new = cache.pos + torch.arange(n)  # the new tokens' numbers, and with max_len 10 their slots too
@@ -234,7 +234,7 @@ def test_cache_buffers_have_shape_b_heads_max_len_head_dim_per_layer(config_name
 
 
 def test_layer_view_writes_in_place_into_the_cache_buffers():
-    cache = KVCache(n_layer=2, batch_size=1, n_head=2, max_len=6, head_dim=3)
+    cache = KVCache(n_layer=2, batch_size=1, n_kv_head=2, max_len=6, head_dim=3)
     k_new, v_new = torch.randn(1, 2, 2, 3), torch.randn(1, 2, 2, 3)
     k, v = cache.layer(1, torch.arange(2), n_read=None).update(k_new, v_new)
     assert k.data_ptr() == cache.k[1].data_ptr()  # the whole layer buffer, not a copy

@@ -1,0 +1,300 @@
+"""The cache designs that shrink it: grouped- and multi-query attention (n_kv_head), layers that share keys and
+values (kv_share), and an int8 cache. Each is proven where it differs from plain attention: against a forward
+written out here from the weights, against torch's own grouped-query attention, and through the cache at every
+step, past block_size and with left padding, on both ways a step reads the cache."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import GPT, GREEDY, MultiHeadAttention, Sampling, generate, generate_tokens, kv_cache_bytes_per_token
+from model.attention import rotary, rotate
+from model.quantize import Int8KVCache, quantize_int8
+from tiny_models import BLOCK_SIZE, random_model, random_tokens
+
+# 4 layers so that kv_share=2 makes two groups; 4 heads of 6 channels (even, for rope)
+SHAPE = dict(n_layer=4, n_head=4, n_embd=24)
+DESIGNS = {
+    "gqa": dict(n_kv_head=2),
+    "mqa": dict(n_kv_head=1),
+    "share2": dict(kv_share=2),
+    "gqa-share2": dict(n_kv_head=2, kv_share=2),
+    "mqa-share4": dict(n_kv_head=1, kv_share=4),
+}
+N_NEW = 3 * BLOCK_SIZE
+ATOL = 1e-5
+
+
+def design_model(design: str, pos_emb: str, seed=0) -> GPT:
+    return random_model(seed=seed, **SHAPE, **DESIGNS[design], pos_emb=pos_emb)
+
+
+def reference_logits(model: GPT, seq: torch.Tensor, n_pad: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits (B, T, vocab) of a forward over seq written out from the weights, one head at a time. Key/value head
+    h serves query heads h * g .. h * g + g - 1 (g = n_head / n_kv_head); a layer that projects no keys and values
+    uses those of the last layer that did. Query i attends keys i - block_size < j <= i that are not left padding
+    (a padding query sees only itself); positions count from each row's first real token."""
+    c = model.config
+    B, T = seq.shape
+    n_pad = torch.zeros(B, dtype=torch.long) if n_pad is None else n_pad
+    pos = (torch.arange(T)[None, :] - n_pad[:, None]).clamp(min=0)  # (B, T)
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    band = (j <= i) & (j > i - c.block_size)  # (T, T)
+    allowed = (band[None] & (j[None] >= n_pad[:, None, None])) | (i == j)[None]  # (B, T, T)
+    hd, group = c.n_embd // c.n_head, c.n_head // c.n_kv_head
+    x = model.wte(seq) + (model.wpe(pos) if c.pos_emb == "learned" else 0)
+    cos, sin = rotary(pos, hd) if c.pos_emb == "rope" else (None, None)  # (B, 1, T, hd), proven in test_rope
+    for layer, block in enumerate(model.blocks):
+        h = block.ln_1(x)
+        out = F.linear(h, block.attn.qkv.weight, block.attn.qkv.bias)
+        q = out[..., :c.n_embd].view(B, T, c.n_head, hd).transpose(1, 2)  # (B, nh, T, hd)
+        if layer % c.kv_share == 0:
+            kv_width = c.n_kv_head * hd
+            k = out[..., c.n_embd:c.n_embd + kv_width].view(B, T, c.n_kv_head, hd).transpose(1, 2)
+            v = out[..., c.n_embd + kv_width:].view(B, T, c.n_kv_head, hd).transpose(1, 2)
+            if cos is not None:
+                k = rotate(k, cos, sin)
+        else:
+            assert out.size(-1) == c.n_embd  # a sharing layer projects queries only
+        if cos is not None:
+            q = rotate(q, cos, sin)
+        heads = []
+        for head in range(c.n_head):
+            kv = head // group
+            scores = q[:, head] @ k[:, kv].transpose(-2, -1) / math.sqrt(hd)  # (B, T, T)
+            heads.append(scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1) @ v[:, kv])
+        x = x + block.attn.out_proj(torch.cat(heads, dim=-1))
+        x = x + block.mlp(block.ln_2(x))
+    return model.lm_head(model.ln_f(x))
+
+
+# --- the forward pass --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("pos_emb", ["learned", "rope"])
+@pytest.mark.parametrize("design", DESIGNS)
+def test_forward_equals_the_written_out_reference(design, pos_emb):
+    model = design_model(design, pos_emb)
+    seq = random_tokens(2, BLOCK_SIZE)
+    torch.testing.assert_close(model(seq)[0], reference_logits(model, seq), atol=ATOL, rtol=0)
+    n_pad = torch.tensor([0, 5])
+    got = model(seq, n_pad=n_pad)[0]
+    torch.testing.assert_close(got[1, 5:], reference_logits(model, seq, n_pad)[1, 5:], atol=ATOL, rtol=0)
+
+
+def test_the_designs_do_change_the_model():
+    """The reference is not vacuous: a layer that shares keys and values computes something else than one that
+    projects its own, and fewer key/value heads something else than n_head of them."""
+    seq = random_tokens(2, BLOCK_SIZE)
+    plain = random_model(**SHAPE)
+    for design in ("share2", "gqa"):
+        model = design_model(design, "learned")
+        model.load_state_dict({**model.state_dict(), **{k: v for k, v in plain.state_dict().items()
+                                                        if model.state_dict()[k].shape == v.shape}})
+        assert (model(seq)[0] - plain(seq)[0]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("need_weights", [False, True], ids=["sdpa", "explicit"])
+@pytest.mark.parametrize("n_kv_head", [1, 2])
+def test_grouped_query_attention_equals_torch_sdpa_with_enable_gqa(n_kv_head, need_weights):
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(24, 4, n_kv_head=n_kv_head).eval()
+    x = torch.randn(2, 7, 24)
+    padding = torch.zeros(2, 7, dtype=torch.bool)
+    padding[0, :2] = True
+    out, _ = mha(x, is_causal=True, key_padding_mask=padding, need_weights=need_weights)
+    q, k, v = mha.qkv(x).split([24, 6 * n_kv_head, 6 * n_kv_head], dim=-1)
+    q = q.view(2, 7, 4, 6).transpose(1, 2)
+    k, v = (t.view(2, 7, n_kv_head, 6).transpose(1, 2) for t in (k, v))
+    allowed = torch.ones(7, 7, dtype=torch.bool).tril() & ~padding[:, None, None, :]  # (B, 1, 7, 7)
+    allowed = allowed | torch.eye(7, dtype=torch.bool)  # rows 0-1 of batch 0 see no key: give them one, ignored
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
+    expected = mha.out_proj(y.transpose(1, 2).reshape(2, 7, 24))
+    torch.testing.assert_close(out[0, 2:], expected[0, 2:], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(out[1], expected[1], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("pos_emb", ["learned", "rope"])
+@pytest.mark.parametrize("n_kv_head", [1, 2])
+def test_a_plain_model_with_each_key_value_head_repeated_gives_the_same_logits(n_kv_head, pos_emb):
+    gqa = random_model(**SHAPE, n_kv_head=n_kv_head, pos_emb=pos_emb)
+    plain = random_model(seed=1, **SHAPE, pos_emb=pos_emb)
+    state = dict(gqa.state_dict())
+    hd, group = 6, 4 // n_kv_head
+    for name, weight in gqa.state_dict().items():
+        if name.endswith("attn.qkv.weight"):
+            q, k, v = weight.split([24, n_kv_head * hd, n_kv_head * hd])
+            k, v = (t.view(n_kv_head, hd, 24).repeat_interleave(group, dim=0).reshape(24, 24) for t in (k, v))
+            state[name] = torch.cat([q, k, v])
+        elif name.endswith("attn.qkv.bias"):
+            q, k, v = weight.split([24, n_kv_head * hd, n_kv_head * hd])
+            k, v = (t.view(n_kv_head, hd).repeat_interleave(group, dim=0).reshape(24) for t in (k, v))
+            state[name] = torch.cat([q, k, v])
+    plain.load_state_dict(state)
+    seq = random_tokens(3, BLOCK_SIZE)
+    torch.testing.assert_close(plain(seq)[0], gqa(seq)[0], atol=ATOL, rtol=0)
+
+
+# --- through the cache, at every step ----------------------------------------------------------------------
+
+def cached_steps(model, prompt, n_pad, n_new, read_all_slots):
+    """Greedy decoding straight through one cache (one prefill, then a token per step, the ring rolling past
+    block_size): the sequence and each step's last logits."""
+    cache = model.new_kv_cache(prompt.size(0), read_all_slots=read_all_slots)
+    cache.reset(n_pad)
+    seq, logits = prompt, [model.decode_step(prompt, cache)]
+    for _ in range(n_new):
+        seq = torch.cat([seq, logits[-1].argmax(dim=-1, keepdim=True)], dim=1)
+        logits.append(model.decode_step(seq[:, -1:], cache))
+    return seq, logits
+
+
+@pytest.mark.parametrize("read_all_slots", [False, True], ids=["filled slots", "all slots, masked"])
+@pytest.mark.parametrize("design", DESIGNS)
+def test_rolling_cache_equals_the_reference_at_every_step_for_3_blocks(design, read_all_slots):
+    model = design_model(design, "rope")
+    n_pad = torch.tensor([0, 3, 6])
+    seq, logits = cached_steps(model, random_tokens(3, 9, seed=2), n_pad, N_NEW, read_all_slots)
+    reference = reference_logits(model, seq, n_pad)  # the band of block_size over the whole sequence
+    for step, got in enumerate(logits):
+        torch.testing.assert_close(got, reference[:, 8 + step], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("read_all_slots", [False, True], ids=["filled slots", "all slots, masked"])
+@pytest.mark.parametrize("design", DESIGNS)
+def test_learned_positions_cache_equals_the_reference_inside_the_block(design, read_all_slots):
+    model = design_model(design, "learned")
+    n_pad = torch.tensor([0, 3, 6])
+    seq, logits = cached_steps(model, random_tokens(3, 9, seed=2), n_pad, BLOCK_SIZE - 9, read_all_slots)
+    reference = reference_logits(model, seq, n_pad)
+    for step, got in enumerate(logits):
+        torch.testing.assert_close(got, reference[:, 8 + step], atol=ATOL, rtol=0)
+
+
+def recorded_logits(model, monkeypatch, **kwargs):
+    """generate's tokens and the logits every step drew them from."""
+    logits = []
+    original = Sampling.next_token
+
+    def recording(self, step_logits, generator=None):
+        logits.append(step_logits.clone())
+        return original(self, step_logits, generator)
+
+    monkeypatch.setattr(Sampling, "next_token", recording)
+    out = generate(model, **kwargs)
+    monkeypatch.undo()
+    return out, logits
+
+
+@pytest.mark.parametrize("read_all_slots", [False, True], ids=["filled slots", "all slots, masked"])
+@pytest.mark.parametrize("pos_emb", ["learned", "rope"])
+@pytest.mark.parametrize("design", DESIGNS)
+def test_generation_past_block_size_equals_recomputation_step_by_step(design, pos_emb, read_all_slots, monkeypatch):
+    """3 x block_size new tokens, left-padded rows: every step's logits through the cache equal those of a full
+    forward over the same context (refills for learned positions, the rolling ring for rotary ones), and greedy
+    and seeded sampling give the same tokens with and without the cache."""
+    model = design_model(design, pos_emb)
+    prompt, n_pad = random_tokens(3, 7, seed=3), [0, 2, 4]
+    cache = model.new_kv_cache(3, read_all_slots=read_all_slots)
+    cached, cached_logits = recorded_logits(model, monkeypatch, idx=prompt, max_new_tokens=N_NEW, sampling=GREEDY,
+                                            n_pad=n_pad, cache=cache)
+    full, full_logits = recorded_logits(model, monkeypatch, idx=prompt, max_new_tokens=N_NEW, sampling=GREEDY,
+                                        n_pad=n_pad, use_cache=False)
+    assert torch.equal(cached, full)
+    for got, want in zip(cached_logits, full_logits, strict=True):
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    sampling = Sampling(temperature=1.0, top_k=8)
+    with_cache, without = (generate(model, prompt, N_NEW, sampling=sampling, n_pad=n_pad, use_cache=use,
+                                    generator=torch.Generator().manual_seed(7)) for use in (True, False))
+    assert torch.equal(with_cache, without)
+
+
+# --- the int8 cache ----------------------------------------------------------------------------------------
+
+INT8_ATOL = 0.05  # the int8 cache's logits against the fp32 cache's, on these random models (|logits| ~ 5)
+
+
+def test_int8_quantizer_follows_the_absmax_formula():
+    x = torch.randn(3, 4, 5, 8) * torch.logspace(-3, 2, 8)  # rows of very different magnitudes
+    q, scale = quantize_int8(x, torch.float32)
+    expected_scale = x.abs().amax(dim=-1, keepdim=True) / 127
+    torch.testing.assert_close(scale, expected_scale, atol=0, rtol=1e-6)
+    assert q.dtype == torch.int8 and torch.equal(q, torch.round(x / expected_scale).to(torch.int8))
+    assert (q.abs().amax(dim=-1) == 127).all()  # each row's largest value maps to +-127
+    assert ((q * scale - x).abs() <= scale / 2 + 1e-7).all()  # within half a step of the original
+
+
+@pytest.mark.parametrize("pos_emb", ["learned", "rope"])
+@pytest.mark.parametrize("design", ["mha", "gqa-share2"])
+def test_int8_cache_logits_stay_within_tolerance_of_fp32_and_greedy_agrees_where_it_must(design, pos_emb):
+    """Teacher-forced through both caches, left-padded rows, past block_size for rope: the int8 cache's logits
+    stay within INT8_ATOL of the fp32 cache's, and the argmax agrees wherever fp32's top two logits are further
+    apart than twice that."""
+    model = random_model(**SHAPE, pos_emb=pos_emb) if design == "mha" else design_model(design, pos_emb)
+    n_new = N_NEW if pos_emb == "rope" else BLOCK_SIZE - 7
+    n_pad = torch.tensor([0, 2, 4])
+    seq, fp32_logits = cached_steps(model, random_tokens(3, 7, seed=4), n_pad, n_new, read_all_slots=False)
+    int8 = model.new_kv_cache(3, dtype=torch.int8)
+    assert isinstance(int8, Int8KVCache) and int8.k.dtype == torch.int8
+    int8.reset(n_pad)
+    int8_logits = [model.decode_step(seq[:, :7], int8)] + [model.decode_step(seq[:, t:t + 1], int8)
+                                                           for t in range(7, seq.size(1) - 1)]
+    decisive = 0
+    for got, want in zip(int8_logits, fp32_logits[:-1], strict=True):
+        assert (got - want).abs().max() < INT8_ATOL
+        assert (got - want).abs().max() > 0  # really quantized
+        top2 = want.topk(2).values
+        clear = top2[:, 0] - top2[:, 1] > 2 * INT8_ATOL
+        assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+        decisive += int(clear.sum())
+    assert decisive > 0
+
+
+@pytest.mark.parametrize("read_all_slots", [False, True], ids=["filled slots", "all slots, masked"])
+def test_int8_cache_generates_with_ragged_rows_past_block_size_for_both_position_kinds(read_all_slots):
+    for pos_emb in ("learned", "rope"):
+        model = design_model("gqa", pos_emb)
+        prompt = random_tokens(2, 7)
+        cache = model.new_kv_cache(2, dtype=torch.int8, read_all_slots=read_all_slots)
+        out = generate(model, prompt, N_NEW, sampling=GREEDY, n_pad=[0, 3], cache=cache)
+        assert out.shape == (2, 7 + N_NEW) and len(cache) > 0
+
+
+# --- the cache's size -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("design", ["mha", *DESIGNS])
+def test_cache_bytes_follow_the_formula_and_shrink_as_the_design_says(design, dtype):
+    overrides = {} if design == "mha" else DESIGNS[design]
+    model = random_model(**SHAPE, **overrides)
+    c = model.config
+    cache = model.new_kv_cache(3, dtype=dtype)
+    assert cache.nbytes == 3 * BLOCK_SIZE * kv_cache_bytes_per_token(c, dtype)
+    assert cache.nbytes == sum(b.nbytes for name, b in cache.named_buffers() if name in ("k", "v", "k_scale", "v_scale"))
+    mha_fp32 = 2 * c.n_layer * 3 * BLOCK_SIZE * c.n_embd * 4  # today's: every layer, every head, float32
+    if dtype == torch.int8:  # a byte per value, and a float32 scale per token, head and layer, for keys and values
+        expected = 2 * (c.n_layer // c.kv_share) * 3 * BLOCK_SIZE * c.n_kv_head * (6 + 4)
+    else:
+        expected = mha_fp32 * c.n_kv_head / c.n_head / c.kv_share * dtype.itemsize / 4
+    assert cache.nbytes == expected
+
+
+# --- settings that cannot work ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (dict(n_kv_head=3), "n_kv_head 3 must divide n_head 4"),
+    (dict(n_kv_head=0), "n_kv_head must be an integer of at least 1"),
+    (dict(kv_share=3), "kv_share 3 must divide n_layer 4"),
+    (dict(kv_share=True), "kv_share must be an integer"),
+])
+def test_designs_that_cannot_work_are_refused(overrides, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        random_model(**SHAPE, **overrides)
+
+
+def test_a_cache_of_another_design_is_refused():
+    model = design_model("gqa", "learned")
+    other = design_model("mqa", "learned")
+    with pytest.raises(ValueError, match="another model shape"):
+        generate(model, random_tokens(1, 3), 2, cache=other.new_kv_cache(1))
