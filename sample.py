@@ -5,6 +5,7 @@
     python sample.py --checkpoint runs/2024-05-01_12-00-00 --num-samples 3 --seed 1
     python sample.py --temperature 0 --no-kv-cache     # greedy, recomputing everything at every step
     python sample.py --precision int8                  # int8 weights, quantized when loaded: fastest on CPU
+    python sample.py --kv-cache int8                   # int8 keys and values: about a quarter of the cache
 
 First, stderr says which checkpoint is sampled: its step, best val loss and the text it was trained on. A lone
 sample is written as it is generated (to a terminal token by token, elsewhere every CHUNK tokens); samples
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 
 from data import CharVocab, UnknownCharacterError
-from model import Sampling, generate_tokens
+from model import Sampling, generate_tokens, kv_cache_bytes_per_token
 from model.quantize import PRECISIONS
 from training.checkpoint import load_model, resolve_checkpoint, trained_on
 from training.devices import choose_device, memory_of
@@ -73,14 +74,23 @@ def build_parser() -> argparse.ArgumentParser:
                              "quantized when loaded (default: %(default)s)")
     cache.add_argument("--compile", action="store_true",
                        help="torch.compile the one-token decode step (the first steps pay for compiling)")
+    parser.add_argument("--kv-cache", choices=KV_CACHES, help="how keys and values are stored: in the dtype "
+                        "attention computes in (float, the default), or int8 with a scale per token and head")
+    parser.add_argument("--read-all-slots", action="store_true",
+                        help="attend every slot of the cache through its mask, the rule model/gpt.py's KVCache "
+                             "teaches, as compiled and GPU steps do (eagerly on the CPU the filled slots are read)")
     return parser
+
+
+KV_CACHES = {"float": None, "int8": torch.int8}  # --kv-cache: model.new_kv_cache's dtype (None: attention's own)
 
 
 def check_memory(args, prompt_len: int, model, device: torch.device) -> None:
     """Refuse up front samples whose KV cache (as the decoder builds it) and tokens (the int64 sequence it fills)
     would not fit, rather than run out of memory midway. Without the cache, the forward passes hold at least as
     much."""
-    per_sample = model.new_kv_cache(1).nbytes + (prompt_len + args.max_new_tokens) * torch.long.itemsize
+    cache_bytes = model.config.block_size * kv_cache_bytes_per_token(model.config, cache_dtype(args, model))
+    per_sample = cache_bytes + (prompt_len + args.max_new_tokens) * torch.long.itemsize
     memory = memory_of(device)
     if args.num_samples * per_sample > MEMORY_SHARE * memory:
         most = int(MEMORY_SHARE * memory // per_sample)
@@ -88,6 +98,10 @@ def check_memory(args, prompt_len: int, model, device: torch.device) -> None:
                          f"{args.num_samples * per_sample / 2**30:.1f} GiB of KV cache and tokens, more than "
                          f"{MEMORY_SHARE:.0%} of the {memory / 2**30:.1f} GiB of {device.type} memory; "
                          + (f"use at most {most} samples" if most else "ask for fewer new tokens"))
+
+
+def cache_dtype(args, model) -> torch.dtype:
+    return KV_CACHES[args.kv_cache or "float"] or model.attention_dtype
 
 
 def read_prompt(args) -> str:
@@ -157,6 +171,9 @@ def sample(args) -> None:
         raise UsageError(f"--num-samples must be >= 1, got {args.num_samples}")
     if args.seed is not None and not 0 <= args.seed <= MAX_SEED:
         raise UsageError(f"--seed must be in [0, {MAX_SEED}], got {args.seed}")
+    if args.no_kv_cache and (args.kv_cache or args.read_all_slots):
+        raise UsageError(f"{'--kv-cache' if args.kv_cache else '--read-all-slots'} applies to the KV cache: "
+                         f"drop it, or --no-kv-cache")
     try:
         sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     except ValueError as e:  # its messages name the argument, as the options do
@@ -180,7 +197,8 @@ def sample(args) -> None:
     else:
         generator.manual_seed(args.seed)
     use_cache = not args.no_kv_cache
-    cache = model.new_kv_cache(args.num_samples) if use_cache else None
+    cache = model.new_kv_cache(args.num_samples, dtype=KV_CACHES[args.kv_cache or "float"],
+                               read_all_slots=args.read_all_slots) if use_cache else None
     idx = torch.tensor([prompt_ids] * args.num_samples, dtype=torch.long, device=device)
     start = time.perf_counter()
     steps = checked(generate_tokens(model, idx, args.max_new_tokens, sampling=sampling, generator=generator,
@@ -206,7 +224,8 @@ def sample(args) -> None:
     seconds = time.perf_counter() - start
 
     tokens = args.num_samples * args.max_new_tokens
-    cache_size = f"KV cache {cache.nbytes / 2**20:.2f} MiB" if use_cache else "no cache"
+    cache_size = f"KV cache {cache.nbytes / 2**20:.2f} MiB {str(cache.k.dtype).removeprefix('torch.')}" \
+        if use_cache else "no cache"
     print(f"{tokens} tokens in {seconds:.2f} s, {tokens / max(seconds, 1e-9):.1f} tokens/s, {cache_size} "
           f"({device.type})", file=sys.stderr)
 

@@ -178,6 +178,12 @@ class GPT(nn.Module):
             cache.advance(T)
         return self.ln_f(x), weights
 
+    @property
+    def attention_dtype(self) -> torch.dtype:
+        """What attention computes in, and a float cache's dtype (see attention_dtype)."""
+        w = self.wte.weight
+        return attention_dtype(w.dtype, w.device)
+
     def new_kv_cache(self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None, *,
                      read_all_slots: bool = False) -> "KVCache":
         """An empty cache for batch_size rows, on this model's device. max_len: its slots (default block_size;
@@ -185,7 +191,7 @@ class GPT(nn.Module):
         attention_dtype) unless given; torch.int8 stores int8 keys and values (model/quantize.py).
         read_all_slots: attention always reads every slot through the cache's mask (see KVCache)."""
         c, w = self.config, self.wte.weight
-        compute_dtype = attention_dtype(w.dtype, w.device)
+        compute_dtype = self.attention_dtype
         shape = dict(n_layer=c.n_layer // c.kv_share, batch_size=batch_size, n_kv_head=c.n_kv_head,
                      max_len=max_len or c.block_size, head_dim=c.head_dim, window=c.block_size,
                      device=w.device, read_all_slots=read_all_slots)

@@ -32,6 +32,26 @@ def test_build_checkpoint_and_load_model_round_trip(tmp_path):
         assert torch.equal(loaded.state_dict()[name], weight)
 
 
+@pytest.mark.parametrize("design", [dict(n_head=2, n_kv_head=1), dict(n_layer=2, kv_share=2)])
+def test_a_checkpoint_records_the_cache_design_and_one_written_before_it_loads_as_plain_attention(tmp_path, design):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**{**dict(vocab_size=3, block_size=4, n_layer=1, n_head=2, n_embd=4), **design}))
+    contents = build_checkpoint(model, CharVocab("abc"))
+    assert {k: contents["model_config"][k] for k in design} == design
+    save_checkpoint(contents, tmp_path / "best.pt")
+    loaded, _, _ = load_model(tmp_path, "cpu")
+    assert loaded.config == model.config
+    # a checkpoint from before the fields existed: plain multi-head attention, every layer its own keys and values
+    plain = GPT(GPTConfig(vocab_size=3, block_size=4, n_layer=1, n_head=2, n_embd=4))
+    old = build_checkpoint(plain, CharVocab("abc"))
+    old["model_config"] = {k: v for k, v in old["model_config"].items() if k not in ("n_kv_head", "kv_share")}
+    save_checkpoint(old, tmp_path / "last.pt")
+    loaded, _, _ = load_model(tmp_path / "last.pt", "cpu")
+    assert (loaded.config.n_kv_head, loaded.config.kv_share) == (2, 1)
+    idx = torch.tensor([[0, 1, 2]])
+    assert torch.equal(loaded(idx)[0], plain(idx)[0])
+
+
 @pytest.mark.parametrize("marker", [{"format": "kvgpt-checkpoint-v1"}, {"format": FORMAT, "version": 3}])
 def test_another_format_version_is_a_one_line_error_that_says_what_to_do(tmp_path, marker):
     path = save_checkpoint({**STATE, "version": None, **marker}, tmp_path / "old.pt")

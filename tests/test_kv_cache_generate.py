@@ -1,10 +1,12 @@
 """Generation through the KV cache equals generation without it, token for token, also past block_size
 (where the cache is rebuilt over the last `window` tokens), for ragged batches and for seeded sampling."""
 
+import re
+
 import pytest
 import torch
 
-from model import GPT, GREEDY, Sampling, generate, generate_tokens
+from model import GPT, GREEDY, KVCache, Sampling, generate, generate_tokens, greedy_decode
 from model.gpt import POSITIONS
 from tiny_models import BLOCK_SIZE, VOCAB, random_model, random_tokens
 
@@ -162,3 +164,67 @@ def test_compiled_one_token_step_equals_eager_greedy_generation(model):
     compiled = generate(model, prompt, N_NEW, sampling=GREEDY, compile=True)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # the step did go through the compiler
     assert torch.equal(compiled, generate(model, prompt, N_NEW, sampling=GREEDY))
+
+
+# --- arguments that cannot work are a ValueError naming them -----------------------------------------------
+
+def bad_generate_call(model, case):
+    """A call to generate with one argument that cannot work; returns the name the error must carry."""
+    prompt = random_tokens(2, 3)
+    calls = {
+        "max_new_tokens=True": (lambda: generate(model, prompt, True), "max_new_tokens"),
+        "window=True": (lambda: generate(model, prompt, 2, window=True), "window"),
+        "top_k=True": (lambda: generate(model, prompt, 2, sampling=Sampling(top_k=True)), "top_k"),
+        "temperature=True": (lambda: generate(model, prompt, 2, sampling=Sampling(temperature=True)), "temperature"),
+        "n_pad=[True, 0]": (lambda: generate(model, prompt, 2, n_pad=[True, 0]), "n_pad"),
+        "id >= vocab_size": (lambda: generate(model, torch.full((2, 3), VOCAB), 2), "vocabulary"),
+        "negative id": (lambda: generate(model, -prompt - 1, 2), "vocabulary"),
+        "cache of another shape": (lambda: generate(model, prompt, 2, cache=random_model(n_layer=3).new_kv_cache(2)),
+                                   "another model shape"),
+        "cache of int64": (lambda: generate(model, prompt, 2, cache=KVCache(2, 2, 3, BLOCK_SIZE, 8, dtype=torch.long,
+                                                                             window=BLOCK_SIZE)), "int64"),
+        "cache of another kind": (lambda: generate(model, prompt, 2, cache=object()), "KVCache"),
+    }
+    return calls[case]
+
+
+@pytest.mark.parametrize("case", ["max_new_tokens=True", "window=True", "top_k=True", "temperature=True",
+                                  "n_pad=[True, 0]", "id >= vocab_size", "negative id", "cache of another shape",
+                                  "cache of int64", "cache of another kind"])
+def test_arguments_that_cannot_work_are_value_errors_naming_them(model, case):
+    call, name = bad_generate_call(model, case)
+    with pytest.raises(ValueError, match=re.escape(name)):
+        call()
+
+
+def test_a_model_in_training_mode_is_refused_rather_than_decoded_with_dropout():
+    model = random_model(dropout=0.2).train()
+    with pytest.raises(ValueError, match=r"training mode.*model\.eval\(\)"):
+        generate(model, random_tokens(1, 3), 2)
+    assert generate(model.eval(), random_tokens(1, 3), 2).shape == (1, 5)
+
+
+@pytest.mark.parametrize("pos_emb", POSITIONS)
+def test_block_size_1_generates_what_recomputation_does(pos_emb):
+    """The smallest context: each token sees only itself (rope: heads of 2 channels), and the default window keeps
+    one token, so every step's logits come from the newest token, never from the step before."""
+    model = random_model(block_size=1, n_head=2, n_embd=4 if pos_emb == "rope" else 24, pos_emb=pos_emb)
+    prompt = random_tokens(2, 3)
+    cached = generate(model, prompt, 12, sampling=GREEDY)
+    assert torch.equal(cached, generate(model, prompt, 12, sampling=GREEDY, use_cache=False))
+    for t in range(3, cached.size(1)):  # each token is the argmax of a forward over the one before it
+        assert torch.equal(cached[:, t], model(cached[:, t - 1:t])[0][:, -1].argmax(-1))
+
+
+# --- the idea in ten lines ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("pos_emb", POSITIONS)
+def test_greedy_decode_the_ten_line_loop_equals_a_full_forward_at_every_step(pos_emb):
+    model = random_model(pos_emb=pos_emb)
+    prompt = random_tokens(3, 5)
+    out = greedy_decode(model, prompt, BLOCK_SIZE - 5)
+    for t in range(5, BLOCK_SIZE):  # each new token is the argmax of a full forward over everything before it
+        assert torch.equal(out[:, t], model(out[:, :t])[0][:, -1].argmax(-1))
+    assert torch.equal(out, generate(model, prompt, BLOCK_SIZE - 5, sampling=GREEDY))
+    with pytest.raises(ValueError, match="block_size"):
+        greedy_decode(model, prompt, BLOCK_SIZE)

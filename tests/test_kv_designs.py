@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from model import GPT, GREEDY, MultiHeadAttention, Sampling, generate, generate_tokens, kv_cache_bytes_per_token
 from model.attention import rotary, rotate
+from model.decoder_loss import decoder_loss, teacher_forced_loss
 from model.quantize import Int8KVCache, quantize_int8
 from tiny_models import BLOCK_SIZE, random_model, random_tokens
 
@@ -298,3 +299,30 @@ def test_a_cache_of_another_design_is_refused():
     other = design_model("mqa", "learned")
     with pytest.raises(ValueError, match="another model shape"):
         generate(model, random_tokens(1, 3), 2, cache=other.new_kv_cache(1))
+
+
+# --- loss through the decoder -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("pos_emb", ["learned", "rope"])
+@pytest.mark.parametrize("design", ["mha", "gqa-share2"])
+def test_loss_through_the_decoder_equals_teacher_forced_loss_for_an_exact_cache(design, pos_emb):
+    model = random_model(**SHAPE, pos_emb=pos_emb) if design == "mha" else design_model(design, pos_emb)
+    tokens = random_tokens(3, 5 * BLOCK_SIZE, seed=5)
+    through_cache = decoder_loss(model, tokens, prompt_len=5)
+    assert through_cache == pytest.approx(teacher_forced_loss(model, tokens, prompt_len=5, chunk=13), abs=1e-5)
+    assert through_cache == pytest.approx(teacher_forced_loss(model, tokens, prompt_len=5, chunk=64), abs=1e-5)
+    if pos_emb == "learned":
+        assert decoder_loss(model, tokens, prompt_len=5, window=3) == pytest.approx(
+            teacher_forced_loss(model, tokens, prompt_len=5, window=3), abs=1e-5)
+    # the int8 cache's logits are not the same: its loss differs, by a little
+    int8 = decoder_loss(model, tokens, prompt_len=5, cache=model.new_kv_cache(3, dtype=torch.int8))
+    assert 0 < abs(int8 - through_cache) < 0.01
+
+
+def test_teacher_forced_loss_is_not_vacuous_the_context_rule_matters():
+    """A plain forward over whole block_size windows (another context rule) gives another loss."""
+    model = random_model(**SHAPE)
+    tokens = random_tokens(2, 4 * BLOCK_SIZE, seed=6)
+    rule = teacher_forced_loss(model, tokens, prompt_len=BLOCK_SIZE)
+    windows = tokens.unfold(1, BLOCK_SIZE + 1, BLOCK_SIZE).reshape(-1, BLOCK_SIZE + 1)
+    assert abs(model(windows[:, :-1], windows[:, 1:])[1].item() - rule) > 1e-3
