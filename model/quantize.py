@@ -130,8 +130,8 @@ class Int8LayerKV(NamedTuple):
     def read(self):
         """The keys and values attention reads, dequantized: (B, n_kv, n_read or max_len, hs) in `dtype`."""
         n = self.n_read
-        return (self.k[:, :, :n].to(self.dtype) * self.k_scale[:, :, :n].to(self.dtype),
-                self.v[:, :, :n].to(self.dtype) * self.v_scale[:, :, :n].to(self.dtype))
+        return (self.k[:, :, :n].to(self.dtype).mul_(self.k_scale[:, :, :n]),
+                self.v[:, :, :n].to(self.dtype).mul_(self.v_scale[:, :, :n]))
 
 
 class Int8KVCache(KVCache):

@@ -297,3 +297,34 @@ def test_a_left_padded_row_gets_the_logits_it_gets_alone_with_and_without_the_ca
         torch.testing.assert_close(cached[b, t - p.size(1):], alone[0], atol=ATOL, rtol=0)
         torch.testing.assert_close(uncached[b, t - p.size(1):], alone[0], atol=ATOL, rtol=0)
         torch.testing.assert_close(step[b], model(torch.cat([p, nxt[b:b + 1]], dim=1))[0][0, -1], atol=ATOL, rtol=0)
+
+
+# --- which rule runs where ---------------------------------------------------------------------------------
+
+def count_cache_paths(monkeypatch):
+    """Count the calls of the cache's masked rule (attn_mask) and of its faster eager-CPU path."""
+    calls = {"attn_mask": 0, "filled_slots_only": 0}
+    for name in calls:
+        original = getattr(KVCache, name)
+
+        def counting(self, *args, _name=name, _original=original):
+            calls[_name] += 1
+            return _original(self, *args)
+
+        monkeypatch.setattr(KVCache, name, counting)
+    return calls
+
+
+def test_read_all_slots_runs_the_masked_rule_at_every_step_and_gives_the_same_tokens(monkeypatch):
+    """The rule KVCache teaches (every slot, through attn_mask) runs when asked for, on the CPU too; by default an
+    eager CPU step takes the faster path. Both give the same tokens."""
+    model = random_model()
+    prompt = random_tokens(2, 5)
+    calls = count_cache_paths(monkeypatch)
+    default = generate(model, prompt, 20, sampling=GREEDY)
+    passes = calls["filled_slots_only"]  # a prefill, one-token steps and a refill past block_size
+    assert passes >= 20 and calls["attn_mask"] == 0
+    calls.update(attn_mask=0, filled_slots_only=0)
+    masked = generate(model, prompt, 20, sampling=GREEDY, cache=model.new_kv_cache(2, read_all_slots=True))
+    assert calls == {"attn_mask": passes, "filled_slots_only": 0}  # the same passes, each through the mask
+    assert torch.equal(masked, default)

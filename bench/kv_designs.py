@@ -1,0 +1,176 @@
+"""The KV-cache designs side by side: what each costs in quality, memory and speed.
+
+    python bench/kv_designs.py speed                      # classic shape, random weights: memory and decode speed
+    python bench/kv_designs.py train --seeds 1337 1 2     # each design trained with the cpu preset, then measured
+    python bench/kv_designs.py train --runs-dir keep/     # keep the runs; a design already trained there is reused
+
+speed: the classic shape (conf/model/classic.yaml: 6 layers, 6 heads, 384 wide, block 256), random weights, fp32,
+for n_kv_head 6, 3, 2, 1 with kv_share 1 and 2, and the int8 cache. Decoding with the context filled to block_size:
+a prefill of block_size - STEPS tokens, then STEPS one-token steps timed, at batch 1 and 64. Designs take turns
+within each repeat, and each ratio to plain multi-head attention (MHA, fp32 cache) is taken within its repeat:
+median (min-max) of --repeats.
+
+train: each design trained by `python train.py preset=cpu` (same steps, each seed), and its best.pt measured:
+parameters, cache bytes per token, best val loss (median and spread over seeds), val loss through the decoder
+(model/decoder_loss.py: the val split streamed through the real cache, 64 streams side by side) beside the
+teacher-forced loss under the same context rule, training seconds, and decode tokens/s at batch 1 and 64 with
+the context filled. The preset's own checkpoint is also decoded through the int8 cache. Every design stays in
+the table, whatever it scored.
+"""
+
+import argparse
+import dataclasses
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.configs import REPO, model_config, shakespeare  # noqa: E402
+from bench.curve import read_curve  # noqa: E402
+from model import GPT, kv_cache_bytes_per_token  # noqa: E402
+from model.decoder_loss import decoder_loss, teacher_forced_loss  # noqa: E402
+from training.checkpoint import load_model  # noqa: E402
+
+STEPS = 16  # one-token steps timed after the prefill, the context growing from block_size - STEPS to block_size
+BATCHES = (1, 64)
+STREAMS = 64  # rows of the val split decoded side by side for the loss through the decoder
+# (name, model overrides, KV cache dtype): the trained designs, on the cpu preset's 4 heads and 4 layers
+TRAINED = [("MHA (the preset)", [], None), ("GQA, n_kv_head=2", ["model.n_kv_head=2"], None),
+           ("MQA, n_kv_head=1", ["model.n_kv_head=1"], None), ("kv_share=2", ["model.kv_share=2"], None),
+           ("kv_share=2 + MQA", ["model.kv_share=2", "model.n_kv_head=1"], None),
+           ("MHA, int8 cache", [], torch.int8)]
+CLASSIC = [("MHA", 6, 1, None), ("GQA 3", 3, 1, None), ("GQA 2", 2, 1, None), ("MQA", 1, 1, None),
+           ("MHA, int8 cache", 6, 1, torch.int8), ("MQA, int8 cache", 1, 1, torch.int8),
+           ("MHA, kv_share=2", 6, 2, None), ("MQA, kv_share=2", 1, 2, None)]
+
+
+def host() -> str:
+    try:
+        lines = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
+        return next(line.split(":", 1)[1].strip() for line in lines if line.startswith("Model name"))
+    except (OSError, StopIteration):
+        return "unknown host"
+
+
+@torch.no_grad()
+def decode_seconds(model: GPT, batch_size: int, cache_dtype) -> float:
+    """Seconds for STEPS one-token steps with the context filling up to block_size."""
+    block = model.config.block_size
+    cache = model.new_kv_cache(batch_size, dtype=cache_dtype)
+    prompt = torch.randint(0, model.config.vocab_size, (batch_size, block - STEPS))
+    logits = model.decode_step(prompt, cache)
+    start = time.perf_counter()
+    for _ in range(STEPS):
+        logits = model.decode_step(logits.argmax(dim=-1, keepdim=True), cache)
+    return time.perf_counter() - start
+
+
+def median_spread(values, digits: int = 2) -> str:
+    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
+def rate(values) -> str:
+    return f"{statistics.median(values):.0f} ({min(values):.0f}-{max(values):.0f})"
+
+
+def speed(args) -> None:
+    models = {}
+    for name, n_kv_head, kv_share, dtype in CLASSIC:
+        torch.manual_seed(0)
+        config = dataclasses.replace(model_config("classic"), n_kv_head=n_kv_head, kv_share=kv_share)
+        models[name] = (GPT(config).eval(), dtype)
+    tok_s = {(name, b): [] for name in models for b in BATCHES}
+    for name, (model, dtype) in models.items():  # warm-up: allocations and kernel choice
+        decode_seconds(model, 1, dtype)
+    for _ in range(args.repeats):
+        for b in BATCHES:
+            for name, (model, dtype) in models.items():
+                tok_s[name, b].append(b * STEPS / decode_seconds(model, b, dtype))
+    print(f"# KV-cache designs, classic shape, random weights, fp32 weights: {host()}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads; context filled to block_size; median (min-max) of {args.repeats}")
+    print("| design | cache bytes/token | cache MiB at batch 64 | weights MiB | tok/s batch 1 | tok/s batch 64 | "
+          "x MHA batch 1 | x MHA batch 64 |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, (model, dtype) in models.items():
+        c = model.config
+        per_token = kv_cache_bytes_per_token(c, dtype or torch.float32)
+        ratios = {b: [t / m for t, m in zip(tok_s[name, b], tok_s["MHA", b])] for b in BATCHES}
+        print(f"| {name} | {per_token:,} | {64 * c.block_size * per_token / 2**20:.1f} | "
+              f"{model.num_params() * 4 / 2**20:.1f} | {rate(tok_s[name, 1])} | {rate(tok_s[name, 64])} | "
+              f"{median_spread(ratios[1])} | {median_spread(ratios[64])} |")
+    int8 = [t / m for t, m in zip(tok_s["MHA, int8 cache", 64], tok_s["MHA", 64])]
+    print(f"\nint8 cache / fp32 cache at batch 64: {median_spread(int8)}")
+
+
+def train_run(overrides: list[str], seed: int, runs_dir: Path, extra: list[str]) -> tuple[Path, float | None]:
+    """The run directory of `train.py preset=cpu` with these overrides and seed, trained unless already there;
+    the wall seconds it took (None when reused)."""
+    name = "-".join(o.split(".")[-1].replace("=", "") for o in overrides) or "preset"
+    run_dir = (runs_dir / f"{name}-seed{seed}").resolve()
+    if (run_dir / "best.pt").is_file():
+        return run_dir, None
+    start = time.time()
+    result = subprocess.run([sys.executable, str(REPO / "train.py"), "preset=cpu", *overrides, *extra,
+                             f"train.seed={seed}", f"hydra.run.dir={run_dir}"], cwd=REPO, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"kv_designs.py: training {overrides} failed: {result.stderr.strip().splitlines()[-1]}")
+    return run_dir, time.time() - start
+
+
+def train(args) -> None:
+    runs_dir = args.runs_dir or Path(tempfile.mkdtemp(prefix="kv_designs-"))
+    val = shakespeare().val
+    n = len(val) // STREAMS * STREAMS
+    streams = torch.from_numpy(val[:n].astype("int64")).view(STREAMS, -1)[:, :args.stream_len]
+    print(f"# KV-cache designs trained with the cpu preset {args.train_overrides}: {host()}, torch {torch.__version__},"
+          f" {torch.get_num_threads()} threads; seeds {args.seeds}; decoder loss over {STREAMS} x "
+          f"{streams.size(1)} val tokens (prefill {args.prompt_len}); decode median (min-max) of {args.repeats}")
+    print("| design | parameters | cache bytes/token | best val (median, min-max) | val through the decoder | "
+          "teacher-forced, same contexts | training s | tok/s batch 1 | tok/s batch 64 |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, overrides, cache_dtype in TRAINED:
+        best, through, forced, seconds, models = [], [], [], [], []
+        for seed in args.seeds:
+            run_dir, took = train_run(overrides, seed, runs_dir, args.train_overrides)
+            best.append(min(row["val"] for row in read_curve(run_dir)))
+            seconds.append(took)
+            model, _, _ = load_model(run_dir / "best.pt", "cpu")
+            models.append(model)
+            cache = model.new_kv_cache(STREAMS, dtype=cache_dtype)
+            through.append(decoder_loss(model, streams, prompt_len=args.prompt_len, cache=cache))
+            forced.append(teacher_forced_loss(model, streams, prompt_len=args.prompt_len))
+        model = models[0]
+        tok_s = {b: [b * STEPS / decode_seconds(model, b, cache_dtype) for _ in range(args.repeats)] for b in BATCHES}
+        timed = [s for s in seconds if s is not None]
+        print(f"| {name} | {model.num_params():,} | {kv_cache_bytes_per_token(model.config, cache_dtype or torch.float32):,} | "
+              f"{median_spread(best, 4)} | {median_spread(through, 4)} | {median_spread(forced, 4)} | "
+              f"{median_spread(timed, 0) if timed else 'reused'} | {rate(tok_s[1])} | {rate(tok_s[64])} |", flush=True)
+        if cache_dtype is None:
+            gaps = [abs(a - b) for a, b in zip(through, forced)]
+            print(f"|  | decoder - teacher-forced, largest over seeds: {max(gaps):.2e} | | | | | | | |")
+    print(f"\nruns in {runs_dir}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="part", required=True)
+    s = sub.add_parser("speed", help="classic shape, random weights")
+    s.add_argument("--repeats", type=int, default=5)
+    t = sub.add_parser("train", help="each design trained with the cpu preset")
+    t.add_argument("--seeds", type=int, nargs="+", default=[1337])
+    t.add_argument("--runs-dir", type=Path, help="keep the runs here; reuse those already trained")
+    t.add_argument("--repeats", type=int, default=5)
+    t.add_argument("--prompt-len", type=int, default=64, help="tokens prefilled before one-token decoding")
+    t.add_argument("--stream-len", type=int, default=1_000_000, help="cut each stream to this many tokens")
+    t.add_argument("--train-overrides", nargs="*", default=[], help="train.py overrides for every design")
+    args = parser.parse_args()
+    speed(args) if args.part == "speed" else train(args)
+
+
+if __name__ == "__main__":
+    main()
