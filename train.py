@@ -33,7 +33,7 @@ from data import (SHAKESPEARE, Batches, DataError, PreparedData, UnknownCharacte
                   prepare_text)
 from model import GPT
 from training.checkpoint import resolve_checkpoint, trained_on
-from training.config import TrainConfig, register, validate
+from training.config import TrainConfig, explained, register, validate
 from training.devices import choose_device, memory_needed, memory_of
 from training.distributed import init_distributed, is_rank_zero
 from training.errors import ConfigError, OutputError, UsageError, fail, one_line, write_line
@@ -164,4 +164,4 @@ if __name__ == "__main__":
         sys.stdout.reconfigure(line_buffering=True)  # evaluation lines reach a log file as they happen
         hydra_main()
     except (Exception, KeyboardInterrupt) as e:
-        fail("train.py", e, speak=is_rank_zero())
+        fail("train.py", explained(e), speak=is_rank_zero())

@@ -368,14 +368,14 @@ def train_env() -> dict:
 
 
 @pytest.mark.parametrize("override, message", [
-    ("model.n_layr=3", "Key 'n_layr' not in 'GPTConfig'"),
+    ("model.n_layr=3", "model.n_layr is not a setting; did you mean model.n_layer?"),
     ("model.n_head=5", "model: n_embd 32 is not divisible by n_head 5"),
     ("train.resume=runs/nowhere", "train.resume: no checkpoint at runs/nowhere"),
-    ("data.url=file:///my.txt", "Key 'url' not in 'DataConfig'"),  # data.text is
+    ("data.url=file:///my.txt", "data.url is not a setting; python train.py --cfg job lists them"),
     ("model=huge", "model=huge is not an option; choose one of classic, small"),
     ("optim=sgd", "optim=sgd is not an option; choose one of adamw, muon"),
     ("preset=tpu", "preset=tpu is not an option; choose one of cpu, gpu"),
-    ("+devise=cpu", "devise is not a setting"),
+    ("+devise=cpu", "devise is not a setting; did you mean device?"),
     ("train.ema_decay=1", "train.ema_decay must be in (0, 1), or null for no average, got 1.0"),
 ])
 def test_bad_override_fails_fast(tmp_path, override, message):
