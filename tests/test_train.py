@@ -353,14 +353,17 @@ def test_every_preset_composes(preset):
         assert (cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_iters, cfg.optim.beta2) == (1e-3, 1e-4, 100, 0.99)
 
 
-@pytest.mark.parametrize("found, overrides, preset", [("cpu", [], "cpu"), ("cuda", [], "gpu"), ("mps", [], "gpu"),
-                                                       ("cuda", ["preset=cpu"], "cpu")])
-def test_preset_is_picked_from_the_device(monkeypatch, found, overrides, preset):
-    monkeypatch.setattr(training.config, "choose_device", lambda name: torch.device(found if name == "auto" else name))
+@pytest.mark.parametrize("found, overrides, preset, why", [
+    ("cpu", [], "cpu", "picked for the cpu found"), ("cuda", [], "gpu", "picked for the cuda found"),
+    ("mps", [], "gpu", "picked for the mps found"), ("cuda", ["preset=cpu"], "cpu", "as named")])
+def test_preset_is_picked_from_the_device(monkeypatch, found, overrides, preset, why):
+    for module in (training.config, train):
+        monkeypatch.setattr(module, "choose_device", lambda name: torch.device(found if name == "auto" else name))
     with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=overrides, return_hydra_config=True)
     assert cfg.hydra.runtime.choices.preset == preset
     assert cfg.train.max_iters == (1000 if preset == "cpu" else 5000)
+    assert train.preset_picked(cfg.hydra) == f"preset {preset}, {why}"  # what the first line says
 
 
 def train_env() -> dict:
@@ -426,7 +429,8 @@ def test_sigterm_leaves_loadable_last_pt(tmp_path, data_root):
                                cwd=tmp_path, env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True)
     try:
-        assert process.stdout.readline().startswith("training ")  # the signal handlers are in place
+        first = process.stdout.readline()  # once printed, the signal handlers are in place
+        assert first.startswith("training ") and " (preset cpu, as named; 1 process(es), " in first
         time.sleep(2)
         process.send_signal(signal.SIGTERM)
         _, stderr = process.communicate(timeout=60)
