@@ -38,8 +38,8 @@ TINY = ["preset=cpu", "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "m
         "model.dropout=0.1", "train.batch_size=8", "train.max_iters=40", "train.eval_interval=20",
         "train.eval_iters=4", "train.log_interval=5", "train.sample_tokens=20", "optim.lr=1e-2",
         "optim.warmup_iters=5"]
-SCALARS = ["loss/train", "loss/val", "loss/train_eval", "loss/val_best", "optim/lr", "optim/grad_norm",
-           "perf/tokens_per_sec"]
+SCALARS = ["loss/train", "loss/val", "loss/train_eval", "loss/val_best", "optim/lr", "optim/lr_muon",
+           "optim/grad_norm", "perf/tokens_per_sec"]
 
 
 @pytest.fixture(scope="module")
@@ -114,14 +114,15 @@ def test_events_hold_every_tag(tiny_run):
     assert sample.startswith(prompt) and len(sample) > len(prompt)  # indented 4: Markdown's verbatim text
 
     images = accumulator.PluginTagToContent("images")
-    assert set(images) == {f"sample/attention/layer{l}/head{h}" for l in range(2) for h in range(2)}
-    width, height, png = accumulator.Tensors("sample/attention/layer0/head1")[-1].tensor_proto.string_val
-    assert (int(height), int(width)) == (16, 16) and png.startswith(b"\x89PNG")  # the last block_size prompt tokens
+    assert set(images) == {f"sample/attention/layer{l}" for l in range(2)}
+    width, height, png = accumulator.Tensors("sample/attention/layer0")[-1].tensor_proto.string_val
+    # the last block_size (16) prompt tokens, 16 pixels a cell, two heads and a bar between them
+    assert (int(height), int(width)) == (16 * 16, 2 * 16 * 16 + 16) and png.startswith(b"\x89PNG")
 
     hparams = accumulator.PluginTagToContent("hparams")
     session = plugin_data_pb2.HParamsPluginData.FromString(hparams["_hparams_/session_start_info"])
-    assert session.session_start_info.hparams["04 model.n_layer"].string_value == "2"
-    assert session.session_start_info.hparams["10 model.bias"].HasField("bool_value")
+    assert session.session_start_info.hparams["05 model.n_layer"].string_value == "2"
+    assert session.session_start_info.hparams["11 model.bias"].HasField("bool_value")
     assert session.session_start_info.hparams["19 device"].string_value == "cpu"  # the device used, not "auto"
     assert scalars(run_dir, "loss/val_best")[40] == pytest.approx(min(scalars(run_dir, "loss/val").values()))
     assert not [tag for tag in tags["scalars"] if tag not in SCALARS]  # no lone hparams metric scalar
