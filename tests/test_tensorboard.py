@@ -26,6 +26,7 @@ import train
 from model import GPT
 from test_train import config
 from training.checkpoint import load_model
+from training.summaries import heads_in_a_grid
 
 RESUMED = "2026-01-01_00-02-00"  # crashed in step 7, after its checkpoint at step 5, and resumed from it
 RUNS = {"2026-01-01_00-00-00": ["optim.lr=1e-2"], "multirun/2026-01-01_00-01-00/0": ["optim.lr=5e-3"],
@@ -302,19 +303,19 @@ def test_config_text_is_the_config_the_run_used(server):
 
 
 def test_attention_images_one_per_layer_with_the_characters_beside_them(server, logdir):
-    """Each layer's heads side by side, between grey bars, each cell a square of pixels holding its weight scaled to
-    the row's maximum, as the model in last.pt (step 10) computes them; the characters at each position in the
-    image's description and in a text at the same steps."""
+    """Each layer's two heads side by side, a grey bar between them, each cell a square of pixels holding its weight
+    scaled to the row's maximum, as the model in last.pt (step 10) computes them; the characters at each position
+    in the image's description, and in a text logged once."""
     images = server.get("plugin/images/tags")
     context = PROMPT[-BLOCK_SIZE:]
     for run in RUNS:
         assert set(images[run]) == ATTENTION
         for tag in ATTENTION:
-            assert "head 0 on the left" in images[run][tag]["description"]
+            assert "head 0 top left" in images[run][tag]["description"]
             assert "art thou Romeo?↵" in images[run][tag]["description"]
     run = "2026-01-01_00-00-00"
     texts = server.get("plugin/text/text", run=run, tag="sample/attention/text_summary")
-    assert [text["step"] for text in texts] == [0, 5, 10]
+    assert [text["step"] for text in texts] == [0]
     assert "0         10\n0123456789012345\n" + context.replace("\n", "↵") in html.unescape(texts[-1]["text"])
 
     model, vocab, _ = load_model(logdir / run / "last.pt")
@@ -336,3 +337,17 @@ def test_attention_images_one_per_layer_with_the_characters_beside_them(server, 
             cells = pixels.unfold(0, cell, cell).unfold(1, cell, cell)  # (T, T, cell, cell)
             assert (cells == cells[..., :1, :1]).all()  # every cell one value
             torch.testing.assert_close(cells[..., 0, 0], expected, atol=1 / 255, rtol=0)  # 8 bits a pixel
+
+
+def test_five_heads_fill_a_grid_of_three_columns_in_reading_order():
+    weights = torch.rand(5, 4, 4)
+    image = heads_in_a_grid(weights)
+    cell, bar = 64, 64  # 256 pixels a head
+    assert image.shape == (2 * 256 + bar, 3 * 256 + 2 * bar)
+    grey = torch.ones_like(image, dtype=torch.bool)
+    for head, (row, column) in enumerate([(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]):
+        top, left = row * (256 + bar), column * (256 + bar)
+        expected = (weights[head] / weights[head].amax(dim=1, keepdim=True)).repeat_interleave(cell, 0)
+        torch.testing.assert_close(image[top:top + 256, left:left + 256], expected.repeat_interleave(cell, 1))
+        grey[top:top + 256, left:left + 256] = False
+    assert (image[grey] == 0.5).all()  # the bars, and the sixth place, which no head fills

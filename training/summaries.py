@@ -8,6 +8,7 @@ multiline chart draws each run's series in one colour, and which TensorBoard nev
 evaluations read as measured. Everything goes to the run's one event file, so that TensorBoard shows one run per run.
 """
 
+import math
 import os
 import threading
 import time
@@ -48,11 +49,11 @@ LR = "optim/lr"  # AdamW's: every parameter's under optim=adamw, the embeddings'
 MUON_LR = "optim/lr_muon"  # Muon's, on the blocks' matrices (optim=muon only)
 METRICS = ((VAL_BEST, "val loss (best)"), (VAL_LOSS, "val loss (last)"))
 LOSS_CHART = "val loss: the line; train loss: the band's other edge (at each evaluation, unsmoothed)"
-ATTENTION = ("Attention of layer {layer}'s {n_head} heads, head 0 on the left, between grey bars, on the last {size} "
-             "characters of train.sample_prompt (below, and in the text sample/attention). In each head row i is "
-             "the query at position i, column j the key at position j; the upper triangle is black because a query "
-             "never sees later keys. Each row is scaled to its own maximum, so white marks each query's strongest "
-             "key, not an absolute weight.\n\n{characters}")
+ATTENTION = ("Attention of layer {layer}'s {n_head} heads (head 0 top left, then left to right and top to bottom, "
+             "between grey bars) on the last {size} characters of train.sample_prompt (below, and in the text "
+             "sample/attention). In each head row i is the query at position i, column j the key at position j; "
+             "the upper triangle is black because a query never sees later keys. Each row is scaled to its own "
+             "maximum, so white marks each query's strongest key, not an absolute weight.\n\n{characters}")
 HEAD_PIXELS = 256  # about the side of each head's map: small prompts get cells of several pixels
 BAR = 0.5  # the grey of the bars between heads
 
@@ -80,17 +81,22 @@ def by_position(text: str) -> str:
     return as_code("\n".join((tens, units, shown)))
 
 
-def heads_side_by_side(weights: torch.Tensor) -> torch.Tensor:
+def heads_in_a_grid(weights: torch.Tensor) -> torch.Tensor:
     """One layer's attention weights (n_head, T, T) as one grey image (H, W) in [0, 1]: each head's map with every
-    row scaled to its own maximum and every cell a square of whole pixels, the heads left to right, a grey bar
-    between each two."""
+    row scaled to its own maximum and every cell a square of whole pixels; the heads in rows of ceil(sqrt(n_head)),
+    left to right and top to bottom, grey bars between them (and grey where a row has no more heads)."""
     n_head, size, _ = weights.shape
     cell = max(1, HEAD_PIXELS // size)
+    side, bar = size * cell, max(2, cell)
     maps = (weights / weights.amax(dim=-1, keepdim=True)).float().cpu()
-    maps = maps.repeat_interleave(cell, dim=1).repeat_interleave(cell, dim=2)  # (n_head, T * cell, T * cell)
-    bars = torch.full((n_head, size * cell, max(2, cell)), BAR)
-    image = torch.cat([maps, bars], dim=2).transpose(0, 1).reshape(size * cell, -1)  # each head, then its bar
-    return image[:, :-bars.shape[2]]
+    maps = maps.repeat_interleave(cell, dim=1).repeat_interleave(cell, dim=2)  # (n_head, side, side)
+    columns = math.ceil(math.sqrt(n_head))
+    rows = math.ceil(n_head / columns)
+    image = torch.full((rows * (side + bar) - bar, columns * (side + bar) - bar), BAR)
+    for head, heatmap in enumerate(maps):
+        top, left = head // columns * (side + bar), head % columns * (side + bar)
+        image[top:top + side, left:left + side] = heatmap
+    return image
 
 
 def hparam_name(key: str) -> str:
@@ -129,11 +135,12 @@ class Summaries:
         writes one too. The Rust data server reads no SessionLog: it drops a tag's points where the tag's steps go
         back."""
         self.writer = SummaryWriter(str(run_dir), purge_step=first_step)
+        self.first_step = first_step
         self.writer.add_text("config", as_code(config_yaml))
-        self.writer.add_custom_scalars({"loss": {  # one chart each: a multiline chart draws a run in one colour
-            LOSS_CHART: ["Margin", [VAL_LOSS, TRAIN_EVAL_LOSS, VAL_LOSS]],  # the line, the band's two edges
-            "AdamW's learning rate": ["Multiline", [f"^{LR}$"]],
-            "Muon's learning rate": ["Multiline", [f"^{MUON_LR}$"]]}})
+        self.writer.add_custom_scalars({  # one series a chart: a multiline chart draws a run's series in one colour
+            "loss": {LOSS_CHART: ["Margin", [VAL_LOSS, TRAIN_EVAL_LOSS, VAL_LOSS]]},  # the line, the band's edges
+            "optim": {"AdamW's learning rate": ["Multiline", [f"^{LR}$"]],
+                      "Muon's learning rate": ["Multiline", [f"^{MUON_LR}$"]]}})
 
     def train_steps(self, first_step: int, losses: list, grad_norms: list, lrs: list[tuple], walltimes: list,
                     tokens_per_sec: float):
@@ -155,19 +162,20 @@ class Summaries:
     def sample_and_attention(self, model: GPT, vocab: CharVocab, prompt: torch.Tensor, n_tokens: int, seed: int,
                              step: int):
         """A sample continuing the prompt (KV-cache generation, fixed seed), and each layer's attention on it, its
-        heads side by side, with the characters at each position beside it."""
+        heads in one image, with the characters at each position beside it."""
         model.eval()
         generator = torch.Generator(prompt.device).manual_seed(seed)  # leaves the training RNG untouched
         ids = generate(model, prompt, n_tokens, sampling=Sampling(), generator=generator)
         self.writer.add_text("sample", as_code(vocab.decode(ids[0].tolist())), step)
         context = prompt[:, -model.config.block_size:]
         characters = by_position(vocab.decode(context[0].tolist()))
-        self.writer.add_text("sample/attention", characters, step)
+        if step == self.first_step:  # the same at every evaluation
+            self.writer.add_text("sample/attention", characters, step)
         for layer, weights in enumerate(model.attention_weights(context)):  # (1, n_head, T, T)
             description = ATTENTION.format(layer=layer, n_head=weights.shape[1], size=context.shape[1],
                                            characters=characters)
             self.writer.file_writer.add_summary(
-                described_image(f"sample/attention/layer{layer}", heads_side_by_side(weights[0]), description), step)
+                described_image(f"sample/attention/layer{layer}", heads_in_a_grid(weights[0]), description), step)
         model.train()
 
     def start_session(self, config: dict, device_type: str):
