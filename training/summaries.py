@@ -100,7 +100,7 @@ def heads_in_a_grid(weights: torch.Tensor) -> torch.Tensor:
 
 
 def hparam_name(key: str) -> str:
-    """"optim.lr" -> "05 optim.lr": TensorBoard sorts the columns by this name and shows the key."""
+    """"optim.lr" -> "02 optim.lr": TensorBoard sorts the columns by this name and shows the key."""
     return f"{HPARAMS.index(key) + 1:02d} {key}"
 
 
