@@ -10,9 +10,10 @@
 First, stderr says which checkpoint is sampled: its step, best val loss and the text it was trained on. A lone
 sample is written as it is generated (to a terminal token by token, elsewhere every CHUNK tokens); samples
 generated side by side are written one after another at the end. Ctrl-C writes what was generated and exits
-with status 130. A one-line summary (tokens, seconds, tokens/s, cache size) ends stderr. A mistake in the
-command line or its inputs is one line on stderr with exit status 2; an output that cannot be written (a full
-disk) is one line with status 1; a reader that stops early (`| head`) ends sampling quietly.
+with status 130. A one-line summary (tokens, seconds, tokens/s, precision, the cache's size and dtype) ends
+stderr. A mistake in the command line or its inputs is one line on stderr with exit status 2; an output that
+cannot be written (a full disk) is one line with status 1; a reader that stops early (`| head`) ends sampling
+quietly.
 """
 
 import argparse
@@ -224,10 +225,11 @@ def sample(args) -> None:
     seconds = time.perf_counter() - start
 
     tokens = args.num_samples * args.max_new_tokens
-    cache_size = f"KV cache {cache.nbytes / 2**20:.2f} MiB {str(cache.k.dtype).removeprefix('torch.')}" \
+    # the cache's own dtype: float32 on the CPU also at bf16 and int8 (model/attention.py: attention_dtype)
+    cache_size = f"KV cache {cache.nbytes / 2**20:.2f} MiB in {str(cache.k.dtype).removeprefix('torch.')}" \
         if use_cache else "no cache"
-    print(f"{tokens} tokens in {seconds:.2f} s, {tokens / max(seconds, 1e-9):.1f} tokens/s, {cache_size} "
-          f"({device.type})", file=sys.stderr)
+    print(f"{tokens} tokens in {seconds:.2f} s, {tokens / max(seconds, 1e-9):.1f} tokens/s at {args.precision}, "
+          f"{cache_size} ({device.type})", file=sys.stderr)
 
 
 def silence_stdout() -> None:

@@ -33,7 +33,7 @@ from data import (SHAKESPEARE, Batches, DataError, PreparedData, UnknownCharacte
                   prepare_text)
 from model import GPT
 from training.checkpoint import resolve_checkpoint, trained_on
-from training.config import TrainConfig, register, validate
+from training.config import TrainConfig, explained, register, validate
 from training.devices import choose_device, memory_needed, memory_of
 from training.distributed import init_distributed, is_rank_zero
 from training.errors import ConfigError, OutputError, UsageError, fail, one_line, write_line
@@ -45,8 +45,9 @@ from training.summaries import Summaries, report_thread_error
 register()
 
 
-def main(cfg: DictConfig, run_dir) -> float | None:
-    """Train as `cfg` says, writing events and checkpoints to run_dir; return the last val loss."""
+def main(cfg: DictConfig, run_dir, preset: str | None = None) -> float | None:
+    """Train as `cfg` says, writing events and checkpoints to run_dir; return the last val loss. preset: which
+    preset cfg was composed with and why (preset_picked), for the first line."""
     run_dir = Path(run_dir)
     earlier_events = set(run_dir.glob("events.out.tfevents.*"))
     settings = validate(cfg)
@@ -79,7 +80,8 @@ def main(cfg: DictConfig, run_dir) -> float | None:
         try:
             trainer = Trainer(settings, model, data, device, run_dir, summaries, resumed, rank, world_size)
             if rank == 0:
-                write_line(f"training {model.num_params() / 1e6:.2f}M parameters on {device} ({world_size} "
+                picked = f"{preset}; " if preset else ""
+                write_line(f"training {model.num_params() / 1e6:.2f}M parameters on {device} ({picked}{world_size} "
                            f"process(es), {trainer.tokens_per_step} tokens per step) from step {trainer.step} to "
                            f"{tc.max_iters}; run directory {run_dir}")
             started = True
@@ -126,6 +128,15 @@ def prepare_data(settings) -> PreparedData:
     return data
 
 
+def preset_picked(hydra_config) -> str:
+    """Which preset a run was composed with, and why: "preset cpu, as named" where the command line names it,
+    else "preset gpu, picked for the cuda found" (conf/config.yaml picks it for the best device present)."""
+    preset = hydra_config.runtime.choices.preset
+    if any(override.split("=")[0].lstrip("+~") == "preset" for override in hydra_config.overrides.task):
+        return f"preset {preset}, as named"
+    return f"preset {preset}, picked for the {choose_device('auto').type} found"
+
+
 def device_for(name: str) -> torch.device:
     try:
         return choose_device(name)
@@ -137,7 +148,7 @@ def device_for(name: str) -> torch.device:
 def hydra_main(cfg: DictConfig) -> float | None:
     job = HydraConfig.get()
     try:
-        return main(cfg, job.runtime.output_dir)
+        return main(cfg, job.runtime.output_dir, preset_picked(job))
     except Stopped as e:
         if is_rank_zero():
             print(e, file=sys.stderr)
@@ -164,4 +175,4 @@ if __name__ == "__main__":
         sys.stdout.reconfigure(line_buffering=True)  # evaluation lines reach a log file as they happen
         hydra_main()
     except (Exception, KeyboardInterrupt) as e:
-        fail("train.py", e, speak=is_rank_zero())
+        fail("train.py", explained(e), speak=is_rank_zero())

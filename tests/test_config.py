@@ -7,7 +7,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from training.config import ConfigError, OptimConfig, TrainConfig, register, validate
+from training.config import ConfigError, OptimConfig, TrainConfig, explained, register, validate
 
 from test_train import REPO
 
@@ -48,8 +48,23 @@ def test_a_value_of_the_wrong_type_is_refused_when_composed(override):
                                            ("+model.n_layr=3", "model.n_layr")])
 def test_a_key_added_past_the_schema_is_refused(override, key):
     """Hydra's `+` adds a key that no setting has; the schema refuses it rather than train with it ignored."""
-    with pytest.raises(ConfigError, match=f"^{key} is not a setting"):
+    with pytest.raises(ConfigError, match=f"^{key} is not a setting; "):
         validate(composed(override))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.max_iter=5", "train.max_iter is not a setting; did you mean train.max_iters?"),
+    ("optim.muon_lrr=0.1", "optim.muon_lrr is not a setting; did you mean optim.muon_lr?"),
+    ("train.lr=0.1", "train.lr is not a setting; did you mean optim.lr?"),  # the same name in another section
+    ("modle.n_layer=2", "modle is not a setting; did you mean model?"),
+    ("~train.max_iter", "train.max_iter is not a setting; did you mean train.max_iters?"),
+    ("train.epochs=3", "train.epochs is not a setting; python train.py --cfg job lists them"),  # nothing near
+])
+def test_a_mistyped_setting_is_one_line_naming_the_nearest(override, message):
+    """train.py reports Hydra's error for an override as explained() turns it."""
+    with pytest.raises(HydraException) as caught:
+        composed(override)
+    assert str(explained(caught.value)) == message
 
 
 def test_infinite_grad_clip_turns_clipping_off():

@@ -3,6 +3,7 @@ stated tolerance, int8 barely moves the loss at any width, and a converted model
 
 import functools
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -202,3 +203,6 @@ def test_load_model_converts_an_fp32_checkpoint_and_sample_py_decodes_it(tmp_pat
                             cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout == expected + "\n"
+    # the precision decoded at, and the cache's dtype, which attention computes in on the CPU
+    assert re.fullmatch(r"20 tokens in [\d.]+ s, [\d.]+ tokens/s at int8, KV cache [\d.]+ MiB in float32 \(cpu\)",
+                        result.stderr.splitlines()[-1])

@@ -74,14 +74,15 @@ def test_greedy_output_and_summary(checkpoint, greedy):
     assert len(set(generated)) >= 5, f"degenerate output {generated!r} would hide a broken cache"
     info, summary = greedy.stderr.splitlines()
     assert info == f"sampling {checkpoint} (weights only), trained on an unrecorded text"
-    assert re.fullmatch(rf"{NEW_TOKENS} tokens in [\d.]+ s, [\d.]+ tokens/s, KV cache [\d.]+ MiB \(cpu\)", summary)
+    assert re.fullmatch(rf"{NEW_TOKENS} tokens in [\d.]+ s, [\d.]+ tokens/s at fp32, KV cache [\d.]+ MiB in float32 "
+                        rf"\(cpu\)", summary)
 
 
 def test_greedy_without_cache_is_identical(checkpoint, greedy):
     result = sample_ok("--checkpoint", checkpoint, "--prompt", PROMPT, "--temperature", 0,
                        "--max-new-tokens", NEW_TOKENS, "--no-kv-cache")
     assert result.stdout == greedy.stdout
-    assert "no cache" in result.stderr
+    assert result.stderr.splitlines()[-1].endswith(" tokens/s at fp32, no cache (cpu)")
 
 
 def test_classic_window_and_long_prompt_identical_without_cache(checkpoint, greedy):

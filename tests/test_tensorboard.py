@@ -4,11 +4,12 @@ crashed and resumed in its directory. The server reads the events with its Rust 
 --logdir runs` does where that is installed, and for a resumed run also with its Python loader, as it does
 elsewhere."""
 
+import html
+import io
 import json
 import math
 import re
 import socket
-import struct
 import subprocess
 import sys
 import time
@@ -16,24 +17,34 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
+from PIL import Image
 
 import train
 from model import GPT
 from test_train import config
+from training.checkpoint import load_model
+from training.summaries import heads_in_a_grid
 
 RESUMED = "2026-01-01_00-02-00"  # crashed in step 7, after its checkpoint at step 5, and resumed from it
 RUNS = {"2026-01-01_00-00-00": ["optim.lr=1e-2"], "multirun/2026-01-01_00-01-00/0": ["optim.lr=5e-3"],
         "multirun/2026-01-01_00-01-00/1": ["optim=adamw", "optim.lr=2e-3"],  # the others: the cpu preset's Muon
         RESUMED: ["optim.lr=3e-3"]}
+PROMPT = "JULIET:\nO Romeo, Romeo! wherefore art thou Romeo?\n"  # train.sample_prompt's default
+BLOCK_SIZE = 16  # tests/test_train.py's tiny model
 STEPS = 10  # evaluated at 0, 5 and 10
+ADAMW_RUN = "multirun/2026-01-01_00-01-00/1"
 SCALARS = {"loss/train", "loss/train_eval", "loss/val", "loss/val_best", "optim/grad_norm", "optim/lr",
            "perf/tokens_per_sec"}
-ATTENTION = {f"sample/attention/layer{layer}/head{head}" for layer in range(2) for head in range(2)}
-HPARAMS = ["optim.name", "optim.lr", "optim.muon_lr", "model.n_layer", "model.n_embd", "model.n_head",
-           "model.block_size", "model.pos_emb", "model.dropout", "model.bias", "optim.decay", "optim.min_lr", "optim.weight_decay",
-           "optim.muon_weight_decay", "train.batch_size", "train.grad_accum_steps", "train.max_iters", "train.seed",
-           "device"]
+MUON_LR = "optim/lr_muon"  # in every run but ADAMW_RUN
+ATTENTION = {f"sample/attention/layer{layer}" for layer in range(2)}  # each layer's two heads in one image
+HPARAMS = ["optim.name", "optim.lr", "optim.muon_lr", "train.max_iters", "model.n_layer", "model.n_embd",
+           "model.n_head", "model.block_size", "model.pos_emb", "model.dropout", "model.bias", "optim.decay",
+           "optim.min_lr", "optim.weight_decay", "optim.muon_weight_decay", "train.batch_size",
+           "train.grad_accum_steps", "train.seed", "device"]
+HPARAMS_SHOWN = 5  # the HParams dashboard shows the first five columns until a reader picks others
 INTEGERS = ["model.n_layer", "model.n_embd", "model.n_head", "model.block_size", "train.batch_size",
             "train.grad_accum_steps", "train.max_iters", "train.seed"]
 TRIAL_ID_SHOWN = 14  # characters of the HParams table's Trial ID column (10em wide) that a browser shows
@@ -152,8 +163,7 @@ def test_a_resumed_run_goes_on_as_one_curve(server):
         assert [step for _, step, _ in server.get("plugin/scalars/scalars", run=RESUMED, tag=tag)] == steps, tag
     walltimes = [walltime for walltime, _, _ in server.get("plugin/scalars/scalars", run=RESUMED, tag="loss/train")]
     assert walltimes == sorted(walltimes)  # steps 5 and 6 are the resumed run's, logged after the crashed run's 4
-    (layer0head0,) = [tag for tag in ATTENTION if tag.endswith("layer0/head0")]
-    shown = server.get("plugin/images/images", run=RESUMED, tag=layer0head0, sample=0)
+    shown = server.get("plugin/images/images", run=RESUMED, tag="sample/attention/layer0", sample=0)
     assert [image["step"] for image in shown] == [0, 5, 10]
 
 
@@ -170,7 +180,7 @@ def test_loss_group_opens_first_and_every_loss_starts_at_step_0(server):
     tags = server.get("plugin/scalars/tags")
     images = server.get("plugin/images/tags")
     for run in RUNS:
-        assert set(tags[run]) == SCALARS  # nothing else, e.g. no lone hparams metric
+        assert set(tags[run]) == SCALARS | ({MUON_LR} if run != ADAMW_RUN else set())  # e.g. no lone hparams metric
         # Time Series sorts the tags by name, groups them by their first part, and opens the first two groups
         groups = list(dict.fromkeys(tag.split("/")[0] for tag in sorted({*tags[run], *images[run]})))
         assert groups[:2] == ["loss", "optim"]
@@ -187,13 +197,42 @@ def test_each_step_has_its_own_wall_time(server):
     assert min(b - a for a, b in zip(walltimes, walltimes[1:])) > 5e-4, walltimes
 
 
-def test_train_and_val_loss_share_a_custom_scalars_chart(server):
+def test_both_learning_rates_are_plotted(server):
+    """AdamW's and, under Muon, Muon's, which follows the same schedule from its own peak (optim.muon_lr 0.02)."""
+    for run, overrides in RUNS.items():
+        adamw = server.get("plugin/scalars/scalars", run=run, tag="optim/lr")
+        assert [step for _, step, _ in adamw] == list(range(STEPS))
+        if run == ADAMW_RUN:
+            assert MUON_LR not in server.get("plugin/scalars/tags")[run]
+            continue
+        muon = server.get("plugin/scalars/scalars", run=run, tag=MUON_LR)
+        lr = float(dict(override.split("=") for override in overrides)["optim.lr"])
+        assert [step for _, step, _ in muon] == list(range(STEPS))
+        assert [value for _, _, value in muon] == pytest.approx([value * 0.02 / lr for _, _, value in adamw])
+
+
+def test_custom_scalars_tell_val_from_train_at_a_glance(server):
+    """A multiline chart draws all of a run's series in the run's one colour, told apart by marker shape alone: each
+    matches one series of a run. Train and val share a margin chart: val its line, train the far edge of its band,
+    their steps equal (the chart shows nothing otherwise); TensorBoard does not smooth margin charts."""
     charts = [chart for category in server.get("plugin/custom_scalars/layout")["category"]
               for chart in category["chart"]]
-    shared = [chart for chart in charts
-              if all(any(re.search(pattern, tag) for pattern in chart.get("multiline", {}).get("tag", []))
-                     for tag in ("loss/train", "loss/val"))]
-    assert shared, charts
+    tags = server.get("plugin/scalars/tags")
+    for chart in charts:
+        for run in RUNS:
+            drawn = [tag for tag in tags[run]
+                     if any(re.search(pattern, tag) for pattern in chart.get("multiline", {}).get("tag", []))]
+            assert len(drawn) <= 1, (chart["title"], drawn)
+    (loss,) = [chart for chart in charts if "margin" in chart]
+    assert loss["margin"]["series"] == [{"value": "loss/val", "lower": "loss/train_eval", "upper": "loss/val"}]
+    assert loss["title"].startswith("val loss: the line; train loss: the band")
+    series = loss["margin"]["series"][0]
+    for run in RUNS:  # what the chart asks for
+        shown = server.get("plugin/custom_scalars/scalars", run=run,
+                           tag="|".join(f"({re.escape(series[edge])})" for edge in ("value", "lower", "upper")))
+        steps = {edge: [step for _, step, _ in shown["tag_to_events"][series[edge]]]
+                 for edge in ("value", "lower", "upper")}
+        assert steps == {"value": [0, 5, 10], "lower": [0, 5, 10], "upper": [0, 5, 10]}
 
 
 def hparams_table(server) -> tuple[dict, dict, list]:
@@ -216,6 +255,7 @@ def hparams_table(server) -> tuple[dict, dict, list]:
 
 def test_hparams_columns_and_metrics(server):
     names, types, groups = hparams_table(server)
+    assert "train.max_iters" in list(names)[:HPARAMS_SHOWN]  # shown at first: runs of different lengths differ
     assert types["model.bias"] == "DATA_TYPE_BOOL" and types["device"] == "DATA_TYPE_STRING"
     assert types["optim.lr"] == "DATA_TYPE_FLOAT64"
     for group in groups:
@@ -262,14 +302,52 @@ def test_config_text_is_the_config_the_run_used(server):
     assert "vocab_size: 65" in entry["text"] and "???" not in entry["text"]  # the corpus's 65 characters
 
 
-def test_attention_images_one_per_head_with_their_layout_explained(server):
+def test_attention_images_one_per_layer_with_the_characters_beside_them(server, logdir):
+    """Each layer's two heads side by side, a grey bar between them, each cell a square of pixels holding its weight
+    scaled to the row's maximum, as the model in last.pt (step 10) computes them; the characters at each position
+    in the image's description, and in a text logged once."""
     images = server.get("plugin/images/tags")
+    context = PROMPT[-BLOCK_SIZE:]
     for run in RUNS:
         assert set(images[run]) == ATTENTION
         for tag in ATTENTION:
-            assert "Row i is the query" in images[run][tag]["description"]
-    (layer0head1,) = [tag for tag in ATTENTION if tag.endswith("layer0/head1")]
-    shown = server.get("plugin/images/images", run="2026-01-01_00-00-00", tag=layer0head1, sample=0)
-    assert [image["step"] for image in shown] == [0, 5, 10]
-    png = server.get("plugin/images/individualImage", blob_key=shown[-1]["query"].split("blob_key=")[1])
-    assert png[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", png[16:24]) == (16, 16)  # block_size square
+            assert "head 0 top left" in images[run][tag]["description"]
+            assert "art thou Romeo?↵" in images[run][tag]["description"]
+    run = "2026-01-01_00-00-00"
+    texts = server.get("plugin/text/text", run=run, tag="sample/attention/text_summary")
+    assert [text["step"] for text in texts] == [0]
+    assert "0         10\n0123456789012345\n" + context.replace("\n", "↵") in html.unescape(texts[-1]["text"])
+
+    model, vocab, _ = load_model(logdir / run / "last.pt")
+    with torch.no_grad():
+        weights = model.attention_weights(torch.tensor([vocab.encode(context)]))
+    cell, bar = 256 // BLOCK_SIZE, 256 // BLOCK_SIZE  # 16 pixels a cell; bars as wide
+    for layer in range(2):
+        shown = server.get("plugin/images/images", run=run, tag=f"sample/attention/layer{layer}", sample=0)
+        assert [image["step"] for image in shown] == [0, 5, 10]
+        png = server.get("plugin/images/individualImage", blob_key=shown[-1]["query"].split("blob_key=")[1])
+        rgb = torch.tensor(np.asarray(Image.open(io.BytesIO(png))), dtype=torch.float32) / 255  # (H, W, 3)
+        assert rgb.shape == (BLOCK_SIZE * cell, 2 * BLOCK_SIZE * cell + bar, 3)
+        pixels = rgb[..., 0]
+        assert (rgb == pixels[..., None]).all()  # grey
+        left, gap, right = pixels.split([BLOCK_SIZE * cell, bar, BLOCK_SIZE * cell], dim=1)
+        assert (gap == 127 / 255).all()
+        for head, pixels in enumerate((left, right)):
+            expected = weights[layer][0, head] / weights[layer][0, head].amax(dim=-1, keepdim=True)
+            cells = pixels.unfold(0, cell, cell).unfold(1, cell, cell)  # (T, T, cell, cell)
+            assert (cells == cells[..., :1, :1]).all()  # every cell one value
+            torch.testing.assert_close(cells[..., 0, 0], expected, atol=1 / 255, rtol=0)  # 8 bits a pixel
+
+
+def test_five_heads_fill_a_grid_of_three_columns_in_reading_order():
+    weights = torch.rand(5, 4, 4)
+    image = heads_in_a_grid(weights)
+    cell, bar = 64, 64  # 256 pixels a head
+    assert image.shape == (2 * 256 + bar, 3 * 256 + 2 * bar)
+    grey = torch.ones_like(image, dtype=torch.bool)
+    for head, (row, column) in enumerate([(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]):
+        top, left = row * (256 + bar), column * (256 + bar)
+        expected = (weights[head] / weights[head].amax(dim=1, keepdim=True)).repeat_interleave(cell, 0)
+        torch.testing.assert_close(image[top:top + 256, left:left + 256], expected.repeat_interleave(cell, 1))
+        grey[top:top + 256, left:left + 256] = False
+    assert (image[grey] == 0.5).all()  # the bars, and the sixth place, which no head fills

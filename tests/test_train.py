@@ -38,8 +38,8 @@ TINY = ["preset=cpu", "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "m
         "model.dropout=0.1", "train.batch_size=8", "train.max_iters=40", "train.eval_interval=20",
         "train.eval_iters=4", "train.log_interval=5", "train.sample_tokens=20", "optim.lr=1e-2",
         "optim.warmup_iters=5"]
-SCALARS = ["loss/train", "loss/val", "loss/train_eval", "loss/val_best", "optim/lr", "optim/grad_norm",
-           "perf/tokens_per_sec"]
+SCALARS = ["loss/train", "loss/val", "loss/train_eval", "loss/val_best", "optim/lr", "optim/lr_muon",
+           "optim/grad_norm", "perf/tokens_per_sec"]
 
 
 @pytest.fixture(scope="module")
@@ -114,14 +114,15 @@ def test_events_hold_every_tag(tiny_run):
     assert sample.startswith(prompt) and len(sample) > len(prompt)  # indented 4: Markdown's verbatim text
 
     images = accumulator.PluginTagToContent("images")
-    assert set(images) == {f"sample/attention/layer{l}/head{h}" for l in range(2) for h in range(2)}
-    width, height, png = accumulator.Tensors("sample/attention/layer0/head1")[-1].tensor_proto.string_val
-    assert (int(height), int(width)) == (16, 16) and png.startswith(b"\x89PNG")  # the last block_size prompt tokens
+    assert set(images) == {f"sample/attention/layer{l}" for l in range(2)}
+    width, height, png = accumulator.Tensors("sample/attention/layer0")[-1].tensor_proto.string_val
+    # the last block_size (16) prompt tokens, 16 pixels a cell, two heads and a bar between them
+    assert (int(height), int(width)) == (16 * 16, 2 * 16 * 16 + 16) and png.startswith(b"\x89PNG")
 
     hparams = accumulator.PluginTagToContent("hparams")
     session = plugin_data_pb2.HParamsPluginData.FromString(hparams["_hparams_/session_start_info"])
-    assert session.session_start_info.hparams["04 model.n_layer"].string_value == "2"
-    assert session.session_start_info.hparams["10 model.bias"].HasField("bool_value")
+    assert session.session_start_info.hparams["05 model.n_layer"].string_value == "2"
+    assert session.session_start_info.hparams["11 model.bias"].HasField("bool_value")
     assert session.session_start_info.hparams["19 device"].string_value == "cpu"  # the device used, not "auto"
     assert scalars(run_dir, "loss/val_best")[40] == pytest.approx(min(scalars(run_dir, "loss/val").values()))
     assert not [tag for tag in tags["scalars"] if tag not in SCALARS]  # no lone hparams metric scalar
@@ -353,14 +354,17 @@ def test_every_preset_composes(preset):
         assert (cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup_iters, cfg.optim.beta2) == (1e-3, 1e-4, 100, 0.99)
 
 
-@pytest.mark.parametrize("found, overrides, preset", [("cpu", [], "cpu"), ("cuda", [], "gpu"), ("mps", [], "gpu"),
-                                                       ("cuda", ["preset=cpu"], "cpu")])
-def test_preset_is_picked_from_the_device(monkeypatch, found, overrides, preset):
-    monkeypatch.setattr(training.config, "choose_device", lambda name: torch.device(found if name == "auto" else name))
+@pytest.mark.parametrize("found, overrides, preset, why", [
+    ("cpu", [], "cpu", "picked for the cpu found"), ("cuda", [], "gpu", "picked for the cuda found"),
+    ("mps", [], "gpu", "picked for the mps found"), ("cuda", ["preset=cpu"], "cpu", "as named")])
+def test_preset_is_picked_from_the_device(monkeypatch, found, overrides, preset, why):
+    for module in (training.config, train):
+        monkeypatch.setattr(module, "choose_device", lambda name: torch.device(found if name == "auto" else name))
     with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=overrides, return_hydra_config=True)
     assert cfg.hydra.runtime.choices.preset == preset
     assert cfg.train.max_iters == (1000 if preset == "cpu" else 5000)
+    assert train.preset_picked(cfg.hydra) == f"preset {preset}, {why}"  # what the first line says
 
 
 def train_env() -> dict:
@@ -368,14 +372,14 @@ def train_env() -> dict:
 
 
 @pytest.mark.parametrize("override, message", [
-    ("model.n_layr=3", "Key 'n_layr' not in 'GPTConfig'"),
+    ("model.n_layr=3", "model.n_layr is not a setting; did you mean model.n_layer?"),
     ("model.n_head=5", "model: n_embd 32 is not divisible by n_head 5"),
     ("train.resume=runs/nowhere", "train.resume: no checkpoint at runs/nowhere"),
-    ("data.url=file:///my.txt", "Key 'url' not in 'DataConfig'"),  # data.text is
+    ("data.url=file:///my.txt", "data.url is not a setting; python train.py --cfg job lists them"),
     ("model=huge", "model=huge is not an option; choose one of classic, small"),
     ("optim=sgd", "optim=sgd is not an option; choose one of adamw, muon"),
     ("preset=tpu", "preset=tpu is not an option; choose one of cpu, gpu"),
-    ("+devise=cpu", "devise is not a setting"),
+    ("+devise=cpu", "devise is not a setting; did you mean device?"),
     ("train.ema_decay=1", "train.ema_decay must be in (0, 1), or null for no average, got 1.0"),
 ])
 def test_bad_override_fails_fast(tmp_path, override, message):
@@ -426,7 +430,8 @@ def test_sigterm_leaves_loadable_last_pt(tmp_path, data_root):
                                cwd=tmp_path, env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True)
     try:
-        assert process.stdout.readline().startswith("training ")  # the signal handlers are in place
+        first = process.stdout.readline()  # once printed, the signal handlers are in place
+        assert first.startswith("training ") and " (preset cpu, as named; 1 process(es), " in first
         time.sleep(2)
         process.send_signal(signal.SIGTERM)
         _, stderr = process.communicate(timeout=60)

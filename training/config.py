@@ -6,12 +6,15 @@ config into checked objects before any work is done.
 """
 
 import dataclasses
+import difflib
 import math
+import re
 from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
+from hydra.errors import HydraException
 from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from model import GPTConfig
 
@@ -137,7 +140,7 @@ def validate(cfg: DictConfig) -> Settings:
     try:  # `+key=value` adds a key past the schema: Hydra lets it through, the schema refuses it here
         OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.to_container(cfg))
     except ConfigKeyError as e:
-        raise ConfigError(f"{e.full_key} is not a setting; python train.py --cfg job lists them") from None
+        raise unknown_setting(e.full_key) from None
     sections = {}
     for name in ("data", "optim", "train", "model"):
         node = cfg[name]
@@ -154,6 +157,40 @@ def validate(cfg: DictConfig) -> Settings:
         raise ConfigError(f"optim.warmup_iters must be below train.max_iters={settings.train.max_iters}, "
                           f"got {settings.optim.warmup_iters}")
     return settings
+
+
+def setting_names(schema=Config, prefix: str = "") -> list[str]:
+    """Every setting's name, as an override writes it: "device", "model", "model.n_layer", ..."""
+    names = []
+    for f in dataclasses.fields(schema):
+        names.append(prefix + f.name)
+        if dataclasses.is_dataclass(f.type):
+            names += setting_names(f.type, f"{prefix}{f.name}.")
+    return names
+
+
+def unknown_setting(key: str) -> ConfigError:
+    """The error for `key`, which names no setting, with the likeliest setting meant: one of that name in
+    another section (train.lr: optim.lr), else the nearest name in the same section (train.max_iter)."""
+    section, _, name = key.rpartition(".")
+    names = setting_names()
+    elsewhere = [full for full in names if full.rpartition(".")[2] == name]
+    in_section = {full.rpartition(".")[2]: full for full in names if full.rpartition(".")[0] == section}
+    meant = elsewhere or [in_section[near] for near in difflib.get_close_matches(name, in_section, n=1)]
+    return ConfigError(f"{key} is not a setting; " +
+                       (f"did you mean {meant[0]}?" if meant else "python train.py --cfg job lists them"))
+
+
+def explained(error: BaseException) -> BaseException:
+    """Hydra's error for an override that names no setting (`train.max_iter=5`, `~train.max_iter`) as
+    unknown_setting's; any other error as it is."""
+    if not isinstance(error, HydraException):
+        return error
+    cause = error.__cause__
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and cause.full_key:
+        return unknown_setting(cause.full_key)
+    deleted = re.fullmatch(r"Could not delete from config\. '(.+)' does not exist\.", str(error))
+    return unknown_setting(deleted[1]) if deleted else error
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:

@@ -66,7 +66,7 @@ class Trainer:
         self.evaluated = self.model if self.ema is None else compile_if_asked(self.eval_model)  # what evaluations run
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
         self.tokens_per_step = tc.batch_size * model.config.block_size * tc.grad_accum_steps * world_size
-        self.pending = []  # (loss, grad norm, lr, wall time) of the steps since the last log; read back in one sync
+        self.pending = []  # (loss, grad norm, lrs, wall time) of the steps since the last log; read back in one sync
         self.summaries = summaries
 
     def restore(self, resumed: dict) -> None:
@@ -114,7 +114,7 @@ class Trainer:
     def train_step(self) -> None:
         """One optimiser step over grad_accum_steps micro-batches; its values stay on the device until logged."""
         tc = self.tc
-        lr = self.schedulers[0].get_last_lr()[0]  # AdamW's, which every optimiser's schedule follows
+        lrs = tuple(scheduler.get_last_lr()[0] for scheduler in self.schedulers)  # AdamW's, then Muon's
         loss_sum = torch.zeros((), device=self.device)
         for micro_step in range(tc.grad_accum_steps):
             x, y = self.batches.next()
@@ -132,7 +132,7 @@ class Trainer:
             optimizer.zero_grad(set_to_none=True)
         if self.ema is not None:
             self.ema.update_parameters(self.raw_model)
-        self.pending.append((loss_sum / tc.grad_accum_steps, grad_norm, lr, time.time()))
+        self.pending.append((loss_sum / tc.grad_accum_steps, grad_norm, lrs, time.time()))
         self.step += 1
 
     def log_pending(self, bar=None) -> None:
@@ -151,7 +151,7 @@ class Trainer:
         if self.is_master:
             self.summaries.train_steps(first, losses, norms, lrs, walltimes, tokens_per_sec)
             if bar is not None:
-                bar.set_postfix(loss=f"{sum(losses) / len(losses):.4f}", lr=f"{lrs[-1]:.2e}",
+                bar.set_postfix(loss=f"{sum(losses) / len(losses):.4f}", lr=f"{lrs[-1][0]:.2e}",
                                 tok_s=f"{tokens_per_sec:,.0f}", refresh=False)
         self.pending, self.timer = [], time.perf_counter()
 

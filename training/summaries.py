@@ -3,9 +3,12 @@
 The tags are named for TensorBoard's layout. The Time Series dashboard sorts tag groups (the part of a tag
 before its first "/") by name and opens only the first two, so `loss` sorts first and `optim` second; the
 attention images (under `sample`) sort after them. Custom Scalars draws the train and val losses on one chart, which no
-other dashboard can. Everything goes to the run's one event file, so that TensorBoard shows one run per run.
+other dashboard can: as a margin chart, whose line (val) and band (down to train) read apart at a glance where a
+multiline chart draws each run's series in one colour, and which TensorBoard never smooths, so that the few
+evaluations read as measured. Everything goes to the run's one event file, so that TensorBoard shows one run per run.
 """
 
+import math
 import os
 import threading
 import time
@@ -29,11 +32,12 @@ from .config import DECAYS, OPTIMIZERS
 
 DEVICE_TYPES = ("cpu", "cuda", "mps")
 # The HParams table's columns, in this order; it shows the first five at first (the optimiser, its learning
-# rates, the depth and width) and offers the others. TensorBoard orders columns by name, hence the numbered names.
-HPARAMS = ("optim.name", "optim.lr", "optim.muon_lr", "model.n_layer", "model.n_embd", "model.n_head",
-           "model.block_size", "model.pos_emb", "model.dropout", "model.bias", "optim.decay", "optim.min_lr",
-           "optim.weight_decay", "optim.muon_weight_decay", "train.batch_size", "train.grad_accum_steps",
-           "train.max_iters", "train.seed", "device")
+# rates, the steps they are scheduled over, the depth) and offers the others. TensorBoard orders columns by name,
+# hence the numbered names.
+HPARAMS = ("optim.name", "optim.lr", "optim.muon_lr", "train.max_iters", "model.n_layer", "model.n_embd",
+           "model.n_head", "model.block_size", "model.pos_emb", "model.dropout", "model.bias", "optim.decay",
+           "optim.min_lr", "optim.weight_decay", "optim.muon_weight_decay", "train.batch_size",
+           "train.grad_accum_steps", "train.seed", "device")
 # the string hparams' every possible value
 CHOICES = {"optim.name": OPTIMIZERS, "optim.decay": DECAYS, "model.pos_emb": POSITIONS, "device": DEVICE_TYPES}
 # The scalar tags that bench/curve.py reads back, too
@@ -41,12 +45,17 @@ TRAIN_LOSS = "loss/train"
 TRAIN_EVAL_LOSS = "loss/train_eval"  # the train split, evaluated like val
 VAL_LOSS = "loss/val"
 VAL_BEST = "loss/val_best"
-LR = "optim/lr"
+LR = "optim/lr"  # AdamW's: every parameter's under optim=adamw, the embeddings' and gains' under optim=muon
+MUON_LR = "optim/lr_muon"  # Muon's, on the blocks' matrices (optim=muon only)
 METRICS = ((VAL_BEST, "val loss (best)"), (VAL_LOSS, "val loss (last)"))
-ATTENTION = ("Attention of layer {layer}, head {head} on the last {size} characters of train.sample_prompt. "
-             "Row i is the query at position i, column j the key at position j; the upper triangle is black "
-             "because a query never sees later keys. Each row is scaled to its own maximum, so white marks "
-             "each query's strongest key, not an absolute weight.")
+LOSS_CHART = "val loss: the line; train loss: the band's other edge (at each evaluation, unsmoothed)"
+ATTENTION = ("Attention of layer {layer}'s {n_head} heads (head 0 top left, then left to right and top to bottom, "
+             "between grey bars) on the last {size} characters of train.sample_prompt (below, and in the text "
+             "sample/attention). In each head row i is the query at position i, column j the key at position j; "
+             "the upper triangle is black because a query never sees later keys. Each row is scaled to its own "
+             "maximum, so white marks each query's strongest key, not an absolute weight.\n\n{characters}")
+HEAD_PIXELS = 256  # about the side of each head's map: small prompts get cells of several pixels
+BAR = 0.5  # the grey of the bars between heads
 
 
 def report_thread_error(args: threading.ExceptHookArgs) -> None:
@@ -63,8 +72,35 @@ def as_code(text: str) -> str:
     return "\n".join("    " + line for line in text.splitlines())
 
 
+def by_position(text: str) -> str:
+    """text under its positions, one column per character, as Markdown's verbatim block: a newline shows as ↵,
+    other characters that print nothing as ·."""
+    tens = "".join(f"{position:<10}" for position in range(0, len(text), 10)).rstrip()
+    units = "".join(str(position % 10) for position in range(len(text)))
+    shown = "".join("↵" if c == "\n" else c if c.isprintable() else "·" for c in text)
+    return as_code("\n".join((tens, units, shown)))
+
+
+def heads_in_a_grid(weights: torch.Tensor) -> torch.Tensor:
+    """One layer's attention weights (n_head, T, T) as one grey image (H, W) in [0, 1]: each head's map with every
+    row scaled to its own maximum and every cell a square of whole pixels; the heads in rows of ceil(sqrt(n_head)),
+    left to right and top to bottom, grey bars between them (and grey where a row has no more heads)."""
+    n_head, size, _ = weights.shape
+    cell = max(1, HEAD_PIXELS // size)
+    side, bar = size * cell, max(2, cell)
+    maps = (weights / weights.amax(dim=-1, keepdim=True)).float().cpu()
+    maps = maps.repeat_interleave(cell, dim=1).repeat_interleave(cell, dim=2)  # (n_head, side, side)
+    columns = math.ceil(math.sqrt(n_head))
+    rows = math.ceil(n_head / columns)
+    image = torch.full((rows * (side + bar) - bar, columns * (side + bar) - bar), BAR)
+    for head, heatmap in enumerate(maps):
+        top, left = head // columns * (side + bar), head % columns * (side + bar)
+        image[top:top + side, left:left + side] = heatmap
+    return image
+
+
 def hparam_name(key: str) -> str:
-    """"optim.lr" -> "05 optim.lr": TensorBoard sorts the columns by this name and shows the key."""
+    """"optim.lr" -> "02 optim.lr": TensorBoard sorts the columns by this name and shows the key."""
     return f"{HPARAMS.index(key) + 1:02d} {key}"
 
 
@@ -99,18 +135,22 @@ class Summaries:
         writes one too. The Rust data server reads no SessionLog: it drops a tag's points where the tag's steps go
         back."""
         self.writer = SummaryWriter(str(run_dir), purge_step=first_step)
+        self.first_step = first_step
         self.writer.add_text("config", as_code(config_yaml))
-        self.writer.add_custom_scalars({"loss": {
-            "train and val loss": ["Multiline", ["^loss/(train|train_eval|val)$"]],
-            "learning rate": ["Multiline", ["^optim/lr$"]]}})
+        self.writer.add_custom_scalars({  # one series a chart: a multiline chart draws a run's series in one colour
+            "loss": {LOSS_CHART: ["Margin", [VAL_LOSS, TRAIN_EVAL_LOSS, VAL_LOSS]]},  # the line, the band's edges
+            "optim": {"AdamW's learning rate": ["Multiline", [f"^{LR}$"]],
+                      "Muon's learning rate": ["Multiline", [f"^{MUON_LR}$"]]}})
 
-    def train_steps(self, first_step: int, losses: list, grad_norms: list, lrs: list, walltimes: list,
+    def train_steps(self, first_step: int, losses: list, grad_norms: list, lrs: list[tuple], walltimes: list,
                     tokens_per_sec: float):
-        """Each step's values at the time that step finished."""
-        for i, (loss, norm, lr, walltime) in enumerate(zip(losses, grad_norms, lrs, walltimes)):
+        """Each step's values at the time that step finished. lrs: each step's learning rates, AdamW's and (with
+        optim=muon) Muon's, in the order of training/optim.py's make_optimizers."""
+        for i, (loss, norm, step_lrs, walltime) in enumerate(zip(losses, grad_norms, lrs, walltimes)):
             self.writer.add_scalar(TRAIN_LOSS, loss, first_step + i, walltime)
             self.writer.add_scalar("optim/grad_norm", norm, first_step + i, walltime)
-            self.writer.add_scalar(LR, lr, first_step + i, walltime)
+            for tag, lr in zip((LR, MUON_LR), step_lrs):
+                self.writer.add_scalar(tag, lr, first_step + i, walltime)
         self.writer.add_scalar("perf/tokens_per_sec", tokens_per_sec, first_step + len(losses), walltimes[-1])
 
     def evaluation(self, step: int, losses: dict[str, float], best_val_loss: float):
@@ -121,18 +161,21 @@ class Summaries:
     @torch.no_grad()
     def sample_and_attention(self, model: GPT, vocab: CharVocab, prompt: torch.Tensor, n_tokens: int, seed: int,
                              step: int):
-        """A sample continuing the prompt (KV-cache generation, fixed seed) and each head's attention on it."""
+        """A sample continuing the prompt (KV-cache generation, fixed seed), and each layer's attention on it, its
+        heads in one image, with the characters at each position beside it."""
         model.eval()
         generator = torch.Generator(prompt.device).manual_seed(seed)  # leaves the training RNG untouched
         ids = generate(model, prompt, n_tokens, sampling=Sampling(), generator=generator)
         self.writer.add_text("sample", as_code(vocab.decode(ids[0].tolist())), step)
         context = prompt[:, -model.config.block_size:]
+        characters = by_position(vocab.decode(context[0].tolist()))
+        if step == self.first_step:  # the same at every evaluation
+            self.writer.add_text("sample/attention", characters, step)
         for layer, weights in enumerate(model.attention_weights(context)):  # (1, n_head, T, T)
-            rows = weights[0] / weights[0].amax(dim=-1, keepdim=True)  # each query's strongest key 1
-            for head, heatmap in enumerate(rows.float().cpu()):  # (T, T): queries down, keys across
-                tag = f"sample/attention/layer{layer}/head{head}"
-                description = ATTENTION.format(layer=layer, head=head, size=context.shape[1])
-                self.writer.file_writer.add_summary(described_image(tag, heatmap, description), step)
+            description = ATTENTION.format(layer=layer, n_head=weights.shape[1], size=context.shape[1],
+                                           characters=characters)
+            self.writer.file_writer.add_summary(
+                described_image(f"sample/attention/layer{layer}", heads_in_a_grid(weights[0]), description), step)
         model.train()
 
     def start_session(self, config: dict, device_type: str):
