@@ -29,6 +29,7 @@ import training.config
 import training.loop
 import training.optim
 from model import GPT, GPTConfig
+from training.budget import steps_within
 from training.checkpoint import save_checkpoint
 from training.config import validate
 from training.evaluation import evaluate
@@ -312,11 +313,11 @@ def test_a_resume_keeps_the_moving_average_of_the_run_it_continues(tmp_path, dat
 
 # --- a time budget, and extending a run ---------------------------------------------------------------------------
 
-BUDGET = ["train.max_iters=null", "train.max_minutes=0.05"]  # 3 seconds, start-up included
+BUDGET = ["train.max_iters=null", "train.max_minutes=0.1"]  # 6 seconds, start-up included
 
 
 def chosen_steps(printed: str) -> int:
-    (steps,) = re.findall(r"^train.max_minutes=0.05 fits (\d+) steps \(.*\); train.max_iters=\1 repeats this run$",
+    (steps,) = re.findall(r"^train.max_minutes=0.1 fits (\d+) steps \(.*\); train.max_iters=\1 repeats this run$",
                           printed, flags=re.MULTILINE)
     return int(steps)
 
@@ -336,7 +337,7 @@ def test_a_budget_records_the_steps_it_chose(budget_run):
     run_dir, steps = budget_run
     last = torch.load(run_dir / "last.pt", weights_only=True)["training"]
     assert last["step"] == steps > 5  # past the warm-up
-    assert (last["config"]["train"]["max_iters"], last["config"]["train"]["max_minutes"]) == (steps, 0.05)
+    assert (last["config"]["train"]["max_iters"], last["config"]["train"]["max_minutes"]) == (steps, 0.1)
     assert sorted(scalars(run_dir, "loss/train")) == list(range(steps))  # the steps measured first are not logged
     session = plugin_data_pb2.HParamsPluginData.FromString(
         events(run_dir).PluginTagToContent("hparams")["_hparams_/session_start_info"])
@@ -360,6 +361,28 @@ def test_a_budget_too_short_for_the_warm_up_is_one_line(tmp_path, data_root):
                                                 r"since the start, .*\), no more than optim.warmup_iters=5; give a "
                                                 r"longer budget$"):
         train.main(config(tmp_path, data_root, "train.max_iters=null", "train.max_minutes=0.0001"), tmp_path / "r")
+
+
+@pytest.mark.parametrize("seconds, step_s, evaluation_s, eval_interval", [
+    (10.0, 0.1, 1.0, 20), (10.0, 0.1, 0.5, 7), (3.05, 0.1, 1.0, 20), (0.5, 0.1, 1.0, 5), (100.0, 0.25, 3.0, 200),
+    (2.95, 0.1, 0.95, 10)])
+def test_the_steps_within_a_budget_are_the_most_that_fit_with_their_evaluations(seconds, step_s, evaluation_s,
+                                                                                eval_interval):
+    def cost(n):  # n steps, and an evaluation after every eval_interval-th and after the last
+        return n * step_s + math.ceil(n / eval_interval) * evaluation_s
+
+    most = max(n for n in range(10_000) if cost(n) <= seconds + 1e-9)
+    assert steps_within(seconds, step_s, evaluation_s, eval_interval) == most
+
+
+def test_the_budget_counts_from_the_start_of_the_process():
+    """The interpreter's start-up and the imports before training count: a process that waited a second has
+    spent at least that much."""
+    code = ("import time; time.sleep(1); from training.budget import process_started; "
+            "print(time.perf_counter() - process_started())")
+    spent = float(subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                                 check=True, timeout=60).stdout)
+    assert 1.0 <= spent < 60
 
 
 def stopped_at(tmp_path: Path, data_root: Path, step: int, overrides: list[str], run_dir: Path, named=None):
@@ -389,7 +412,7 @@ def test_a_resumed_budget_run_keeps_its_steps(tmp_path, data_root, monkeypatch, 
     assert not [line for line in printed if "fits" in line]  # measured and sized once, when it started
     assert torch.load(run_dir / "last.pt", weights_only=True)["training"]["step"] == planned
     with pytest.raises(train.ConfigError, match=rf"^train.resume: a resumed run keeps the {planned} steps it was "
-                                                rf"planned for, sized by train.max_minutes=0.05; resume without "
+                                                rf"planned for, sized by train.max_minutes=0.1; resume without "
                                                 rf"train.max_minutes, or extend it with train.max_iters=N$"):
         train.main(config(tmp_path, data_root, "train.max_iters=null", "train.max_minutes=1",
                           f"train.resume={run_dir}"), run_dir)
@@ -404,11 +427,12 @@ def test_a_resume_naming_no_length_keeps_the_runs_plan(tmp_path, data_root):
     assert last["step"] == last["config"]["train"]["max_iters"] == 30
 
 
-@pytest.mark.parametrize("optim", ["optim=adamw", "optim=muon"])
-@pytest.mark.parametrize("decay", ["optim.decay=cosine", "optim.decay=linear"])
-def test_an_extended_run_follows_the_longer_plan_from_where_it_resumed(tmp_path, data_root, optim, decay):
+@pytest.mark.parametrize("optim, decay, warmup", [("adamw", "cosine", 5), ("muon", "linear", 5), ("adamw", "cosine", 0),
+                                                  ("muon", "linear", 0)])
+def test_an_extended_run_follows_the_longer_plan_from_where_it_resumed(tmp_path, data_root, optim, decay, warmup):
     run_dir, fresh = tmp_path / "runs/extended", tmp_path / "runs/fresh"
-    overrides = [optim, decay, "optim.min_lr=1e-3", "train.eval_interval=10"]
+    overrides = [f"optim={optim}", f"optim.decay={decay}", f"optim.warmup_iters={warmup}", "optim.min_lr=1e-3",
+                 "train.eval_interval=10"]
     train.main(config(tmp_path, data_root, *overrides, "train.max_iters=20"), run_dir)
     train.main(config(tmp_path, data_root, *overrides, "train.max_iters=35", f"train.resume={run_dir}"), run_dir)
     train.main(config(tmp_path, data_root, *overrides, "train.max_iters=35"), fresh)
@@ -544,6 +568,25 @@ def test_own_text_trains_in_a_folder_of_its_own_and_is_recorded(tmp_path):
     assert sampled.returncode == 0 and sampled.stdout.startswith("Le")
     assert sampled.stderr.splitlines()[0] == f"sampling {best.relative_to(tmp_path)} (step {step}, best val loss " \
         f"{loss:.4f}), trained on notes.txt (sha256 {sha256[:12]})"
+
+
+def test_a_budget_on_the_command_line_and_a_resume_that_names_no_length(tmp_path, data_root):
+    """The budget counts the process's start-up; a resume naming no length keeps the plan the budget chose, which
+    the preset's budget (5 minutes) does not size again."""
+    run_dir = tmp_path / "run"
+    command = [sys.executable, str(REPO / "train.py"), *[o for o in TINY if not o.startswith("train.max_iters=")],
+               *data_overrides(data_root), f"hydra.run.dir={run_dir}"]
+    result = subprocess.run([*command, "train.max_minutes=0.2"], env=train_env(), capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    (steps,) = re.findall(r"^train.max_minutes=0.2 fits (\d+) steps \(\d+\.\d s since the start, ",
+                          result.stdout, flags=re.MULTILINE)
+    assert torch.load(run_dir / "last.pt", weights_only=True)["training"]["step"] == int(steps)
+    resumed = subprocess.run([*command, f"train.resume={run_dir}"], env=train_env(), capture_output=True, text=True,
+                             timeout=120)
+    assert resumed.returncode == 2 and resumed.stderr == (
+        f"train.py: error: train.resume: the checkpoint is at step {steps}, the end of its schedule (train.max_iters="
+        f"{steps}); there is nothing left to train; give a larger train.max_iters to extend it\n")
 
 
 def test_sigterm_leaves_loadable_last_pt(tmp_path, data_root):
