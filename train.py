@@ -3,7 +3,9 @@
     python train.py                                   # preset gpu where CUDA or MPS is found, else cpu
     python train.py preset=cpu model.n_layer=2 train.max_iters=200
     python train.py data.text=path/to/any.txt         # your own UTF-8 text, its own vocabulary
+    python train.py train.max_minutes=10              # as many steps as fit in 10 minutes on this machine
     python train.py train.resume=runs/2025-01-31_12-00-00   # continue a run from its last.pt, in its directory
+    python train.py train.resume=runs/2025-01-31_12-00-00 train.max_iters=3000   # train it on to step 3000
     python train.py -m optim.lr=1e-3,2e-3             # a sweep, one run directory per job under runs/multirun/
     torchrun --standalone --nproc_per_node=2 train.py # DDP: NCCL on CUDA, gloo on CPU
     tensorboard --logdir runs
@@ -20,18 +22,21 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import hydra
 import torch
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from data import (SHAKESPEARE, Batches, DataError, PreparedData, UnknownCharacterError, prepare_shakespeare,
                   prepare_text)
 from model import GPT
+from training.budget import process_started
 from training.checkpoint import resolve_checkpoint, trained_on
 from training.config import TrainConfig, explained, register, validate
 from training.devices import choose_device, memory_needed, memory_of
@@ -45,18 +50,24 @@ from training.summaries import Summaries, report_thread_error
 register()
 
 
-def main(cfg: DictConfig, run_dir, preset: str | None = None) -> float | None:
+def main(cfg: DictConfig, run_dir, preset: str | None = None, named: set[str] | None = None,
+         started_at: float | None = None) -> float | None:
     """Train as `cfg` says, writing events and checkpoints to run_dir; return the last val loss. preset: which
-    preset cfg was composed with and why (preset_picked), for the first line."""
+    preset cfg was composed with and why (preset_picked), for the first line. named: the keys the command line
+    names (None: all of cfg's); started_at: when train.max_minutes began to count, on time.perf_counter()'s clock
+    (None: now)."""
     run_dir = Path(run_dir)
     earlier_events = set(run_dir.glob("events.out.tfevents.*"))
-    settings = validate(cfg)
-    tc = settings.train
+    settings = validate(cfg, named)
     resumed = None
-    if tc.resume is not None:
-        resumed = load_resume_checkpoint(tc.resume, settings.config, tc.max_iters, settings.optim)
+    if settings.train.resume is not None:
+        length_named = named is None or not named.isdisjoint({"train.max_iters", "train.max_minutes"})
+        resumed, length = load_resume_checkpoint(settings.train.resume, settings.config, settings.optim,
+                                                 length_named)
+        settings = settings.planned(*length)
         if is_rank_zero():  # what a run killed mid-save left beside its checkpoints
-            remove_stale_temporaries(resolve_checkpoint(tc.resume, prefer="last.pt").parent)
+            remove_stale_temporaries(resolve_checkpoint(settings.train.resume, prefer="last.pt").parent)
+    tc = settings.train
     rank, world_size, device = init_distributed(device_for(cfg.device))
     try:
         torch.manual_seed(tc.seed + rank)  # dropout differs between processes, like their batches
@@ -78,12 +89,14 @@ def main(cfg: DictConfig, run_dir, preset: str | None = None) -> float | None:
                               first_step=resumed["training"]["step"] if resumed else 0) if rank == 0 else None
         started = False
         try:
-            trainer = Trainer(settings, model, data, device, run_dir, summaries, resumed, rank, world_size)
+            trainer = Trainer(settings, model, data, device, run_dir, summaries, resumed, rank, world_size,
+                              started_at)
             if rank == 0:
                 picked = f"{preset}; " if preset else ""
+                to = tc.max_iters or f"the steps that fit in train.max_minutes={tc.max_minutes:g} (measured first)"
                 write_line(f"training {model.num_params() / 1e6:.2f}M parameters on {device} ({picked}{world_size} "
                            f"process(es), {trainer.tokens_per_step} tokens per step) from step {trainer.step} to "
-                           f"{tc.max_iters}; run directory {run_dir}")
+                           f"{to}; run directory {run_dir}")
             started = True
             last_val_loss = trainer.fit()
         finally:
@@ -147,8 +160,11 @@ def device_for(name: str) -> torch.device:
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def hydra_main(cfg: DictConfig) -> float | None:
     job = HydraConfig.get()
+    named = {override.key_or_group for override in OverridesParser.create().parse_overrides(job.overrides.task)}
+    # a sweep's jobs run one after another in one process: each counts its budget from its own start
+    started_at = process_started() if job.mode != RunMode.MULTIRUN else time.perf_counter()
     try:
-        return main(cfg, job.runtime.output_dir, preset_picked(job))
+        return main(cfg, job.runtime.output_dir, preset_picked(job), named, started_at)
     except Stopped as e:
         if is_rank_zero():
             print(e, file=sys.stderr)

@@ -19,7 +19,10 @@ def composed(*overrides):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("train.max_iters=0", "train.max_iters must be a positive integer, got 0"),
+    ("train.max_iters=0", "train.max_iters must be a positive integer, or null for a budget, got 0"),
+    ("train.max_minutes=0", "train.max_minutes must be a positive number of minutes, or null, got 0"),
+    ("train.max_minutes=inf", "train.max_minutes must be a positive number of minutes, or null, got inf"),
+    ("preset=gpu train.max_iters=null", "train.max_iters is null and so is max_minutes: set the steps"),
     ("train.seed=-1", "train.seed must be an integer in [0, 4294967295], got -1"),
     ("train.seed=4294967296", "train.seed must be an integer in [0, 4294967295]"),
     ("train.sample_prompt=''", "train.sample_prompt must be at least one character"),
@@ -28,12 +31,12 @@ def composed(*overrides):
     ("optim.beta2=1.0", "optim.beta2 must be in [0, 1)"),
     ("optim.grad_clip=0", "optim.grad_clip must be a positive number"),
     ("optim.name=sgd", "optim.name must be one of"),
-    ("optim.warmup_iters=1000", "optim.warmup_iters must be below train.max_iters=1000"),
+    ("train.max_iters=1000 optim.warmup_iters=1000", "optim.warmup_iters must be below train.max_iters=1000"),
     ("model.n_head=5", "model: n_embd 128 is not divisible by n_head 5"),
 ])
 def test_a_bad_value_is_one_line_naming_the_setting(override, message):
     with pytest.raises(ConfigError) as caught:
-        validate(composed(override))
+        validate(composed(*override.split()))
     assert str(caught.value).startswith(message) and "\n" not in str(caught.value)
 
 
@@ -77,3 +80,24 @@ def test_the_dataclasses_check_their_ranges_without_hydra():
     with pytest.raises(ValueError, match="lr must be a positive number"):
         OptimConfig(lr=-1.0)
     assert TrainConfig().max_iters == 5000 and OptimConfig().name == "adamw"
+
+
+@pytest.mark.parametrize("overrides, named, length", [
+    ([], set(), (None, 5.0)),  # the cpu preset's budget
+    (["preset=gpu"], set(), (5000, None)),  # the gpu preset's steps
+    (["train.max_iters=200"], {"train.max_iters"}, (200, None)),
+    (["preset=gpu", "train.max_minutes=10"], {"train.max_minutes"}, (None, 10.0)),
+    (["preset=gpu", "train.max_minutes=10", "train.max_iters=null"], {"train.max_minutes", "train.max_iters"},
+     (None, 10.0)),
+    (["train.max_iters=200", "train.max_minutes=null"], {"train.max_iters", "train.max_minutes"}, (200, None)),
+    (["train.max_iters=200"], None, (200, None)),  # without a command line, the steps set decide
+])
+def test_the_length_named_on_the_command_line_wins_over_the_presets(overrides, named, length):
+    train = validate(composed(*overrides), named).train
+    assert (train.max_iters, train.max_minutes) == length
+
+
+def test_naming_both_steps_and_a_budget_is_refused():
+    with pytest.raises(ConfigError, match=r"^train.max_iters=200 and train.max_minutes=3.0 both say how long to "
+                                          r"train; name one of them$"):
+        validate(composed("train.max_iters=200", "train.max_minutes=3"), {"train.max_iters", "train.max_minutes"})

@@ -28,7 +28,7 @@ from test_train import config
 from training.checkpoint import load_model
 from training.summaries import heads_in_a_grid
 
-RESUMED = "2026-01-01_00-02-00"  # crashed in step 7, after its checkpoint at step 5, and resumed from it
+RESUMED = "2026-01-01_00-02-00"  # crashed in step 7, after its checkpoint at step 5, resumed from it and extended
 RUNS = {"2026-01-01_00-00-00": ["optim.lr=1e-2"], "multirun/2026-01-01_00-01-00/0": ["optim.lr=5e-3"],
         "multirun/2026-01-01_00-01-00/1": ["optim=adamw", "optim.lr=2e-3"],  # the others: the cpu preset's Muon
         RESUMED: ["optim.lr=3e-3"]}
@@ -108,8 +108,9 @@ def logdir(tmp_path_factory) -> Path:
     logdir = tmp_path / "runs"
     for name, override in RUNS.items():
         overrides = [f"train.max_iters={STEPS}", "train.eval_interval=5", *override]
-        if name == RESUMED:
-            crash_in_step_7(tmp_path, overrides + ["train.log_interval=1"], logdir / name)
+        if name == RESUMED:  # planned for fewer steps, crashed, and extended to STEPS when resumed
+            crash_in_step_7(tmp_path, [*override, "train.max_iters=8", "train.eval_interval=5", "train.log_interval=1"],
+                            logdir / name)
             overrides.append(f"train.resume={logdir / name}")
         train.main(config(tmp_path, tmp_path / "data", *overrides), logdir / name)
     return logdir
@@ -276,7 +277,9 @@ def test_hparams_integers_shown_as_integers(server):
     for group in groups:
         hparams = group["hparams"]
         assert hparams[names["model.n_layer"]] == "2" and hparams[names["model.n_embd"]] == "32"
-        assert hparams[names["train.max_iters"]] == str(STEPS) and hparams[names["train.seed"]] == "1337"
+        # an extended run's row keeps the plan of its first life: TensorBoard keeps the first settings logged
+        steps = 8 if group["sessions"][0]["name"] == RESUMED else STEPS
+        assert hparams[names["train.max_iters"]] == str(steps) and hparams[names["train.seed"]] == "1337"
 
 
 def test_hparams_show_the_optimiser_and_only_the_learning_rates_it_uses(server):

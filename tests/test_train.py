@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -28,6 +29,7 @@ import training.config
 import training.loop
 import training.optim
 from model import GPT, GPTConfig
+from training.budget import steps_within
 from training.checkpoint import save_checkpoint
 from training.config import validate
 from training.evaluation import evaluate
@@ -310,6 +312,155 @@ def test_a_resume_keeps_the_moving_average_of_the_run_it_continues(tmp_path, dat
         resume(tmp_path / "damaged.pt", *EMA)
 
 
+# --- a time budget, and extending a run ---------------------------------------------------------------------------
+
+BUDGET = ["train.max_iters=null", "train.max_minutes=0.1"]  # 6 seconds, start-up included
+
+
+def chosen_steps(printed: str) -> int:
+    (steps,) = re.findall(r"^train.max_minutes=0.1 fits (\d+) steps \(.*\); train.max_iters=\1 repeats this run$",
+                          printed, flags=re.MULTILINE)
+    return int(steps)
+
+
+@pytest.fixture(scope="module")
+def budget_run(tmp_path_factory, data_root) -> tuple[Path, int]:
+    """A run sized by a budget: its directory and the steps it chose."""
+    tmp_path = tmp_path_factory.mktemp("budget")
+    with pytest.MonkeyPatch.context() as patch:
+        printed = []
+        patch.setattr(training.loop, "write_line", printed.append)
+        train.main(config(tmp_path, data_root, *BUDGET), tmp_path / "runs/budget")
+    return tmp_path / "runs/budget", chosen_steps("\n".join(printed))
+
+
+def test_a_budget_records_the_steps_it_chose(budget_run):
+    run_dir, steps = budget_run
+    last = torch.load(run_dir / "last.pt", weights_only=True)["training"]
+    assert last["step"] == steps > 5  # past the warm-up
+    assert (last["config"]["train"]["max_iters"], last["config"]["train"]["max_minutes"]) == (steps, 0.1)
+    assert sorted(scalars(run_dir, "loss/train")) == list(range(steps))  # the steps measured first are not logged
+    session = plugin_data_pb2.HParamsPluginData.FromString(
+        events(run_dir).PluginTagToContent("hparams")["_hparams_/session_start_info"])
+    assert session.session_start_info.hparams["17 train.max_iters"].string_value == str(steps)
+
+
+def test_the_steps_a_budget_chose_repeat_its_run_exactly(tmp_path, data_root, budget_run):
+    run_dir, steps = budget_run
+    train.main(config(tmp_path, data_root, f"train.max_iters={steps}"), tmp_path / "runs/steps")
+    assert scalars(tmp_path / "runs/steps", "loss/train") == scalars(run_dir, "loss/train")
+    budget, planned = (torch.load(d / "last.pt", weights_only=True) for d in (run_dir, tmp_path / "runs/steps"))
+    for name, weight in budget["model"].items():
+        assert torch.equal(planned["model"][name], weight), name
+    moments = [state for o in (budget, planned) for state in o["training"]["optimizers"][0]["state"].values()]
+    assert all(torch.equal(a["exp_avg"], b["exp_avg"]) for a, b in zip(moments[:len(moments) // 2],
+                                                                         moments[len(moments) // 2:]))
+
+
+def test_a_budget_too_short_for_the_warm_up_is_one_line(tmp_path, data_root):
+    with pytest.raises(train.ConfigError, match=r"^train.max_minutes=0.0001 leaves time for 0 steps here \(.* s "
+                                                r"since the start, .*\), no more than optim.warmup_iters=5; give a "
+                                                r"longer budget$"):
+        train.main(config(tmp_path, data_root, "train.max_iters=null", "train.max_minutes=0.0001"), tmp_path / "r")
+
+
+@pytest.mark.parametrize("seconds, step_s, evaluation_s, eval_interval", [
+    (10.0, 0.1, 1.0, 20), (10.0, 0.1, 0.5, 7), (3.05, 0.1, 1.0, 20), (0.5, 0.1, 1.0, 5), (100.0, 0.25, 3.0, 200),
+    (2.95, 0.1, 0.95, 10)])
+def test_the_steps_within_a_budget_are_the_most_that_fit_with_their_evaluations(seconds, step_s, evaluation_s,
+                                                                                eval_interval):
+    def cost(n):  # n steps, and an evaluation after every eval_interval-th and after the last
+        return n * step_s + math.ceil(n / eval_interval) * evaluation_s
+
+    most = max(n for n in range(10_000) if cost(n) <= seconds + 1e-9)
+    assert steps_within(seconds, step_s, evaluation_s, eval_interval) == most
+
+
+def test_the_budget_counts_from_the_start_of_the_process():
+    """The interpreter's start-up and the imports before training count: a process that waited a second has
+    spent at least that much."""
+    code = ("import time; time.sleep(1); from training.budget import process_started; "
+            "print(time.perf_counter() - process_started())")
+    spent = float(subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                                 check=True, timeout=60).stdout)
+    assert 1.0 <= spent < 60
+
+
+def stopped_at(tmp_path: Path, data_root: Path, step: int, overrides: list[str], run_dir: Path, named=None):
+    """Run until SIGTERM stops it after `step` steps (its last.pt holds that step)."""
+    forward, calls = GPT.forward, []
+
+    def forward_then_sigterm(model, *args, **kwargs):
+        calls.append(model.training)
+        if calls.count(True) == step:
+            signal.raise_signal(signal.SIGTERM)
+        return forward(model, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(GPT, "forward", forward_then_sigterm)
+        with pytest.raises(Stopped):
+            train.main(config(tmp_path, data_root, *overrides), run_dir, named)
+
+
+def test_a_resumed_budget_run_keeps_its_steps(tmp_path, data_root, monkeypatch, budget_run):
+    _, steps = budget_run
+    run_dir = tmp_path / "runs/stopped"
+    stopped_at(tmp_path, data_root, 3 + 11, BUDGET, run_dir)  # 11 steps measured first, then 3 of the run
+    planned = torch.load(run_dir / "last.pt", weights_only=True)["training"]["config"]["train"]["max_iters"]
+    printed = []
+    monkeypatch.setattr(training.loop, "write_line", printed.append)
+    train.main(config(tmp_path, data_root, *BUDGET, f"train.resume={run_dir}"), run_dir)
+    assert not [line for line in printed if "fits" in line]  # measured and sized once, when it started
+    assert torch.load(run_dir / "last.pt", weights_only=True)["training"]["step"] == planned
+    with pytest.raises(train.ConfigError, match=rf"^train.resume: a resumed run keeps the {planned} steps it was "
+                                                rf"planned for, sized by train.max_minutes=0.1; resume without "
+                                                rf"train.max_minutes, or extend it with train.max_iters=N$"):
+        train.main(config(tmp_path, data_root, "train.max_iters=null", "train.max_minutes=1",
+                          f"train.resume={run_dir}"), run_dir)
+
+
+def test_a_resume_naming_no_length_keeps_the_runs_plan(tmp_path, data_root):
+    """What the command line leaves unnamed, the preset's steps (here 40), gives way to the checkpoint's."""
+    run_dir = tmp_path / "runs/stopped"
+    stopped_at(tmp_path, data_root, 7, ["train.max_iters=30"], run_dir)
+    train.main(config(tmp_path, data_root, f"train.resume={run_dir}"), run_dir, named={"train.resume"})
+    last = torch.load(run_dir / "last.pt", weights_only=True)["training"]
+    assert last["step"] == last["config"]["train"]["max_iters"] == 30
+
+
+@pytest.mark.parametrize("optim, decay, warmup", [("adamw", "cosine", 5), ("muon", "linear", 5), ("adamw", "cosine", 0),
+                                                  ("muon", "linear", 0)])
+def test_an_extended_run_follows_the_longer_plan_from_where_it_resumed(tmp_path, data_root, optim, decay, warmup):
+    run_dir, fresh = tmp_path / "runs/extended", tmp_path / "runs/fresh"
+    overrides = [f"optim={optim}", f"optim.decay={decay}", f"optim.warmup_iters={warmup}", "optim.min_lr=1e-3",
+                 "train.eval_interval=10"]
+    train.main(config(tmp_path, data_root, *overrides, "train.max_iters=20"), run_dir)
+    train.main(config(tmp_path, data_root, *overrides, "train.max_iters=35", f"train.resume={run_dir}"), run_dir)
+    train.main(config(tmp_path, data_root, *overrides, "train.max_iters=35"), fresh)
+    extended, planned = scalars(run_dir, "optim/lr"), scalars(fresh, "optim/lr")
+    assert sorted(extended) == list(range(35))  # one curve
+    assert {s: extended[s] for s in range(20, 35)} == {s: planned[s] for s in range(20, 35)}  # float32 as logged
+    assert extended[19] != planned[19]  # the shorter plan decayed sooner
+    last = torch.load(run_dir / "last.pt", weights_only=True)["training"]
+    assert last["step"] == last["config"]["train"]["max_iters"] == 35
+    lrs = [group["lr"] for o in last["optimizers"] for group in o["param_groups"]]
+    assert lrs == [group["lr"] for o in torch.load(fresh / "last.pt", weights_only=True)["training"]["optimizers"]
+                   for group in o["param_groups"]]
+
+
+@pytest.mark.parametrize("steps, message", [
+    (12, "train.max_iters=12 is below step 20, which the run in {run_dir} has reached; give a larger train.max_iters "
+         "to extend it"),
+    (20, "train.resume: the checkpoint is at step 20, the end of its schedule (train.max_iters=20); there is nothing "
+         "left to train; give a larger train.max_iters to extend it")])
+def test_a_resume_to_a_step_already_reached_is_one_line(tmp_path, data_root, steps, message):
+    run_dir = tmp_path / "runs/done"
+    train.main(config(tmp_path, data_root, "train.max_iters=20", "train.eval_interval=10"), run_dir)
+    with pytest.raises(train.ConfigError) as caught:
+        train.main(config(tmp_path, data_root, f"train.max_iters={steps}", f"train.resume={run_dir}"), run_dir)
+    assert str(caught.value) == message.format(run_dir=run_dir)
+
+
 # --- divergence ---------------------------------------------------------------------------------------------------
 
 def test_nonfinite_loss_stops_with_message(tmp_path, data_root, monkeypatch):
@@ -363,7 +514,7 @@ def test_preset_is_picked_from_the_device(monkeypatch, found, overrides, preset,
     with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=overrides, return_hydra_config=True)
     assert cfg.hydra.runtime.choices.preset == preset
-    assert cfg.train.max_iters == (1000 if preset == "cpu" else 5000)
+    assert (cfg.train.max_iters, cfg.train.max_minutes) == ((None, 5) if preset == "cpu" else (5000, None))
     assert train.preset_picked(cfg.hydra) == f"preset {preset}, {why}"  # what the first line says
 
 
@@ -421,6 +572,25 @@ def test_own_text_trains_in_a_folder_of_its_own_and_is_recorded(tmp_path):
     assert sampled.returncode == 0 and sampled.stdout.startswith("Le")
     assert sampled.stderr.splitlines()[0] == f"sampling {best.relative_to(tmp_path)} (step {step}, best val loss " \
         f"{loss:.4f}), trained on notes.txt (sha256 {sha256[:12]})"
+
+
+def test_a_budget_on_the_command_line_and_a_resume_that_names_no_length(tmp_path, data_root):
+    """The budget counts the process's start-up; a resume naming no length keeps the plan the budget chose, which
+    the preset's budget (5 minutes) does not size again."""
+    run_dir = tmp_path / "run"
+    command = [sys.executable, str(REPO / "train.py"), *[o for o in TINY if not o.startswith("train.max_iters=")],
+               *data_overrides(data_root), f"hydra.run.dir={run_dir}"]
+    result = subprocess.run([*command, "train.max_minutes=0.2"], env=train_env(), capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    (steps,) = re.findall(r"^train.max_minutes=0.2 fits (\d+) steps \(\d+\.\d s since the start, ",
+                          result.stdout, flags=re.MULTILINE)
+    assert torch.load(run_dir / "last.pt", weights_only=True)["training"]["step"] == int(steps)
+    resumed = subprocess.run([*command, f"train.resume={run_dir}"], env=train_env(), capture_output=True, text=True,
+                             timeout=120)
+    assert resumed.returncode == 2 and resumed.stderr == (
+        f"train.py: error: train.resume: the checkpoint is at step {steps}, the end of its schedule (train.max_iters="
+        f"{steps}); there is nothing left to train; give a larger train.max_iters to extend it\n")
 
 
 def test_sigterm_leaves_loadable_last_pt(tmp_path, data_root):

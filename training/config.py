@@ -78,7 +78,12 @@ class OptimConfig:
 
 @dataclass
 class TrainConfig:
-    max_iters: int = 5000  # optimiser steps; the learning-rate schedule is sized by them
+    # The run's length: max_iters optimiser steps, which size the learning-rate schedule, or (max_iters null) a
+    # budget of max_minutes of wall-clock time, start-up included: the run measures its speed and sizes max_iters
+    # so that it ends within the budget. Set by a preset, max_iters decides (max_minutes is then null); once a
+    # budget has sized a run, both are set: max_minutes records the budget that chose max_iters.
+    max_iters: int | None = 5000
+    max_minutes: float | None = None
     batch_size: int = 64  # sequences per micro-step and process
     grad_accum_steps: int = 1  # micro-steps per optimiser step
     eval_interval: int = 250  # steps between evaluations; each logs a sample and saves last.pt (and best.pt)
@@ -94,8 +99,14 @@ class TrainConfig:
     sample_tokens: int = 200  # characters generated after sample_prompt at each evaluation
 
     def __post_init__(self):
-        _require(self, lambda v: v >= 1, "a positive integer", "max_iters", "batch_size", "grad_accum_steps",
-                 "eval_interval", "eval_iters", "log_interval")
+        _require(self, lambda v: v >= 1, "a positive integer", "batch_size", "grad_accum_steps", "eval_interval",
+                 "eval_iters", "log_interval")
+        _require(self, lambda v: v is None or v >= 1, "a positive integer, or null for a budget", "max_iters")
+        _require(self, lambda v: v is None or 0 < v < math.inf, "a positive number of minutes, or null",
+                 "max_minutes")
+        if self.max_iters is None and self.max_minutes is None:
+            raise ValueError("max_iters is null and so is max_minutes: set the steps (max_iters) or a budget in "
+                             "minutes (max_minutes)")
         _require(self, lambda v: v >= 0, "a non-negative integer", "sample_tokens")
         _require(self, lambda v: 0 <= v <= MAX_SEED, f"an integer in [0, {MAX_SEED}]", "seed")
         _require(self, lambda v: v != "", "at least one character", "sample_prompt")
@@ -122,6 +133,13 @@ class Settings:
     train: TrainConfig
     config: dict  # the whole composed config, resolved: what checkpoints record and TensorBoard shows
 
+    def planned(self, max_iters: int, max_minutes: float | None) -> "Settings":
+        """These settings with the run's length fixed at max_iters steps, sized by a budget of max_minutes (or
+        by none), as a budget or a resume fixes it."""
+        length = {"max_iters": max_iters, "max_minutes": max_minutes}
+        return dataclasses.replace(self, train=dataclasses.replace(self.train, **length),
+                                   config={**self.config, "train": {**self.config["train"], **length}})
+
 
 def register() -> None:
     """Make Config the schema of conf/config.yaml (which lists `schema` first in its defaults), each optimiser an
@@ -134,13 +152,24 @@ def register() -> None:
         "device_preset", lambda: "cpu" if choose_device("auto").type == "cpu" else "gpu", replace=True)
 
 
-def validate(cfg: DictConfig) -> Settings:
-    """Every section as its dataclass, its ranges checked, or a ConfigError naming the setting."""
+def validate(cfg: DictConfig, named: set[str] | None = None) -> Settings:
+    """Every section as its dataclass, its ranges checked, or a ConfigError naming the setting.
+
+    named: the keys named on the command line (None: every setting in cfg is meant as it is). A run's length
+    named there, as steps (train.max_iters) or as a budget (train.max_minutes), wins over the preset's."""
     cfg = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])  # composed with or without Hydra's
     try:  # `+key=value` adds a key past the schema: Hydra lets it through, the schema refuses it here
         OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.to_container(cfg))
     except ConfigKeyError as e:
         raise unknown_setting(e.full_key) from None
+    train = cfg.train
+    if named is not None and "train.max_minutes" in named and train.max_minutes is not None:
+        if "train.max_iters" in named and train.max_iters is not None:
+            raise ConfigError(f"train.max_iters={train.max_iters} and train.max_minutes={train.max_minutes} both "
+                              f"say how long to train; name one of them")
+        train.max_iters = None
+    if train.max_iters is not None:  # the steps decide: no budget
+        train.max_minutes = None
     sections = {}
     for name in ("data", "optim", "train", "model"):
         node = cfg[name]
@@ -153,7 +182,7 @@ def validate(cfg: DictConfig) -> Settings:
         except ValueError as e:
             raise ConfigError(f"{name}.{one_line(e)}" if name != "model" else f"model: {one_line(e)}") from None
     settings = Settings(**sections, config=OmegaConf.to_container(cfg, resolve=True))
-    if not settings.optim.warmup_iters < settings.train.max_iters:
+    if settings.train.max_iters is not None and not settings.optim.warmup_iters < settings.train.max_iters:
         raise ConfigError(f"optim.warmup_iters must be below train.max_iters={settings.train.max_iters}, "
                           f"got {settings.optim.warmup_iters}")
     return settings

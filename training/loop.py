@@ -1,6 +1,7 @@
 """The training loop: steps, periodic logging, evaluation and checkpoints, stopping on a signal."""
 
 import math
+import tempfile
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -14,13 +15,14 @@ from tqdm import tqdm
 from data import Batches, PreparedData
 from model import GPT
 
+from .budget import MARGIN, REHEARSAL_STEPS, steps_within
 from .checkpoint import build_checkpoint, save_checkpoint
 from .config import Settings
 from .distributed import gather
-from .errors import write_line
+from .errors import ConfigError, write_line
 from .evaluation import evaluate
-from .optim import make_optimizers, make_scheduler
-from .rng import restore_rng, rng_state
+from .optim import advance, make_optimizers, make_scheduler
+from .rng import load_rng_state, restore_rng, rng_state
 from .signals import StopSignals
 from .summaries import Summaries
 
@@ -38,9 +40,11 @@ class Trainer:
     Rank 0 alone writes checkpoints, events and progress."""
 
     def __init__(self, settings: Settings, model: GPT, data: PreparedData, device: torch.device, run_dir: Path,
-                 summaries: Summaries | None, resumed: dict | None = None, rank: int = 0, world_size: int = 1):
+                 summaries: Summaries | None, resumed: dict | None = None, rank: int = 0, world_size: int = 1,
+                 started_at: float | None = None):
         """summaries: rank 0's TensorBoard events. A sample_prompt outside the data's vocabulary is an
-        UnknownCharacterError, raised before any step."""
+        UnknownCharacterError, raised before any step. started_at: when train.max_minutes began to count, on
+        time.perf_counter()'s clock (default: now)."""
         tc = self.tc = settings.train
         self.settings, self.data, self.device, self.run_dir = settings, data, device, run_dir
         self.rank, self.world_size, self.is_master = rank, world_size, rank == 0
@@ -53,8 +57,12 @@ class Trainer:
         self.vocab = data.vocab
         self.prompt = torch.tensor([self.vocab.encode(tc.sample_prompt)], device=device)
         self.batches = Batches(data.train, model.config.block_size, tc.batch_size, device, seed=tc.seed + rank)
+        self.started_at = time.perf_counter() if started_at is None else started_at
         self.optimizers = make_optimizers(model, settings.optim, fused=device.type == "cuda")
-        self.schedulers = [make_scheduler(o, settings.optim, tc.max_iters) for o in self.optimizers]
+        # With a budget, fit() plans the steps once it has measured them; until then a plan of any length gives
+        # step 0 its learning rate, which the length of a plan never changes.
+        self.schedulers = [make_scheduler(o, settings.optim, tc.max_iters or settings.optim.warmup_iters + 1)
+                           for o in self.optimizers]
         self.step, self.best_val_loss, self.last_val_loss = 0, math.inf, None  # step: optimiser steps taken
         if resumed is not None:
             self.restore(resumed)
@@ -77,24 +85,31 @@ class Trainer:
         for optimizer, optimizer_state in zip(self.optimizers, state["optimizers"], strict=True):
             optimizer.load_state_dict(optimizer_state)
         for scheduler, scheduler_state in zip(self.schedulers, state["schedulers"], strict=True):
-            scheduler.load_state_dict(scheduler_state)
+            if state["config"]["train"]["max_iters"] == self.tc.max_iters:
+                scheduler.load_state_dict(scheduler_state)
+            else:  # extended (or shortened): from here on the rates of a run planned for max_iters from the start
+                advance(scheduler, state["step"])
         self.step, self.best_val_loss = state["step"], state["best_val_loss"]
         if not restore_rng(state["rng"], self.batches, self.rank, self.world_size, self.device) and self.is_master:
             print(f"resuming {len(state['rng'])} process(es) as {self.world_size}: batches and dropout draw "
                   f"afresh from the seed")
 
     def fit(self) -> float | None:
-        """Train to max_iters; return the last val loss (None if no evaluation ran)."""
-        tc = self.tc
-        bar = tqdm(total=tc.max_iters, initial=self.step, unit="step", dynamic_ncols=True,
-                   disable=None if self.is_master else True)  # None: no bar when stderr is not a terminal
+        """Train to max_iters (with a budget, to the steps that fit in it); return the last val loss (None if no
+        evaluation ran)."""
+        bar = None
         self.timer = time.perf_counter()
-        if self.is_master:
-            self.summaries.start_session(self.settings.config, self.device.type)
         try:
             with StopSignals() as stop:
                 # every curve starts at about ln(vocabulary size); a resumed run's goes on from where it resumed
                 self.evaluate_and_save()
+                if self.tc.max_iters is None:
+                    self.plan_to_budget(evaluation_s=time.perf_counter() - self.timer)
+                tc = self.tc
+                if self.is_master:
+                    self.summaries.start_session(self.settings.config, self.device.type)
+                bar = tqdm(total=tc.max_iters, initial=self.step, unit="step", dynamic_ncols=True,
+                           disable=None if self.is_master else True)  # None: no bar when stderr is not a terminal
                 while self.step < tc.max_iters:
                     if stop.agreed(self.step, tc.log_interval, self.device):
                         self.stop(stop.signal_name)
@@ -108,8 +123,56 @@ class Trainer:
             if self.is_master:
                 self.summaries.end_session(STATUS_SUCCESS)
         finally:
-            bar.close()
+            if bar is not None:
+                bar.close()
         return self.last_val_loss
+
+    def plan_to_budget(self, evaluation_s: float) -> None:
+        """Fix max_iters, and the learning-rate schedule with it, to the most steps that end within
+        train.max_minutes. A step's cost is measured on throwaway steps, a checkpoint's on a throwaway save, from
+        the state before the first step, which is then restored: the run goes on exactly as one planned for that
+        many steps from the start would. evaluation_s: what the evaluation at step 0 took."""
+        tc, oc = self.tc, self.settings.optim
+        initial = {"model": {k: v.clone() for k, v in self.raw_model.state_dict().items()},
+                   "rng": rng_state(self.batches, self.device)}
+        if self.ema is not None:
+            initial["ema"] = {k: v.clone() for k, v in self.ema.state_dict().items()}
+        for i in range(REHEARSAL_STEPS + 1):
+            self.train_step()
+            self.pending[-1][0].item()  # waits for the device
+            if i == 0:
+                timed_from = time.perf_counter()
+        step_s = (time.perf_counter() - timed_from) / REHEARSAL_STEPS
+        saving = time.perf_counter()
+        if self.is_master:  # into a folder of its own in the run directory, removed with what it holds
+            with tempfile.TemporaryDirectory(prefix=".budget-", dir=self.run_dir) as scratch:
+                self.save(f"{Path(scratch).name}/last.pt")
+        else:
+            self.save()  # every process takes part
+        save_s = time.perf_counter() - saving
+        self.raw_model.load_state_dict(initial["model"])
+        if self.ema is not None:
+            self.ema.load_state_dict(initial["ema"])
+        load_rng_state(initial["rng"], self.batches, self.device)
+        self.step, self.pending = 0, []
+        self.optimizers = make_optimizers(self.raw_model, oc, fused=self.device.type == "cuda")
+
+        # every evaluation after this one saves last.pt and, as val loss mostly improves, best.pt
+        per_evaluation_s = evaluation_s + 2 * save_s
+        spent_s = time.perf_counter() - self.started_at
+        steps = gather(steps_within(tc.max_minutes * 60 * (1 - MARGIN) - spent_s, step_s, per_evaluation_s,
+                                    tc.eval_interval), self.world_size)[0]  # rank 0's plan for every process
+        measured = (f"{spent_s:.1f} s since the start, then {step_s:.3g} s a step and {per_evaluation_s:.3g} s an "
+                    f"evaluation with its saves")
+        if steps <= oc.warmup_iters:
+            raise ConfigError(f"train.max_minutes={tc.max_minutes:g} leaves time for {steps} steps here ({measured}),"
+                              f" no more than optim.warmup_iters={oc.warmup_iters}; give a longer budget")
+        self.settings = self.settings.planned(steps, tc.max_minutes)
+        self.tc = self.settings.train
+        self.schedulers = [make_scheduler(o, oc, steps) for o in self.optimizers]
+        if self.is_master:
+            write_line(f"train.max_minutes={tc.max_minutes:g} fits {steps} steps ({measured}); "
+                       f"train.max_iters={steps} repeats this run")
 
     def train_step(self) -> None:
         """One optimiser step over grad_accum_steps micro-batches; its values stay on the device until logged."""

@@ -6,6 +6,7 @@ own peak learning rate and the same schedule.
 """
 
 import math
+import warnings
 
 import torch
 from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
@@ -80,3 +81,14 @@ def make_scheduler(optimizer: torch.optim.Optimizer, oc: OptimConfig, max_iters:
         return decay
     warmup = LinearLR(optimizer, start_factor=1 / oc.warmup_iters, total_iters=oc.warmup_iters)
     return SequentialLR(optimizer, [warmup, decay], milestones=[oc.warmup_iters])
+
+
+def advance(scheduler, steps: int) -> None:
+    """Take a scheduler just made to `steps` steps into its plan, as a run planned so from the start would have
+    stepped it, leaving its optimiser's learning rates there (a resumed run taking a plan of another length)."""
+    for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr(), strict=True):
+        group["lr"] = lr  # the plan's first rate: each step's rate follows from the one before
+    with warnings.catch_warnings():  # about stepping it before the optimiser, as this does on purpose
+        warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler.step\(\)` before")
+        for _ in range(steps):
+            scheduler.step()

@@ -12,14 +12,19 @@ from .errors import CheckpointError, ConfigError, one_line
 from .optim import make_optimizers, make_scheduler
 
 # Settings a resumed run must share with the run it continues: the model, the optimiser, the schedule, the weights'
-# average and the split of its text (train.py checks that the text is the same, whatever its path).
-MUST_MATCH = ("model.", "optim.", "train.max_iters", "train.batch_size", "train.grad_accum_steps", "train.seed",
-              "train.ema_decay", "data.val_fraction")
+# average and the split of its text (train.py checks that the text is the same, whatever its path). Its length
+# may change: the plan is then extended (or shortened) as if it had been made so from the start.
+MUST_MATCH = ("model.", "optim.", "train.batch_size", "train.grad_accum_steps", "train.seed", "train.ema_decay",
+              "data.val_fraction")
 
 
-def load_resume_checkpoint(path, config: dict, max_iters: int, optim: OptimConfig) -> dict:
+def load_resume_checkpoint(path, config: dict, optim: OptimConfig,
+                           length_named: bool = True) -> tuple[dict, tuple[int, float | None]]:
     """The checkpoint at path (a run directory means its last.pt), checked to fit config (the resolved,
-    composed config as a dict) and to be whole: a damaged one is a ConfigError, not a crash mid-restore."""
+    composed config as a dict) and to be whole: a damaged one is a ConfigError, not a crash mid-restore. With
+    it, the length of the resumed run, (train.max_iters, train.max_minutes): config's steps where the command
+    names the run's length (length_named), else the checkpoint's. A budget sizes a run once, when it starts: a
+    resume never sizes it again."""
     try:
         contents = load_checkpoint(path, prefer="last.pt")
     except CheckpointError as e:
@@ -34,14 +39,29 @@ def load_resume_checkpoint(path, config: dict, max_iters: int, optim: OptimConfi
     if differ:
         raise ConfigError("train.resume continues a run with other settings; add them to the command: "
                           + " ".join(f"{key}={as_override(theirs[key])}" for key in differ))
-    if not (isinstance(state["step"], int) and 0 <= state["step"] < max_iters):
-        raise ConfigError(f"train.resume: the checkpoint is at step {state['step']}, the end of its schedule "
-                          f"(train.max_iters={max_iters}); there is nothing left to train")
+    planned, budget, step = theirs.get("train.max_iters"), theirs.get("train.max_minutes"), state["step"]
+    if not (isinstance(planned, int) and isinstance(step, int) and 0 <= step <= planned):
+        raise ConfigError(f"train.resume: {path} is damaged (step {step!r} of a plan of {planned!r} steps); resume "
+                          f"from another checkpoint")
+    max_iters, max_minutes = (ours["train.max_iters"], None) if length_named else (planned, budget)
+    if max_iters is None:  # the command has a budget
+        if ours["train.max_minutes"] != budget:
+            sized = f", sized by train.max_minutes={budget:g}" if budget is not None else ""
+            raise ConfigError(f"train.resume: a resumed run keeps the {planned} steps it was planned for{sized}; "
+                              f"resume without train.max_minutes, or extend it with train.max_iters=N")
+        max_iters, max_minutes = planned, budget
+    if max_iters < step:
+        raise ConfigError(f"train.max_iters={max_iters} is below step {step}, which the run in {path} has reached; "
+                          f"give a larger train.max_iters to extend it")
+    if max_iters == step:
+        raise ConfigError(f"train.resume: the checkpoint is at step {step}, the end of its schedule "
+                          f"(train.max_iters={max_iters}); there is nothing left to train; give a larger "
+                          f"train.max_iters to extend it")
     try:
-        check_restorable(contents, optim, max_iters)
+        check_restorable(contents, optim, planned)
     except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, IndexError) as e:
         raise ConfigError(f"train.resume: {path} is damaged ({one_line(e)[:200]}); resume from another checkpoint") from None
-    return contents
+    return contents, (max_iters, max_minutes)
 
 
 def check_restorable(contents: dict, optim: OptimConfig, max_iters: int) -> None:

@@ -17,9 +17,13 @@ def restore_rng(states: list, batches: Batches, rank: int, world_size: int, devi
     another number of processes, whose batches and dropout then draw afresh from the seed."""
     if len(states) != world_size:
         return False
-    state = states[rank]
+    load_rng_state(states[rank], batches, device)
+    return True
+
+
+def load_rng_state(state: dict, batches: Batches, device: torch.device) -> None:
+    """Restore what rng_state() returned in this process."""
     torch.set_rng_state(state["torch"])
     batches.load_state_dict(state["batches"])
     if "device" in state and device.type != "cpu":
         torch.get_device_module(device).set_rng_state(state["device"])
-    return True
