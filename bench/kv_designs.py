@@ -167,7 +167,9 @@ def main() -> None:
     t.add_argument("--repeats", type=int, default=5)
     t.add_argument("--prompt-len", type=int, default=64, help="tokens prefilled before one-token decoding")
     t.add_argument("--stream-len", type=int, default=1_000_000, help="cut each stream to this many tokens")
-    t.add_argument("--train-overrides", nargs="*", default=[], help="train.py overrides for every design")
+    t.add_argument("--train-overrides", nargs="*", default=["train.max_iters=1000"],
+                   help="train.py overrides for every design (default: the same 1,000 steps for each, rather than "
+                        "the steps the preset's time budget buys)")
     args = parser.parse_args()
     speed(args) if args.part == "speed" else train(args)
 
