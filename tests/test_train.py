@@ -34,6 +34,7 @@ from training.checkpoint import save_checkpoint
 from training.config import validate
 from training.evaluation import evaluate
 from training.loop import Diverged, Stopped, Trainer
+from training.summaries import hparam_name
 
 REPO = corpus.REPO
 TINY = ["preset=cpu", "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16",
@@ -342,7 +343,7 @@ def test_a_budget_records_the_steps_it_chose(budget_run):
     assert sorted(scalars(run_dir, "loss/train")) == list(range(steps))  # the steps measured first are not logged
     session = plugin_data_pb2.HParamsPluginData.FromString(
         events(run_dir).PluginTagToContent("hparams")["_hparams_/session_start_info"])
-    assert session.session_start_info.hparams["17 train.max_iters"].string_value == str(steps)
+    assert session.session_start_info.hparams[hparam_name("train.max_iters")].string_value == str(steps)
 
 
 def test_the_steps_a_budget_chose_repeat_its_run_exactly(tmp_path, data_root, budget_run):

@@ -181,7 +181,10 @@ def validate(cfg: DictConfig, named: set[str] | None = None) -> Settings:
             raise ConfigError(f"{name}.{e.full_key}: {one_line(e)}") from None
         except ValueError as e:
             raise ConfigError(f"{name}.{one_line(e)}" if name != "model" else f"model: {one_line(e)}") from None
-    settings = Settings(**sections, config=OmegaConf.to_container(cfg, resolve=True))
+    config = OmegaConf.to_container(cfg, resolve=True)
+    model = sections["model"]  # as GPTConfig resolved it: n_kv_head null is n_head
+    config["model"] = {key: getattr(model, key) for key in config["model"]}
+    settings = Settings(**sections, config=config)
     if settings.train.max_iters is not None and not settings.optim.warmup_iters < settings.train.max_iters:
         raise ConfigError(f"optim.warmup_iters must be below train.max_iters={settings.train.max_iters}, "
                           f"got {settings.optim.warmup_iters}")

@@ -35,9 +35,9 @@ DEVICE_TYPES = ("cpu", "cuda", "mps")
 # rates, the steps they are scheduled over, the depth) and offers the others. TensorBoard orders columns by name,
 # hence the numbered names.
 HPARAMS = ("optim.name", "optim.lr", "optim.muon_lr", "train.max_iters", "model.n_layer", "model.n_embd",
-           "model.n_head", "model.block_size", "model.pos_emb", "model.dropout", "model.bias", "optim.decay",
-           "optim.min_lr", "optim.weight_decay", "optim.muon_weight_decay", "train.batch_size",
-           "train.grad_accum_steps", "train.seed", "device")
+           "model.n_head", "model.n_kv_head", "model.kv_share", "model.block_size", "model.pos_emb", "model.dropout",
+           "model.bias", "optim.decay", "optim.min_lr", "optim.weight_decay", "optim.muon_weight_decay",
+           "train.batch_size", "train.grad_accum_steps", "train.seed", "device")
 # the string hparams' every possible value
 CHOICES = {"optim.name": OPTIMIZERS, "optim.decay": DECAYS, "model.pos_emb": POSITIONS, "device": DEVICE_TYPES}
 # The scalar tags that bench/curve.py reads back, too
