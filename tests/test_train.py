@@ -124,9 +124,9 @@ def test_events_hold_every_tag(tiny_run):
 
     hparams = accumulator.PluginTagToContent("hparams")
     session = plugin_data_pb2.HParamsPluginData.FromString(hparams["_hparams_/session_start_info"])
-    assert session.session_start_info.hparams["05 model.n_layer"].string_value == "2"
+    assert session.session_start_info.hparams[hparam_name("model.n_layer")].string_value == "2"
     assert session.session_start_info.hparams[hparam_name("model.bias")].HasField("bool_value")
-    assert session.session_start_info.hparams["19 device"].string_value == "cpu"  # the device used, not "auto"
+    assert session.session_start_info.hparams[hparam_name("device")].string_value == "cpu"  # the device used, not "auto"
     assert scalars(run_dir, "loss/val_best")[40] == pytest.approx(min(scalars(run_dir, "loss/val").values()))
     assert not [tag for tag in tags["scalars"] if tag not in SCALARS]  # no lone hparams metric scalar
 
