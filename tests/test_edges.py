@@ -149,11 +149,99 @@ def test_a_sweep_runs_its_possible_jobs_and_names_the_impossible_one(tmp_path, d
     result = train_cli("-m", *TINY, *SHORT, *data_overrides(data_root), "optim.lr=1e-2,-1,5e-3", cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
     assert lines[0].startswith("train.py: error: job 1 (") and "optim.lr=-1" in lines[0], result.stderr
     assert lines[0].endswith("optim.lr must be a positive number, got -1.0")
     (sweep,) = (tmp_path / "runs/multirun").iterdir()
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "2"]  # job 1's directory removed
     assert all((sweep / job / "last.pt").is_file() for job in ("0", "2"))
+
+
+@pytest.fixture(scope="module")
+def stopped_runs(tmp_path_factory, data_root) -> list[Path]:
+    """Two runs as if stopped at step 2 of 4, last.pt and best.pt both holding step 2."""
+    tmp_path = tmp_path_factory.mktemp("stopped")
+    run_dirs = [tmp_path / "runs/a", tmp_path / "runs/b"]
+    for run_dir in run_dirs:
+        train.main(config(tmp_path, data_root, *SHORT), run_dir)
+        last = torch.load(run_dir / "last.pt", weights_only=True)
+        last["training"]["step"] = 2
+        for name in ("last.pt", "best.pt"):
+            save_checkpoint(last, run_dir / name)
+    return run_dirs
+
+
+def copy_run(run_dir: Path, to: Path) -> Path:
+    to.mkdir(parents=True)
+    for path in run_dir.iterdir():
+        (to / path.name).write_bytes(path.read_bytes())
+    return to
+
+
+def resume_checkpoint_elsewhere(keep: Path, other: Path) -> str:  # keep/snapshot.pt: a copy of another run's
+    (keep / "snapshot.pt").write_bytes((other / "last.pt").read_bytes())
+    return "keep/snapshot.pt"
+
+
+def replace_last_pt(keep: Path, other: Path) -> str:
+    (keep / "last.pt").write_bytes((other / "last.pt").read_bytes())
+    return "keep"
+
+
+def resume_best_pt_before_a_newer_last_pt(keep: Path, other: Path) -> str:
+    last = torch.load(keep / "last.pt", weights_only=True)
+    last["training"]["step"] = 3
+    save_checkpoint(last, keep / "last.pt")
+    return "keep/best.pt"
+
+
+def forget_the_run_identity(keep: Path, other: Path) -> str:  # as an earlier version wrote it
+    for name in ("last.pt", "best.pt"):
+        contents = torch.load(keep / name, weights_only=True)
+        del contents["training"]["run_id"]
+        save_checkpoint(contents, keep / name)
+    return "./keep/../keep"
+
+
+@pytest.mark.parametrize("case, reason", [
+    (resume_checkpoint_elsewhere, "snapshot.pt is not a run's last.pt or best.pt"),
+    (replace_last_pt, "its best.pt is another run's"),
+    (resume_best_pt_before_a_newer_last_pt, "its last.pt is newer); resume from keep/last.pt, or"),
+    (forget_the_run_identity, "the checkpoint records no run identity"),
+], ids=lambda case: getattr(case, "__name__", ""))
+def test_a_resume_is_refused_where_the_checkpoint_is_not_provably_the_runs_own(tmp_path, data_root, stopped_runs,
+                                                                               case, reason):
+    keep = copy_run(stopped_runs[0], tmp_path / "keep")
+    resume = case(keep, stopped_runs[1])
+    before = tree(keep)
+    result = train_cli(*TINY, *SHORT, *data_overrides(data_root), f"train.resume={resume}", cwd=tmp_path)
+    run_dir = Path(resume).parent if resume.endswith(".pt") else Path(resume)
+    assert_one_line_error(result, "train.py", f"train.resume: {run_dir} is not provably the run of", reason,
+                          "continue in a new directory with hydra.run.dir=NEW")
+    assert tree(keep) == before
+    assert not (tmp_path / "runs").exists() or list((tmp_path / "runs").iterdir()) == []
+
+
+def test_a_resume_continues_in_its_own_run_however_the_path_is_written(tmp_path, data_root, stopped_runs):
+    run = copy_run(stopped_runs[0], tmp_path / "run")
+    (tmp_path / "link").symlink_to(run)
+    result = train_cli(*TINY, *SHORT, *data_overrides(data_root), "train.resume=./link/../run/last.pt",
+                       "hydra.run.dir=link", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    last, best = (torch.load(run / name, weights_only=True)["training"] for name in ("last.pt", "best.pt"))
+    assert last["step"] == 4 and last["run_id"] == best["run_id"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "run"]
+
+
+def test_sweep_jobs_named_into_one_folder_are_refused_after_the_first(tmp_path, data_root):
+    result = train_cli("-m", *TINY, *SHORT, *data_overrides(data_root), "train.seed=1,2",
+                       "hydra.sweep.subdir=same", "hydra.sweep.dir=sweep", cwd=tmp_path)
+    line = assert_one_line_error(result, "train.py", "job 1 (", "train.seed=2", "hydra.sweep.subdir: job 1's folder",
+                                 "already holds another run's files")
+    assert "train.seed=1" not in line
+    first = torch.load(tmp_path / "sweep/same/last.pt", weights_only=True)
+    assert first["training"]["config"]["train"]["seed"] == 1 and first["training"]["step"] == 4
+    assert (tmp_path / "sweep/same/.hydra/overrides.yaml").read_text().count("train.seed=1") == 1
 
 
 @pytest.mark.parametrize("override, fragments", [
@@ -204,13 +292,14 @@ def test_a_read_only_runs_dir_is_one_line(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("failure, fragments, status", [
-    ("OSError(errno.ENOSPC, 'No space left on device')", ["cannot save {run_dir}/last.pt (No space left on device",
+    ("OSError(errno.ENOSPC, 'No space left on device')", ["cannot save {run_dir}/best.pt (No space left on device",
                                                           "the previous one is kept"], 1),
     ("raise_signal(signal.SIGTERM) or raise_signal(signal.SIGTERM)", ["interrupted"], 130),
 ], ids=["a full disk", "a second SIGTERM"])
 def test_a_failed_or_interrupted_save_keeps_the_previous_checkpoint(tmp_path, data_root, failure, fragments, status):
-    """The third save (step 4's last.pt, after step 2's last.pt and best.pt) fails in the middle of torch.save's
-    writes, which torch reports as a RuntimeError; or a second SIGTERM arrives then."""
+    """The second save of best.pt (step 4's, which improves on step 2's) fails in the middle of torch.save's
+    writes, which torch reports as a RuntimeError; or a second SIGTERM arrives then. last.pt stays step 2's, and
+    records the best val loss that best.pt holds."""
     run_dir = tmp_path / "run"
     script = f"""
 import errno, runpy, signal, sys, torch
@@ -231,17 +320,19 @@ class Failing:
     def flush(self):
         self.file.flush()
 
-def save_failing_on_the_third_call(obj, f, *args, **kwargs):
-    calls.append(None)
-    return save(obj, Failing(f) if len(calls) == 3 else f, *args, **kwargs)
-torch.save = save_failing_on_the_third_call
+def save_failing_on_the_second_best_pt(obj, f, *args, **kwargs):
+    best = ".best.pt." in f.name
+    calls.extend([None] if best else [])
+    return save(obj, Failing(f) if best and len(calls) == 2 else f, *args, **kwargs)
+torch.save = save_failing_on_the_second_best_pt
 sys.argv = ["train.py", *{[*TINY, *SHORT, *data_overrides(data_root), f"hydra.run.dir={run_dir}"]!r}]
 runpy.run_path({str(REPO / "train.py")!r}, run_name="__main__")
 """
     result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=ENV, capture_output=True, text=True,
                             timeout=180)
     assert_one_line_error(result, "train.py", *(f.format(run_dir=run_dir) for f in fragments), status=status)
-    assert torch.load(run_dir / "last.pt", weights_only=True)["training"]["step"] == 2
+    last, best = (torch.load(run_dir / name, weights_only=True)["training"] for name in ("last.pt", "best.pt"))
+    assert last["step"] == best["step"] == 2 and last["best_val_loss"] == best["best_val_loss"]
     assert not list(run_dir.glob(".*.tmp"))
 
 
@@ -397,7 +488,9 @@ def test_resuming_a_run_clears_what_a_killed_save_left_there(tmp_path, data_root
     host = socket.gethostname().replace(".", "_")
     stale = temporary(source, "last.pt", host, dead_pid())
     live = temporary(source, "best.pt", host, os.getpid())
-    train.main(config(tmp_path, data_root, *SHORT, f"train.resume={source}"), tmp_path / "runs/resumed")
+    train.main(config(tmp_path, data_root, *SHORT, f"train.resume={source}"), tmp_path / "runs/elsewhere")
+    assert stale.exists()  # another run's directory, which a run resumed elsewhere leaves as it is
+    train.main(config(tmp_path, data_root, *SHORT, f"train.resume={source}"), source)
     assert not stale.exists() and live.exists()
 
 

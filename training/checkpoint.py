@@ -11,7 +11,8 @@ A checkpoint is a plain dict of tensors, numbers, strings, lists and dicts, so i
 
 and one that train.py writes adds `text`, what it was trained on ({"source": tiny_shakespeare or the file's path,
 "sha256": the file's}), and `training`: optimizers, schedulers (one per optimiser), step, best_val_loss,
-rng and config. A run with train.ema_decay saves the moving average of its weights as `model`, and the weights
+rng, config and run_id (the identity of the run directory it was saved in: a run continues in place only in
+the directory whose checkpoints record its own; absent from files of earlier versions). A run with train.ema_decay saves the moving average of its weights as `model`, and the weights
 it trains as training["raw_model"].
 """
 
