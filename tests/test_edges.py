@@ -424,6 +424,44 @@ runpy.run_path({str(REPO / "train.py")!r}, run_name="__main__")
     assert list((tmp_path / "runs").iterdir()) == []
 
 
+@pytest.mark.parametrize("when", ["as training returns", "as the process exits"])
+def test_a_signal_after_a_run_finished_and_saved_leaves_its_success(tmp_path, data_root, when):
+    run_dir = tmp_path / "run"
+    script = f"""
+import atexit, runpy, signal, sys
+sys.path.insert(0, {str(REPO)!r})
+from training.loop import Trainer
+fit = Trainer.fit
+
+def fit_then_sigterm(self):
+    result = fit(self)
+    signal.raise_signal(signal.SIGTERM)
+    return result
+if {when!r} == "as training returns":
+    Trainer.fit = fit_then_sigterm
+else:
+    atexit.register(signal.raise_signal, signal.SIGTERM)  # registered first: the last to run
+sys.argv = ["train.py", *{[*TINY, *SHORT, *data_overrides(data_root), f"hydra.run.dir={run_dir}"]!r}]
+runpy.run_path({str(REPO / "train.py")!r}, run_name="__main__")
+"""
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=ENV, capture_output=True, text=True,
+                            timeout=180)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    assert result.stdout.splitlines()[-1].startswith("done: ")
+    assert torch.load(run_dir / "last.pt", weights_only=True)["training"]["step"] == 4
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--bogus"], "unrecognized arguments: --bogus"),
+    (["preset=cpu", "-m", "train.seed=1,2"], "unrecognized arguments: train.seed=1,2"),
+    (["--cfg"], "argument --cfg/-c: expected one argument"),
+])
+def test_a_flag_mistake_is_one_line(tmp_path, argv, fragment):
+    result = train_cli(*argv, cwd=tmp_path)
+    assert_one_line_error(result, "train.py", fragment, "the flags, which go before the overrides")
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 def test_under_torchrun_a_mistake_is_told_once_and_every_rank_exits_alike(tmp_path, rank):
     env = {**ENV, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank)}

@@ -548,3 +548,36 @@ def test_ddp_two_cpu_processes_end_with_identical_weights(tmp_path, data_root, e
                     nullcontext(), 1)["val"] for rank in range(2)]  # each process evaluates batches of its own
     assert scalars(run_dir, "loss/val")[6] == pytest.approx(sum(val) / 2, rel=1e-5)
     assert len(list(run_dir.glob("events.out.tfevents.*"))) == 1  # rank 0's, hparams included; nobody else's
+
+
+def ddp_worker_stopped_by_a_signal_to_rank_1(rank: int, world_size: int, port: int, cfg, run_dir: Path, out: Path):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    train_step = Trainer.train_step
+
+    def step_then_sigterm_on_rank_1(trainer):
+        train_step(trainer)
+        if trainer.rank == 1 and trainer.step == 2:
+            signal.raise_signal(signal.SIGTERM)
+
+    Trainer.train_step = step_then_sigterm_on_rank_1
+    try:
+        train.main(cfg, run_dir)
+    except Stopped as e:
+        (out / f"rank{rank}.txt").write_text(str(e))
+
+
+def test_under_ddp_a_signal_to_one_process_stops_every_process_at_the_next_step(tmp_path, data_root):
+    """Though the steps between two logs (log_interval) outnumber the steps left."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = config(tmp_path, data_root, "train.max_iters=30", "train.eval_interval=30", "train.log_interval=100",
+                 "train.eval_iters=1")
+    run_dir = tmp_path / "runs/ddp"
+    mp.spawn(ddp_worker_stopped_by_a_signal_to_rank_1, args=(2, port, cfg, run_dir, tmp_path), nprocs=2)
+    stopped = [(tmp_path / f"rank{rank}.txt").read_text() for rank in range(2)]
+    assert stopped[0].startswith("stopped by a signal to another process at step 2:"), stopped
+    assert stopped[1].startswith("stopped by SIGTERM at step 2:"), stopped
+    assert torch.load(run_dir / "last.pt", weights_only=True)["training"]["step"] == 2
