@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from data import CharVocab, UnknownCharacterError
+from data import CharVocab, DataError, UnknownCharacterError, read_regular_file
 from model import Sampling, generate_tokens
 from model.quantize import PRECISIONS
 from training.checkpoint import load_model, resolve_checkpoint, trained_on
@@ -96,9 +96,11 @@ def read_prompt(args) -> str:
             raise UsageError("--prompt is empty; give at least one character to continue from")
         return args.prompt
     try:
-        prompt = args.prompt_file.read_text(encoding="utf-8")
+        prompt = read_regular_file(args.prompt_file).decode("utf-8")
     except UnicodeDecodeError:
         raise UsageError(f"--prompt-file {args.prompt_file} is not UTF-8 text") from None
+    except DataError as e:
+        raise UsageError(f"--prompt-file {e}") from None
     except OSError as e:
         raise UsageError(f"cannot read --prompt-file {args.prompt_file}: {e.strerror or e}") from None
     if not prompt:

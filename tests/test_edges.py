@@ -387,22 +387,44 @@ def test_a_full_stdout_is_one_line_for_train(tmp_path, data_root):
 
 
 def test_sigterm_while_preparing_the_data_leaves_nothing_behind(tmp_path):
-    """The data's source is a pipe nobody writes to: preparation waits on it until the signal."""
-    source, root = tmp_path / "source", tmp_path / "data"
-    os.mkfifo(source)
-    process = subprocess.Popen([sys.executable, str(REPO / "train.py"), *TINY, f"data.text={source}",
-                                f"data.root={root}"], cwd=tmp_path, env=ENV,
+    """Reading the text waits (as on a slow disk) until the signal."""
+    source, root = tmp_path / "source.txt", tmp_path / "data"
+    corpus.write_corpus(source)
+    script = f"""
+import runpy, sys, time
+sys.path.insert(0, {str(REPO)!r})
+import data.prepare
+data.prepare.read_regular_file = lambda path: time.sleep(60)
+sys.argv = ["train.py", *{[*TINY, f"data.text={source}", f"data.root={root}"]!r}]
+runpy.run_path({str(REPO / "train.py")!r}, run_name="__main__")
+"""
+    process = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path, env=ENV,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         while not any((tmp_path / "runs").glob("*")) and process.poll() is None:  # the run has claimed its folder
             time.sleep(0.05)
-        time.sleep(1)  # and now waits on the pipe
+        time.sleep(1)  # and now reads the text
         process.send_signal(signal.SIGTERM)
         _, stderr = process.communicate(timeout=60)
     finally:
         process.kill()
     assert process.returncode == 130 and stderr == "train.py: error: interrupted\n", stderr
     assert (not root.exists() or list(root.rglob("*")) == []) and list((tmp_path / "runs").iterdir()) == []
+
+
+@pytest.mark.parametrize("kind", ["a pipe with no writer", "a device without end", "a folder"])
+def test_a_text_that_is_not_a_regular_file_is_refused_before_it_is_read(tmp_path, kind, checkpoint):
+    path = {"a pipe with no writer": tmp_path / "pipe", "a device without end": Path("/dev/zero"),
+            "a folder": tmp_path / "folder"}[kind]
+    if kind == "a pipe with no writer":
+        os.mkfifo(path)
+    elif kind == "a folder":
+        path.mkdir()
+    result = train_cli(*TINY, f"data.text={path}", f"data.root={tmp_path / 'data'}", cwd=tmp_path, timeout=60)
+    assert_one_line_error(result, "train.py", f"the text {path} is not a regular file")
+    result = subprocess.run(sample_command(checkpoint, "--prompt-file", path), env=ENV, capture_output=True,
+                            text=True, timeout=60)
+    assert_one_line_error(result, "sample.py", f"--prompt-file {path} is not a regular file")
 
 
 def test_a_failure_while_the_config_is_first_written_leaves_no_directory(tmp_path):
