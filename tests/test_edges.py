@@ -587,6 +587,12 @@ def damage(contents: dict, how: str) -> dict:
         state["best_val_loss"] = "low"
     elif how == "rng of the wrong type":
         state["rng"] = {"torch": 1}
+    elif how == "a step that is a string":
+        state["step"] = "2"
+    elif how == "the training state missing a key":
+        del state["schedulers"]
+    elif how == "the text recorded as a string":
+        contents["text"] = "corpus.txt"
     return contents
 
 
@@ -594,7 +600,8 @@ def damage(contents: dict, how: str) -> dict:
                                  "an optimizer of other weights", "optimizer moments of the wrong shape",
                                  "one optimizer too many",
                                  "a scheduler that is no dict", "best_val_loss of the wrong type",
-                                 "rng of the wrong type"])
+                                 "rng of the wrong type", "a step that is a string",
+                                 "the training state missing a key", "the text recorded as a string"])
 def test_a_damaged_checkpoint_that_still_loads_is_refused_in_one_line(tmp_path, data_root, short_run, how):
     path = tmp_path / "damaged.pt"
     save_checkpoint(damage(torch.load(short_run / "last.pt", weights_only=True), how), path)
@@ -602,6 +609,18 @@ def test_a_damaged_checkpoint_that_still_loads_is_refused_in_one_line(tmp_path, 
         train.main(config(tmp_path, data_root, *SHORT, f"train.resume={path}"), tmp_path / "runs/resumed")
     message = str(caught.value)
     assert message.startswith(f"train.resume: {path} is damaged (") and "\n" not in message
+
+
+@pytest.mark.parametrize("how", ["a weight that is no tensor", "best_val_loss of the wrong type",
+                                 "a step that is a string", "the training state missing a key",
+                                 "the text recorded as a string"])
+def test_a_damaged_checkpoint_that_still_loads_is_one_line_for_sample(tmp_path, short_run, how):
+    path = tmp_path / "damaged.pt"
+    save_checkpoint(damage(torch.load(short_run / "last.pt", weights_only=True), how), path)
+    result = subprocess.run(sample_command(path, "--max-new-tokens", "3"), env=ENV, capture_output=True, text=True,
+                            timeout=60)
+    assert_one_line_error(result, "sample.py", f"{path} is ")
+    assert result.stdout == ""
 
 
 # --- sample.py ----------------------------------------------------------------------------------------------------
