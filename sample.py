@@ -16,7 +16,6 @@ disk) is one line with status 1; a reader that stops early (`| head`) ends sampl
 
 import argparse
 import itertools
-import os
 import sys
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ from model import Sampling, generate_tokens
 from model.quantize import PRECISIONS
 from training.checkpoint import load_model, resolve_checkpoint, trained_on
 from training.devices import choose_device, memory_of
-from training.errors import MISTAKES, UsageError, fail
+from training.errors import MISTAKES, UsageError, check_standard_streams, fail, silence
 from training.runs import find_latest_checkpoint
 
 SAMPLE_SEPARATOR = "---------------\n"
@@ -173,8 +172,6 @@ def sample(args) -> None:
     model, vocab, contents = load_model(path, device, precision=args.precision)
     prompt_ids = encode_prompt(vocab, prompt)
     check_memory(args, len(prompt_ids), model, device)
-    if sys.stdout is None:  # started with stdout closed (`>&-`)
-        raise OSError("standard output is closed; send it to a file or a pipe")
 
     generator = torch.Generator(device)
     if args.seed is None:
@@ -200,10 +197,10 @@ def sample(args) -> None:
     try:
         write_samples(steps, prompt, vocab, args.num_samples, sys.stdout, every=1 if sys.stdout.isatty() else CHUNK)
     except BrokenPipeError:  # the reader stopped early (`| head`): nothing more is wanted
-        silence_stdout()
+        silence(sys.stdout)
         return
     except OSError as e:  # a full disk, ...
-        silence_stdout()
+        silence(sys.stdout)
         raise OSError(f"cannot write the samples to standard output ({e.strerror or e})") from None
     seconds = time.perf_counter() - start
 
@@ -213,18 +210,11 @@ def sample(args) -> None:
           f"({device.type})", file=sys.stderr)
 
 
-def silence_stdout() -> None:
-    """Point stdout at /dev/null, so that the flush at exit does not fail a second time on what is left unwritten."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    os.close(devnull)
-
-
 def main(argv=None) -> None:
     parser = build_parser()
-    args = parser.parse_args(argv)
     try:
-        sample(args)
+        check_standard_streams()
+        sample(parser.parse_args(argv))
     except (*MISTAKES, OSError, KeyboardInterrupt) as e:
         fail(parser.prog, e)
 

@@ -38,7 +38,8 @@ from training.checkpoint import resolve_checkpoint, trained_on
 from training.config import TrainConfig, register, validate
 from training.devices import choose_device, memory_needed, memory_of
 from training.distributed import init_distributed, is_rank_zero
-from training.errors import ConfigError, OutputError, UsageError, exit_status, fail, one_line, write_line
+from training.errors import (ConfigError, OutputError, UsageError, check_standard_streams, exit_status, fail,
+                             one_line, write_line)
 from training.files import remove_stale_temporaries
 from training.loop import Stopped, Trainer
 from training.resume import load_resume_checkpoint
@@ -186,8 +187,7 @@ if __name__ == "__main__":
     interrupt_on_signals()
     threading.excepthook = report_thread_error
     try:
-        if sys.stdout is None:  # started with stdout closed (`>&-`)
-            raise UsageError("standard output is closed; send it to a file or a pipe")
+        check_standard_streams()
         check_flags(sys.argv[1:])
         sys.stdout.reconfigure(line_buffering=True)  # evaluation lines reach a log file as they happen
         hydra_main()

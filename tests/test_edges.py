@@ -368,14 +368,6 @@ def test_a_failed_write_of_the_events_names_their_file():
     assert one_line(error) == "No space left on device: /runs/x/events.out.tfevents.1"
 
 
-def test_a_closed_stdout_is_one_line_for_train(tmp_path):
-    command = " ".join(f"'{arg}'" for arg in [sys.executable, str(REPO / "train.py"), *TINY])
-    result = subprocess.run(["bash", "-c", f"{command} >&-"], cwd=tmp_path, env=ENV, capture_output=True, text=True,
-                            timeout=120)
-    assert_one_line_error(result, "train.py", "standard output is closed")
-    assert list(tmp_path.iterdir()) == []
-
-
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
 def test_a_full_stdout_is_one_line_for_train(tmp_path, data_root):
     with open("/dev/full", "w") as full:
@@ -676,10 +668,27 @@ def test_ctrl_c_keeps_the_text_written_so_far(checkpoint, tmp_path):
     assert text.startswith("JULIET:") and text.endswith("\n") and len(text) >= 200
 
 
-def test_a_closed_stdout_is_one_line(checkpoint):
-    command = " ".join(f"'{arg}'" for arg in sample_command(checkpoint, "--max-new-tokens", 5))
-    result = subprocess.run(["bash", "-c", f"{command} >&-"], env=ENV, capture_output=True, text=True, timeout=120)
-    assert_one_line_error(result, "sample.py", "standard output is closed", status=1)
+@pytest.mark.parametrize("program", ["train.py", "sample.py"])
+@pytest.mark.parametrize("closed", ["output", "error"])
+def test_a_closed_standard_stream_is_one_line_on_the_other_before_any_work(checkpoint, tmp_path, program, closed):
+    """The same mistake, the same status in both programs; with stderr closed, the line goes to stdout, where
+    nothing else was written."""
+    command = [sys.executable, str(REPO / "train.py"), *TINY] if program == "train.py" \
+        else sample_command(checkpoint, "--max-new-tokens", 5)
+    redirect = ">&-" if closed == "output" else "2>&-"
+    result = subprocess.run(["bash", "-c", " ".join(f"'{arg}'" for arg in command) + f" {redirect}"], cwd=tmp_path,
+                            env=ENV, capture_output=True, text=True, timeout=120)
+    if closed == "error":
+        assert result.stderr == ""
+        result.stderr, result.stdout = result.stdout, ""
+    assert_one_line_error(result, program, f"standard {closed} is closed")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_closed_stdin_is_not_needed(checkpoint):
+    command = " ".join(f"'{arg}'" for arg in sample_command(checkpoint, "--max-new-tokens", 5, "--seed", 1))
+    result = subprocess.run(["bash", "-c", f"{command} <&-"], env=ENV, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and len(result.stderr.splitlines()) == 2, result.stderr
 
 
 def test_nan_weights_are_one_line(checkpoint, tmp_path):
