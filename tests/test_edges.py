@@ -871,7 +871,7 @@ def test_the_memory_check_counts_the_cache_the_decoder_really_builds(monkeypatch
     assert model.new_kv_cache(1).k.dtype == torch.float32
     args = argparse.Namespace(num_samples=1, max_new_tokens=10)
     for memory, fits in ((2 * need, True), (2 * need - 2, False)):  # sample.py may use half of it
-        monkeypatch.setattr(sample.os, "sysconf", lambda name: memory if name == "SC_PHYS_PAGES" else 1)
+        monkeypatch.setattr(os, "sysconf", lambda name: memory if name == "SC_PHYS_PAGES" else 1)
         if fits:
             sample.check_memory(args, 1, model, torch.device("cpu"))
         else:
