@@ -18,19 +18,18 @@ quietly.
 
 import argparse
 import itertools
-import os
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from data import CharVocab, UnknownCharacterError
+from data import CharVocab, DataError, UnknownCharacterError, read_regular_file
 from model import Sampling, generate_tokens, kv_cache_bytes_per_token
 from model.quantize import PRECISIONS
 from training.checkpoint import load_model, resolve_checkpoint, trained_on
 from training.devices import choose_device, memory_of
-from training.errors import MISTAKES, UsageError, fail
+from training.errors import MISTAKES, UsageError, check_standard_streams, fail, silence
 from training.runs import find_latest_checkpoint
 
 SAMPLE_SEPARATOR = "---------------\n"
@@ -111,9 +110,11 @@ def read_prompt(args) -> str:
             raise UsageError("--prompt is empty; give at least one character to continue from")
         return args.prompt
     try:
-        prompt = args.prompt_file.read_text(encoding="utf-8")
+        prompt = read_regular_file(args.prompt_file).decode("utf-8")
     except UnicodeDecodeError:
         raise UsageError(f"--prompt-file {args.prompt_file} is not UTF-8 text") from None
+    except DataError as e:
+        raise UsageError(f"--prompt-file {e}") from None
     except OSError as e:
         raise UsageError(f"cannot read --prompt-file {args.prompt_file}: {e.strerror or e}") from None
     if not prompt:
@@ -189,8 +190,6 @@ def sample(args) -> None:
     model, vocab, contents = load_model(path, device, precision=args.precision)
     prompt_ids = encode_prompt(vocab, prompt)
     check_memory(args, len(prompt_ids), model, device)
-    if sys.stdout is None:  # started with stdout closed (`>&-`)
-        raise OSError("standard output is closed; send it to a file or a pipe")
 
     generator = torch.Generator(device)
     if args.seed is None:
@@ -217,10 +216,10 @@ def sample(args) -> None:
     try:
         write_samples(steps, prompt, vocab, args.num_samples, sys.stdout, every=1 if sys.stdout.isatty() else CHUNK)
     except BrokenPipeError:  # the reader stopped early (`| head`): nothing more is wanted
-        silence_stdout()
+        silence(sys.stdout)
         return
     except OSError as e:  # a full disk, ...
-        silence_stdout()
+        silence(sys.stdout)
         raise OSError(f"cannot write the samples to standard output ({e.strerror or e})") from None
     seconds = time.perf_counter() - start
 
@@ -232,18 +231,11 @@ def sample(args) -> None:
           f"{cache_size} ({device.type})", file=sys.stderr)
 
 
-def silence_stdout() -> None:
-    """Point stdout at /dev/null, so that the flush at exit does not fail a second time on what is left unwritten."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    os.close(devnull)
-
-
 def main(argv=None) -> None:
     parser = build_parser()
-    args = parser.parse_args(argv)
     try:
-        sample(args)
+        check_standard_streams()
+        sample(parser.parse_args(argv))
     except (*MISTAKES, OSError, KeyboardInterrupt) as e:
         fail(parser.prog, e)
 

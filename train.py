@@ -23,11 +23,13 @@ import signal
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import hydra
 import torch
 import torch.distributed as dist
+from hydra._internal.utils import get_args_parser
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
@@ -41,13 +43,17 @@ from training.checkpoint import resolve_checkpoint, trained_on
 from training.config import TrainConfig, explained, register, validate
 from training.devices import choose_device, memory_needed, memory_of
 from training.distributed import init_distributed, is_rank_zero
-from training.errors import ConfigError, OutputError, UsageError, fail, one_line, write_line
+from training.errors import (ConfigError, OutputError, UsageError, check_standard_streams, exit_status, fail,
+                             one_line, write_line)
 from training.files import remove_stale_temporaries
 from training.loop import Stopped, Trainer
 from training.resume import load_resume_checkpoint
+from training.runs import continues_in_place, take_run_dir
+from training.signals import StopSignals, interrupt_on_signals
 from training.summaries import Summaries, report_thread_error
 
 register()
+failed_jobs = []  # the exit statuses of a sweep's failed jobs
 
 
 def main(cfg: DictConfig, run_dir, preset: str | None = None, named: set[str] | None = None,
@@ -59,15 +65,18 @@ def main(cfg: DictConfig, run_dir, preset: str | None = None, named: set[str] | 
     run_dir = Path(run_dir)
     earlier_events = set(run_dir.glob("events.out.tfevents.*"))
     settings = validate(cfg, named)
-    resumed = None
+    resumed, in_place = None, False
     if settings.train.resume is not None:
         length_named = named is None or not named.isdisjoint({"train.max_iters", "train.max_minutes"})
         resumed, length = load_resume_checkpoint(settings.train.resume, settings.config, settings.optim,
                                                  length_named)
         settings = settings.planned(*length)
-        if is_rank_zero():  # what a run killed mid-save left beside its checkpoints
-            remove_stale_temporaries(resolve_checkpoint(settings.train.resume, prefer="last.pt").parent)
+        in_place = continues_in_place(resolve_checkpoint(settings.train.resume, prefer="last.pt"), run_dir)
+        if in_place and is_rank_zero():  # what a run killed mid-save left beside its checkpoints
+            remove_stale_temporaries(run_dir)
     tc = settings.train
+    # the run's identity, which its checkpoints record: a new directory's own, or the run's that continues there
+    run_id = resumed["training"].get("run_id") if in_place else uuid.uuid4().hex
     rank, world_size, device = init_distributed(device_for(cfg.device))
     try:
         torch.manual_seed(tc.seed + rank)  # dropout differs between processes, like their batches
@@ -90,7 +99,7 @@ def main(cfg: DictConfig, run_dir, preset: str | None = None, named: set[str] | 
         started = False
         try:
             trainer = Trainer(settings, model, data, device, run_dir, summaries, resumed, rank, world_size,
-                              started_at)
+                              started_at, run_id=run_id)
             if rank == 0:
                 picked = f"{preset}; " if preset else ""
                 to = tc.max_iters or f"the steps that fit in train.max_minutes={tc.max_minutes:g} (measured first)"
@@ -163,7 +172,13 @@ def hydra_main(cfg: DictConfig) -> float | None:
     named = {override.key_or_group for override in OverridesParser.create().parse_overrides(job.overrides.task)}
     # a sweep's jobs run one after another in one process: each counts its budget from its own start
     started_at = process_started() if job.mode != RunMode.MULTIRUN else time.perf_counter()
+    if StopSignals.late is not None:  # it came as the sweep's previous job ended
+        if is_rank_zero():
+            print(f"stopped by {StopSignals.late} after job {job.job.num - 1}", file=sys.stderr)
+        sys.exit(0)
+    interrupt_on_signals()  # after a sweep's previous job, signals were only noted
     try:
+        take_run_dir(cfg)
         return main(cfg, job.runtime.output_dir, preset_picked(job), named, started_at)
     except Stopped as e:
         if is_rank_zero():
@@ -175,20 +190,37 @@ def hydra_main(cfg: DictConfig) -> float | None:
                             f"moved); if it was moved, continue the run with train.resume=<its new place>")
         if job.mode != RunMode.MULTIRUN:
             fail("train.py", e, speak=is_rank_zero())
-        if is_rank_zero():  # the sweep goes on with its other jobs; Hydra raises e again at its end
+        if is_rank_zero():
             print(f"train.py: error: job {job.job.num} ({' '.join(job.overrides.task)}): {one_line(e)}",
                   file=sys.stderr)
-        raise e
+        failed_jobs.append(exit_status(e))  # the sweep goes on with its other jobs, and fails at its end
+
+
+def check_flags(argv: list[str]) -> None:
+    """The command line read by Hydra's own parser, as hydra.main will read it, but a mistake in one line rather
+    than after argparse's usage block."""
+    parser = get_args_parser()
+
+    def error(message):
+        raise UsageError(f"{message}; python train.py --help lists the flags, which go before the overrides")
+
+    parser.error = error
+    parser.parse_args(argv)
 
 
 if __name__ == "__main__":
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises its errors as they are, for fail() to report in one line
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # like Ctrl-C: what is half done is cleaned up
+    interrupt_on_signals()
     threading.excepthook = report_thread_error
     try:
-        if sys.stdout is None:  # started with stdout closed (`>&-`)
-            raise UsageError("standard output is closed; send it to a file or a pipe")
+        check_standard_streams()
+        check_flags(sys.argv[1:])
         sys.stdout.reconfigure(line_buffering=True)  # evaluation lines reach a log file as they happen
         hydra_main()
     except (Exception, KeyboardInterrupt) as e:
         fail("train.py", explained(e), speak=is_rank_zero())
+    finally:  # the run has ended, and its status is set: a signal now would only add a traceback or change it
+        for stop_signal in StopSignals.SIGNALS:
+            signal.signal(stop_signal, signal.SIG_IGN)
+    if failed_jobs:
+        sys.exit(failed_jobs[0])

@@ -10,8 +10,9 @@ Bad input raises DataError (UnknownCharacterError for text outside the vocabular
 
 from .batches import Batches
 from .errors import DataError, UnknownCharacterError
-from .prepare import SHA256, SHAKESPEARE, SOURCE_URL, PreparedData, prepare_shakespeare, prepare_text
+from .prepare import (SHA256, SHAKESPEARE, SOURCE_URL, PreparedData, prepare_shakespeare, prepare_text,
+                      read_regular_file)
 from .vocab import CharVocab
 
 __all__ = ["Batches", "CharVocab", "DataError", "PreparedData", "SHA256", "SHAKESPEARE", "SOURCE_URL",
-           "UnknownCharacterError", "prepare_shakespeare", "prepare_text"]
+           "UnknownCharacterError", "prepare_shakespeare", "prepare_text", "read_regular_file"]

@@ -15,11 +15,13 @@ with the same files. The prepared files are trusted only while meta.json matches
 vocabulary of the text, and the files' own sha256.
 """
 
+import errno
 import hashlib
 import http.client
 import json
 import os
 import shutil
+import stat
 import tempfile
 import time
 import urllib.parse
@@ -40,6 +42,7 @@ FORMAT = "kvgpt-chars-uint16-v2"  # bump when the layout of the prepared files c
 TOKEN_DTYPE = np.uint16
 DOWNLOAD_TIMEOUT_S = 60
 STALE_STAGING_S = 3600
+MACHINE_FAILURES = (errno.ENOSPC, errno.EDQUOT, errno.EIO)  # errors of the disk, not of the folder chosen
 
 
 @dataclass(frozen=True)
@@ -62,7 +65,7 @@ def prepare_shakespeare(root, url: str = SOURCE_URL, sha256: str = SHA256, val_f
     source = root / "input.txt"
     with _os_errors_as_data_errors(root):
         if source.is_file():
-            text_bytes = source.read_bytes()
+            text_bytes = read_regular_file(source)
             got = hashlib.sha256(text_bytes).hexdigest()
             if got != sha256:
                 raise DataError(f"{source} has sha256 {got} but {sha256} was expected; "
@@ -79,7 +82,9 @@ def prepare_text(path, datasets_dir, val_fraction: float = 0.1) -> PreparedData:
     _check_val_fraction(val_fraction)
     path = Path(path)
     try:
-        text_bytes = path.read_bytes()
+        text_bytes = read_regular_file(path)
+    except DataError as e:
+        raise DataError(f"the text {e}") from None
     except OSError as e:
         raise DataError(f"cannot read the text {path} ({e.strerror or e}); give the path of a UTF-8 text file") \
             from None
@@ -89,6 +94,17 @@ def prepare_text(path, datasets_dir, val_fraction: float = 0.1) -> PreparedData:
     with _os_errors_as_data_errors(root):
         root.mkdir(parents=True, exist_ok=True)
         return _prepared(root, text, path, str(path), sha256, val_fraction)
+
+
+def read_regular_file(path) -> bytes:
+    """The bytes of the regular file at path. Anything else (a folder, a pipe, a device such as /dev/zero) is a
+    DataError before any read: a pipe with no writer would never open, and a device might never end."""
+    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # opening a pipe waits for a writer otherwise
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        os.close(descriptor)
+        raise DataError(f"{path} is not a regular file (a folder, a pipe or a device); give a text file")
+    with open(descriptor, "rb") as file:
+        return file.read()
 
 
 def _check_val_fraction(val_fraction: float) -> None:
@@ -101,8 +117,10 @@ def _os_errors_as_data_errors(root: Path):
     try:
         yield
     except OSError as e:  # a read-only or full disk, a file where the folder should be, ...
-        raise DataError(f"cannot prepare the data in {root} ({e.strerror or e}"
-                        f"{': ' + e.filename if e.filename else ''}); give data.root a writable folder") from None
+        message = f"cannot prepare the data in {root} ({e.strerror or e}{': ' + e.filename if e.filename else ''})"
+        if e.errno in MACHINE_FAILURES:  # not the folder's fault: an OSError, for the caller to report as such
+            raise OSError(e.errno, f"{message}; free some space, or give data.root another disk") from None
+        raise DataError(f"{message}; give data.root a writable folder") from None
 
 
 def _prepared(root: Path, text: str, source: Path, name: str, sha256: str, val_fraction: float) -> PreparedData:

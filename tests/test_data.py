@@ -233,7 +233,7 @@ def test_own_text_is_prepared_in_a_folder_of_its_own(tmp_path):
 
 @pytest.mark.parametrize("make, complaint", [
     (lambda path: None, "cannot read the text .*No such file"),
-    (lambda path: path.mkdir(), "cannot read the text .*Is a directory"),
+    (lambda path: path.mkdir(), "the text .* is not a regular file"),
     (lambda path: path.write_bytes(b"caf\xe9\n" * 50), "not UTF-8 text"),
     (lambda path: path.write_text("a"), "leaves an empty train or val split"),
 ])

@@ -149,11 +149,99 @@ def test_a_sweep_runs_its_possible_jobs_and_names_the_impossible_one(tmp_path, d
     result = train_cli("-m", *TINY, *SHORT, *data_overrides(data_root), "optim.lr=1e-2,-1,5e-3", cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
     assert lines[0].startswith("train.py: error: job 1 (") and "optim.lr=-1" in lines[0], result.stderr
     assert lines[0].endswith("optim.lr must be a positive number, got -1.0")
     (sweep,) = (tmp_path / "runs/multirun").iterdir()
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "2"]  # job 1's directory removed
     assert all((sweep / job / "last.pt").is_file() for job in ("0", "2"))
+
+
+@pytest.fixture(scope="module")
+def stopped_runs(tmp_path_factory, data_root) -> list[Path]:
+    """Two runs as if stopped at step 2 of 4, last.pt and best.pt both holding step 2."""
+    tmp_path = tmp_path_factory.mktemp("stopped")
+    run_dirs = [tmp_path / "runs/a", tmp_path / "runs/b"]
+    for run_dir in run_dirs:
+        train.main(config(tmp_path, data_root, *SHORT), run_dir)
+        last = torch.load(run_dir / "last.pt", weights_only=True)
+        last["training"]["step"] = 2
+        for name in ("last.pt", "best.pt"):
+            save_checkpoint(last, run_dir / name)
+    return run_dirs
+
+
+def copy_run(run_dir: Path, to: Path) -> Path:
+    to.mkdir(parents=True)
+    for path in run_dir.iterdir():
+        (to / path.name).write_bytes(path.read_bytes())
+    return to
+
+
+def resume_checkpoint_elsewhere(keep: Path, other: Path) -> str:  # keep/snapshot.pt: a copy of another run's
+    (keep / "snapshot.pt").write_bytes((other / "last.pt").read_bytes())
+    return "keep/snapshot.pt"
+
+
+def replace_last_pt(keep: Path, other: Path) -> str:
+    (keep / "last.pt").write_bytes((other / "last.pt").read_bytes())
+    return "keep"
+
+
+def resume_best_pt_before_a_newer_last_pt(keep: Path, other: Path) -> str:
+    last = torch.load(keep / "last.pt", weights_only=True)
+    last["training"]["step"] = 3
+    save_checkpoint(last, keep / "last.pt")
+    return "keep/best.pt"
+
+
+def forget_the_run_identity(keep: Path, other: Path) -> str:  # as an earlier version wrote it
+    for name in ("last.pt", "best.pt"):
+        contents = torch.load(keep / name, weights_only=True)
+        del contents["training"]["run_id"]
+        save_checkpoint(contents, keep / name)
+    return "./keep/../keep"
+
+
+@pytest.mark.parametrize("case, reason", [
+    (resume_checkpoint_elsewhere, "snapshot.pt is not a run's last.pt or best.pt"),
+    (replace_last_pt, "its best.pt is another run's"),
+    (resume_best_pt_before_a_newer_last_pt, "its last.pt is newer); resume from keep/last.pt, or"),
+    (forget_the_run_identity, "the checkpoint records no run identity"),
+], ids=lambda case: getattr(case, "__name__", ""))
+def test_a_resume_is_refused_where_the_checkpoint_is_not_provably_the_runs_own(tmp_path, data_root, stopped_runs,
+                                                                               case, reason):
+    keep = copy_run(stopped_runs[0], tmp_path / "keep")
+    resume = case(keep, stopped_runs[1])
+    before = tree(keep)
+    result = train_cli(*TINY, *SHORT, *data_overrides(data_root), f"train.resume={resume}", cwd=tmp_path)
+    run_dir = Path(resume).parent if resume.endswith(".pt") else Path(resume)
+    assert_one_line_error(result, "train.py", f"train.resume: {run_dir} is not provably the run of", reason,
+                          "continue in a new directory with hydra.run.dir=NEW")
+    assert tree(keep) == before
+    assert not (tmp_path / "runs").exists() or list((tmp_path / "runs").iterdir()) == []
+
+
+def test_a_resume_continues_in_its_own_run_however_the_path_is_written(tmp_path, data_root, stopped_runs):
+    run = copy_run(stopped_runs[0], tmp_path / "run")
+    (tmp_path / "link").symlink_to(run)
+    result = train_cli(*TINY, *SHORT, *data_overrides(data_root), "train.resume=./link/../run/last.pt",
+                       "hydra.run.dir=link", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    last, best = (torch.load(run / name, weights_only=True)["training"] for name in ("last.pt", "best.pt"))
+    assert last["step"] == 4 and last["run_id"] == best["run_id"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "run"]
+
+
+def test_sweep_jobs_named_into_one_folder_are_refused_after_the_first(tmp_path, data_root):
+    result = train_cli("-m", *TINY, *SHORT, *data_overrides(data_root), "train.seed=1,2",
+                       "hydra.sweep.subdir=same", "hydra.sweep.dir=sweep", cwd=tmp_path)
+    line = assert_one_line_error(result, "train.py", "job 1 (", "train.seed=2", "hydra.sweep.subdir: job 1's folder",
+                                 "already holds another run's files")
+    assert "train.seed=1" not in line
+    first = torch.load(tmp_path / "sweep/same/last.pt", weights_only=True)
+    assert first["training"]["config"]["train"]["seed"] == 1 and first["training"]["step"] == 4
+    assert (tmp_path / "sweep/same/.hydra/overrides.yaml").read_text().count("train.seed=1") == 1
 
 
 @pytest.mark.parametrize("override, fragments", [
@@ -204,13 +292,14 @@ def test_a_read_only_runs_dir_is_one_line(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("failure, fragments, status", [
-    ("OSError(errno.ENOSPC, 'No space left on device')", ["cannot save {run_dir}/last.pt (No space left on device",
+    ("OSError(errno.ENOSPC, 'No space left on device')", ["cannot save {run_dir}/best.pt (No space left on device",
                                                           "the previous one is kept"], 1),
     ("raise_signal(signal.SIGTERM) or raise_signal(signal.SIGTERM)", ["interrupted"], 130),
 ], ids=["a full disk", "a second SIGTERM"])
 def test_a_failed_or_interrupted_save_keeps_the_previous_checkpoint(tmp_path, data_root, failure, fragments, status):
-    """The third save (step 4's last.pt, after step 2's last.pt and best.pt) fails in the middle of torch.save's
-    writes, which torch reports as a RuntimeError; or a second SIGTERM arrives then."""
+    """The second save of best.pt (step 4's, which improves on step 2's) fails in the middle of torch.save's
+    writes, which torch reports as a RuntimeError; or a second SIGTERM arrives then. last.pt stays step 2's, and
+    records the best val loss that best.pt holds."""
     run_dir = tmp_path / "run"
     script = f"""
 import errno, runpy, signal, sys, torch
@@ -231,17 +320,19 @@ class Failing:
     def flush(self):
         self.file.flush()
 
-def save_failing_on_the_third_call(obj, f, *args, **kwargs):
-    calls.append(None)
-    return save(obj, Failing(f) if len(calls) == 3 else f, *args, **kwargs)
-torch.save = save_failing_on_the_third_call
+def save_failing_on_the_second_best_pt(obj, f, *args, **kwargs):
+    best = ".best.pt." in f.name
+    calls.extend([None] if best else [])
+    return save(obj, Failing(f) if best and len(calls) == 2 else f, *args, **kwargs)
+torch.save = save_failing_on_the_second_best_pt
 sys.argv = ["train.py", *{[*TINY, *SHORT, *data_overrides(data_root), f"hydra.run.dir={run_dir}"]!r}]
 runpy.run_path({str(REPO / "train.py")!r}, run_name="__main__")
 """
     result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=ENV, capture_output=True, text=True,
                             timeout=180)
     assert_one_line_error(result, "train.py", *(f.format(run_dir=run_dir) for f in fragments), status=status)
-    assert torch.load(run_dir / "last.pt", weights_only=True)["training"]["step"] == 2
+    last, best = (torch.load(run_dir / name, weights_only=True)["training"] for name in ("last.pt", "best.pt"))
+    assert last["step"] == best["step"] == 2 and last["best_val_loss"] == best["best_val_loss"]
     assert not list(run_dir.glob(".*.tmp"))
 
 
@@ -277,14 +368,6 @@ def test_a_failed_write_of_the_events_names_their_file():
     assert one_line(error) == "No space left on device: /runs/x/events.out.tfevents.1"
 
 
-def test_a_closed_stdout_is_one_line_for_train(tmp_path):
-    command = " ".join(f"'{arg}'" for arg in [sys.executable, str(REPO / "train.py"), *TINY])
-    result = subprocess.run(["bash", "-c", f"{command} >&-"], cwd=tmp_path, env=ENV, capture_output=True, text=True,
-                            timeout=120)
-    assert_one_line_error(result, "train.py", "standard output is closed")
-    assert list(tmp_path.iterdir()) == []
-
-
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
 def test_a_full_stdout_is_one_line_for_train(tmp_path, data_root):
     with open("/dev/full", "w") as full:
@@ -296,22 +379,44 @@ def test_a_full_stdout_is_one_line_for_train(tmp_path, data_root):
 
 
 def test_sigterm_while_preparing_the_data_leaves_nothing_behind(tmp_path):
-    """The data's source is a pipe nobody writes to: preparation waits on it until the signal."""
-    source, root = tmp_path / "source", tmp_path / "data"
-    os.mkfifo(source)
-    process = subprocess.Popen([sys.executable, str(REPO / "train.py"), *TINY, f"data.text={source}",
-                                f"data.root={root}"], cwd=tmp_path, env=ENV,
+    """Reading the text waits (as on a slow disk) until the signal."""
+    source, root = tmp_path / "source.txt", tmp_path / "data"
+    corpus.write_corpus(source)
+    script = f"""
+import runpy, sys, time
+sys.path.insert(0, {str(REPO)!r})
+import data.prepare
+data.prepare.read_regular_file = lambda path: time.sleep(60)
+sys.argv = ["train.py", *{[*TINY, f"data.text={source}", f"data.root={root}"]!r}]
+runpy.run_path({str(REPO / "train.py")!r}, run_name="__main__")
+"""
+    process = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path, env=ENV,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         while not any((tmp_path / "runs").glob("*")) and process.poll() is None:  # the run has claimed its folder
             time.sleep(0.05)
-        time.sleep(1)  # and now waits on the pipe
+        time.sleep(1)  # and now reads the text
         process.send_signal(signal.SIGTERM)
         _, stderr = process.communicate(timeout=60)
     finally:
         process.kill()
     assert process.returncode == 130 and stderr == "train.py: error: interrupted\n", stderr
     assert (not root.exists() or list(root.rglob("*")) == []) and list((tmp_path / "runs").iterdir()) == []
+
+
+@pytest.mark.parametrize("kind", ["a pipe with no writer", "a device without end", "a folder"])
+def test_a_text_that_is_not_a_regular_file_is_refused_before_it_is_read(tmp_path, kind, checkpoint):
+    path = {"a pipe with no writer": tmp_path / "pipe", "a device without end": Path("/dev/zero"),
+            "a folder": tmp_path / "folder"}[kind]
+    if kind == "a pipe with no writer":
+        os.mkfifo(path)
+    elif kind == "a folder":
+        path.mkdir()
+    result = train_cli(*TINY, f"data.text={path}", f"data.root={tmp_path / 'data'}", cwd=tmp_path, timeout=60)
+    assert_one_line_error(result, "train.py", f"the text {path} is not a regular file")
+    result = subprocess.run(sample_command(checkpoint, "--prompt-file", path), env=ENV, capture_output=True,
+                            text=True, timeout=60)
+    assert_one_line_error(result, "sample.py", f"--prompt-file {path} is not a regular file")
 
 
 def test_a_failure_while_the_config_is_first_written_leaves_no_directory(tmp_path):
@@ -331,6 +436,44 @@ runpy.run_path({str(REPO / "train.py")!r}, run_name="__main__")
                             timeout=120)
     assert_one_line_error(result, "train.py", "No space left on device", status=1)
     assert list((tmp_path / "runs").iterdir()) == []
+
+
+@pytest.mark.parametrize("when", ["as training returns", "as the process exits"])
+def test_a_signal_after_a_run_finished_and_saved_leaves_its_success(tmp_path, data_root, when):
+    run_dir = tmp_path / "run"
+    script = f"""
+import atexit, runpy, signal, sys
+sys.path.insert(0, {str(REPO)!r})
+from training.loop import Trainer
+fit = Trainer.fit
+
+def fit_then_sigterm(self):
+    result = fit(self)
+    signal.raise_signal(signal.SIGTERM)
+    return result
+if {when!r} == "as training returns":
+    Trainer.fit = fit_then_sigterm
+else:
+    atexit.register(signal.raise_signal, signal.SIGTERM)  # registered first: the last to run
+sys.argv = ["train.py", *{[*TINY, *SHORT, *data_overrides(data_root), f"hydra.run.dir={run_dir}"]!r}]
+runpy.run_path({str(REPO / "train.py")!r}, run_name="__main__")
+"""
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=ENV, capture_output=True, text=True,
+                            timeout=180)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    assert result.stdout.splitlines()[-1].startswith("done: ")
+    assert torch.load(run_dir / "last.pt", weights_only=True)["training"]["step"] == 4
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--bogus"], "unrecognized arguments: --bogus"),
+    (["preset=cpu", "-m", "train.seed=1,2"], "unrecognized arguments: train.seed=1,2"),
+    (["--cfg"], "argument --cfg/-c: expected one argument"),
+])
+def test_a_flag_mistake_is_one_line(tmp_path, argv, fragment):
+    result = train_cli(*argv, cwd=tmp_path)
+    assert_one_line_error(result, "train.py", fragment, "the flags, which go before the overrides")
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -397,7 +540,9 @@ def test_resuming_a_run_clears_what_a_killed_save_left_there(tmp_path, data_root
     host = socket.gethostname().replace(".", "_")
     stale = temporary(source, "last.pt", host, dead_pid())
     live = temporary(source, "best.pt", host, os.getpid())
-    train.main(config(tmp_path, data_root, *SHORT, f"train.resume={source}"), tmp_path / "runs/resumed")
+    train.main(config(tmp_path, data_root, *SHORT, f"train.resume={source}"), tmp_path / "runs/elsewhere")
+    assert stale.exists()  # another run's directory, which a run resumed elsewhere leaves as it is
+    train.main(config(tmp_path, data_root, *SHORT, f"train.resume={source}"), source)
     assert not stale.exists() and live.exists()
 
 
@@ -434,6 +579,12 @@ def damage(contents: dict, how: str) -> dict:
         state["best_val_loss"] = "low"
     elif how == "rng of the wrong type":
         state["rng"] = {"torch": 1}
+    elif how == "a step that is a string":
+        state["step"] = "2"
+    elif how == "the training state missing a key":
+        del state["schedulers"]
+    elif how == "the text recorded as a string":
+        contents["text"] = "corpus.txt"
     return contents
 
 
@@ -441,7 +592,8 @@ def damage(contents: dict, how: str) -> dict:
                                  "an optimizer of other weights", "optimizer moments of the wrong shape",
                                  "one optimizer too many",
                                  "a scheduler that is no dict", "best_val_loss of the wrong type",
-                                 "rng of the wrong type"])
+                                 "rng of the wrong type", "a step that is a string",
+                                 "the training state missing a key", "the text recorded as a string"])
 def test_a_damaged_checkpoint_that_still_loads_is_refused_in_one_line(tmp_path, data_root, short_run, how):
     path = tmp_path / "damaged.pt"
     save_checkpoint(damage(torch.load(short_run / "last.pt", weights_only=True), how), path)
@@ -449,6 +601,18 @@ def test_a_damaged_checkpoint_that_still_loads_is_refused_in_one_line(tmp_path, 
         train.main(config(tmp_path, data_root, *SHORT, f"train.resume={path}"), tmp_path / "runs/resumed")
     message = str(caught.value)
     assert message.startswith(f"train.resume: {path} is damaged (") and "\n" not in message
+
+
+@pytest.mark.parametrize("how", ["a weight that is no tensor", "best_val_loss of the wrong type",
+                                 "a step that is a string", "the training state missing a key",
+                                 "the text recorded as a string"])
+def test_a_damaged_checkpoint_that_still_loads_is_one_line_for_sample(tmp_path, short_run, how):
+    path = tmp_path / "damaged.pt"
+    save_checkpoint(damage(torch.load(short_run / "last.pt", weights_only=True), how), path)
+    result = subprocess.run(sample_command(path, "--max-new-tokens", "3"), env=ENV, capture_output=True, text=True,
+                            timeout=60)
+    assert_one_line_error(result, "sample.py", f"{path} is ")
+    assert result.stdout == ""
 
 
 # --- sample.py ----------------------------------------------------------------------------------------------------
@@ -504,10 +668,27 @@ def test_ctrl_c_keeps_the_text_written_so_far(checkpoint, tmp_path):
     assert text.startswith("JULIET:") and text.endswith("\n") and len(text) >= 200
 
 
-def test_a_closed_stdout_is_one_line(checkpoint):
-    command = " ".join(f"'{arg}'" for arg in sample_command(checkpoint, "--max-new-tokens", 5))
-    result = subprocess.run(["bash", "-c", f"{command} >&-"], env=ENV, capture_output=True, text=True, timeout=120)
-    assert_one_line_error(result, "sample.py", "standard output is closed", status=1)
+@pytest.mark.parametrize("program", ["train.py", "sample.py"])
+@pytest.mark.parametrize("closed", ["output", "error"])
+def test_a_closed_standard_stream_is_one_line_on_the_other_before_any_work(checkpoint, tmp_path, program, closed):
+    """The same mistake, the same status in both programs; with stderr closed, the line goes to stdout, where
+    nothing else was written."""
+    command = [sys.executable, str(REPO / "train.py"), *TINY] if program == "train.py" \
+        else sample_command(checkpoint, "--max-new-tokens", 5)
+    redirect = ">&-" if closed == "output" else "2>&-"
+    result = subprocess.run(["bash", "-c", " ".join(f"'{arg}'" for arg in command) + f" {redirect}"], cwd=tmp_path,
+                            env=ENV, capture_output=True, text=True, timeout=120)
+    if closed == "error":
+        assert result.stderr == ""
+        result.stderr, result.stdout = result.stdout, ""
+    assert_one_line_error(result, program, f"standard {closed} is closed")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_closed_stdin_is_not_needed(checkpoint):
+    command = " ".join(f"'{arg}'" for arg in sample_command(checkpoint, "--max-new-tokens", 5, "--seed", 1))
+    result = subprocess.run(["bash", "-c", f"{command} <&-"], env=ENV, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and len(result.stderr.splitlines()) == 2, result.stderr
 
 
 def test_nan_weights_are_one_line(checkpoint, tmp_path):
@@ -690,7 +871,7 @@ def test_the_memory_check_counts_the_cache_the_decoder_really_builds(monkeypatch
     assert model.new_kv_cache(1).k.dtype == torch.float32
     args = argparse.Namespace(num_samples=1, max_new_tokens=10)
     for memory, fits in ((2 * need, True), (2 * need - 2, False)):  # sample.py may use half of it
-        monkeypatch.setattr(sample.os, "sysconf", lambda name: memory if name == "SC_PHYS_PAGES" else 1)
+        monkeypatch.setattr(os, "sysconf", lambda name: memory if name == "SC_PHYS_PAGES" else 1)
         if fits:
             sample.check_memory(args, 1, model, torch.device("cpu"))
         else:

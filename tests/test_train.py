@@ -181,16 +181,60 @@ def test_resume_equals_uninterrupted_run(tmp_path, data_root, monkeypatch, extra
     assert [got[s] for s in got] == pytest.approx([expected[s] for s in got], rel=1e-5)
     assert scalars(resumed, "optim/lr") == pytest.approx({s: scalars(uninterrupted, "optim/lr")[s] for s in got})
     resumed_val = scalars(resumed, "loss/val")
-    assert sorted(resumed_val) == [14, 20, 30]  # evaluated where it resumed, then as the uninterrupted run
-    assert {s: resumed_val[s] for s in (20, 30)} == pytest.approx({20: scalars(uninterrupted, "loss/val")[20],
-                                                                   30: scalars(uninterrupted, "loss/val")[30]},
-                                                                  rel=1e-5)
+    assert sorted(resumed_val) == [20, 30]  # evaluated where the uninterrupted run is, and nowhere else
+    assert resumed_val == pytest.approx({s: scalars(uninterrupted, "loss/val")[s] for s in (20, 30)}, rel=1e-5)
     assert 0 in scalars(uninterrupted, "loss/val")
     a = torch.load(uninterrupted / "last.pt", weights_only=True)
     b = torch.load(resumed / "last.pt", weights_only=True)
     assert a["training"]["step"] == b["training"]["step"] == 30
     for name, weight in a["model"].items():
         torch.testing.assert_close(b["model"][name], weight, rtol=1e-5, atol=1e-6)
+
+
+def test_a_resumed_run_picks_the_best_pt_of_the_uninterrupted_run_and_draws_its_curves(tmp_path, data_root,
+                                                                                          monkeypatch):
+    """The val losses are scripted by step so that the one at the step where the run stops (14, between
+    evaluations every 10 steps) is the lowest: a resumed run that evaluated there would keep step 10's best.pt
+    while the uninterrupted run's is step 20's."""
+    scripted = {0: 4.0, 10: 3.0, 14: 1.0, 20: 2.0, 30: 2.5}
+    evaluate, at = training.loop.evaluate, {}
+
+    def scripted_evaluate(*args, **kwargs):
+        return {**evaluate(*args, **kwargs), "val": scripted[at["step"]]}
+
+    def step_then_note(trainer):
+        train_step(trainer)
+        at["step"] = trainer.step
+
+    train_step = Trainer.train_step
+    monkeypatch.setattr(training.loop, "evaluate", scripted_evaluate)
+    monkeypatch.setattr(Trainer, "train_step", step_then_note)
+    overrides = ["train.max_iters=30", "train.eval_interval=10"]
+    uninterrupted = tmp_path / "runs/uninterrupted"
+    at["step"] = 0
+    train.main(config(tmp_path, data_root, *overrides), uninterrupted)
+
+    def sigterm_at_14(trainer):
+        step_then_note(trainer)
+        if trainer.step == 14:
+            signal.raise_signal(signal.SIGTERM)
+
+    monkeypatch.setattr(Trainer, "train_step", sigterm_at_14)
+    run_dir = tmp_path / "runs/stopped"
+    at["step"] = 0
+    with pytest.raises(Stopped):
+        train.main(config(tmp_path, data_root, *overrides), run_dir)
+    monkeypatch.setattr(Trainer, "train_step", step_then_note)
+    at["step"] = 14
+    train.main(config(tmp_path, data_root, *overrides, f"train.resume={run_dir}"), run_dir)  # in place
+
+    for name in ("best.pt", "last.pt"):
+        ours, theirs = (torch.load(d / name, weights_only=True)["training"] for d in (run_dir, uninterrupted))
+        assert (ours["step"], ours["best_val_loss"]) == (theirs["step"], theirs["best_val_loss"]), name
+    assert torch.load(run_dir / "best.pt", weights_only=True)["training"]["step"] == 20
+    for tag in ("loss/val", "loss/val_best"):
+        assert scalars(run_dir, tag) == scalars(uninterrupted, tag), tag
+    assert scalars(run_dir, "loss/val_best") == {10: 3.0, 20: 2.0, 30: 2.0}  # best.pt's, which step 0 is not
 
 
 def test_muon_takes_the_blocks_matrices_and_adamw_the_rest(tmp_path, data_root):
@@ -635,26 +679,81 @@ def ddp_worker(rank: int, world_size: int, port: int, cfg, run_dir: Path, out: P
             return super().no_sync()
 
     training.loop.DDP = SpyDDP
+    fit, evaluated = Trainer.fit, []
+
+    def fit_and_keep_what_was_evaluated(trainer):
+        last_val_loss = fit(trainer)
+        evaluated.append(trainer.eval_model.state_dict())
+        return last_val_loss
+
+    Trainer.fit = fit_and_keep_what_was_evaluated
     train.main(cfg, run_dir)
-    torch.save({"model": wrapped[0].state_dict(), "no_sync_calls": len(no_sync_calls)}, out / f"rank{rank}.pt")
+    torch.save({"model": wrapped[0].state_dict(), "evaluated": evaluated[0], "no_sync_calls": len(no_sync_calls)},
+               out / f"rank{rank}.pt")
 
 
-def test_ddp_two_cpu_processes_end_with_identical_weights(tmp_path, data_root):
+@pytest.mark.parametrize("ema", [[], ["train.ema_decay=0.5"]], ids=["weights", "moving-average"])
+def test_ddp_two_cpu_processes_end_with_identical_weights(tmp_path, data_root, ema):
+    """Every process trains, and averages, the same weights: rank 0's initial ones (each process's own seed draws
+    others), which is what evaluations see and last.pt holds."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cfg = config(tmp_path, data_root, "train.max_iters=6", "train.eval_interval=3", "train.eval_iters=2",
-                 "train.grad_accum_steps=2", "train.log_interval=2")
+                 "train.grad_accum_steps=2", "train.log_interval=2", *ema)
     run_dir = tmp_path / "runs/ddp"
     mp.spawn(ddp_worker, args=(2, port, cfg, run_dir, tmp_path), nprocs=2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     assert ranks[0]["no_sync_calls"] == ranks[1]["no_sync_calls"] == 6  # one of the 2 micro-steps, 6 steps
-    for name, weight in ranks[0]["model"].items():
-        assert torch.equal(ranks[1]["model"][name], weight), name
+    for kind in ("model", "evaluated"):
+        for name, weight in ranks[0][kind].items():
+            assert torch.equal(ranks[1][kind][name], weight), (kind, name)
     last = torch.load(run_dir / "last.pt", weights_only=True)  # rank 0's: the same weights
     assert last["training"]["step"] == 6 and len(last["training"]["rng"]) == 2
     assert last["training"]["best_val_loss"] < math.log(65) + 0.1  # the mean over the processes, not their sum
     assert last["model"].keys() == ranks[0]["model"].keys()  # no "module." prefix
-    for name, weight in ranks[0]["model"].items():
+    for name, weight in ranks[0]["evaluated"].items():
         assert torch.equal(last["model"][name], weight), name
+    for name, weight in ranks[0]["model"].items():
+        assert torch.equal(last["training"]["raw_model"][name] if ema else last["model"][name], weight), name
+    model = GPT(GPTConfig(**last["model_config"]))  # the val loss logged last is the saved model's
+    model.load_state_dict(last["model"])
+    settings = validate(cfg)
+    data = train.prepare_data(settings)
+    val = [evaluate(model, data, 16, settings.train.batch_size, 2, settings.train.seed + rank, torch.device("cpu"),
+                    nullcontext(), 1)["val"] for rank in range(2)]  # each process evaluates batches of its own
+    assert scalars(run_dir, "loss/val")[6] == pytest.approx(sum(val) / 2, rel=1e-5)
     assert len(list(run_dir.glob("events.out.tfevents.*"))) == 1  # rank 0's, hparams included; nobody else's
+
+
+def ddp_worker_stopped_by_a_signal_to_rank_1(rank: int, world_size: int, port: int, cfg, run_dir: Path, out: Path):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    train_step = Trainer.train_step
+
+    def step_then_sigterm_on_rank_1(trainer):
+        train_step(trainer)
+        if trainer.rank == 1 and trainer.step == 2:
+            signal.raise_signal(signal.SIGTERM)
+
+    Trainer.train_step = step_then_sigterm_on_rank_1
+    try:
+        train.main(cfg, run_dir)
+    except Stopped as e:
+        (out / f"rank{rank}.txt").write_text(str(e))
+
+
+def test_under_ddp_a_signal_to_one_process_stops_every_process_at_the_next_step(tmp_path, data_root):
+    """Though the steps between two logs (log_interval) outnumber the steps left."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = config(tmp_path, data_root, "train.max_iters=30", "train.eval_interval=30", "train.log_interval=100",
+                 "train.eval_iters=1")
+    run_dir = tmp_path / "runs/ddp"
+    mp.spawn(ddp_worker_stopped_by_a_signal_to_rank_1, args=(2, port, cfg, run_dir, tmp_path), nprocs=2)
+    stopped = [(tmp_path / f"rank{rank}.txt").read_text() for rank in range(2)]
+    assert stopped[0].startswith("stopped by a signal to another process at step 2:"), stopped
+    assert stopped[1].startswith("stopped by SIGTERM at step 2:"), stopped
+    assert torch.load(run_dir / "last.pt", weights_only=True)["training"]["step"] == 2

@@ -11,11 +11,13 @@ A checkpoint is a plain dict of tensors, numbers, strings, lists and dicts, so i
 
 and one that train.py writes adds `text`, what it was trained on ({"source": tiny_shakespeare or the file's path,
 "sha256": the file's}), and `training`: optimizers, schedulers (one per optimiser), step, best_val_loss,
-rng and config. A run with train.ema_decay saves the moving average of its weights as `model`, and the weights
+rng, config and run_id (the identity of the run directory it was saved in: a run continues in place only in
+the directory whose checkpoints record its own; absent from files of earlier versions). A run with train.ema_decay saves the moving average of its weights as `model`, and the weights
 it trains as training["raw_model"].
 """
 
 import dataclasses
+import math
 import pickle
 import re
 import warnings
@@ -63,7 +65,7 @@ def save_checkpoint(contents: dict, path) -> Path:
         if isinstance(cause, KeyboardInterrupt):
             raise cause from None
         raise OutputError(f"cannot save {path} ({one_line(cause)}); "
-                              f"{'the previous one is kept' if path.exists() else 'nothing was saved'}") from None
+                              f"{'the previous one is kept' if path.exists() else f'{path.name} was not written'}") from None
 
 
 def resolve_checkpoint(path, prefer: str = "best.pt") -> Path:
@@ -113,7 +115,47 @@ def load_checkpoint(path, prefer: str = "best.pt", map_location="cpu") -> dict:
     if version != VERSION:
         raise CheckpointError(f"{path} is a kvgpt checkpoint of format version {version}, and this version of "
                               f"kvgpt reads version {VERSION}; train a new one with `python train.py`")
+    damage = layout_damage(contents)
+    if damage:
+        raise CheckpointError(f"{path} is damaged ({damage}); use another checkpoint")
     return contents
+
+
+def layout_damage(contents: dict) -> str | None:
+    """What in a checkpoint's contents is not of the layout above (a key missing, a value of another type), or
+    None. Whether the values fit one another (the weights the model, the optimiser the weights) is found when
+    they are loaded."""
+    def is_number(value) -> bool:
+        return isinstance(value, float) and not math.isnan(value)
+
+    expected = {"model_config": dict, "vocab": str, "model": dict}
+    for key, kind in expected.items():
+        if not isinstance(contents.get(key), kind):
+            return f"{key} is {type(contents.get(key)).__name__}, not {kind.__name__}"
+    if not all(isinstance(name, str) and isinstance(value, torch.Tensor) for name, value in contents["model"].items()):
+        return "model holds values that are not tensors"
+    text = contents.get("text", {"source": "", "sha256": ""})
+    if not (isinstance(text, dict) and isinstance(text.get("source"), str) and isinstance(text.get("sha256"), str)):
+        return "text is not a source and a sha256"
+    state = contents.get("training")
+    if state is None:
+        return None
+    if not isinstance(state, dict):
+        return f"training is {type(state).__name__}, not dict"
+    missing = [key for key in TRAINING_KEYS if key not in state]
+    if missing:
+        return f"training lacks {', '.join(missing)}"
+    checks = {"step": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+              "best_val_loss": is_number, "config": lambda v: isinstance(v, dict),
+              "optimizers": lambda v: isinstance(v, list), "schedulers": lambda v: isinstance(v, list),
+              "rng": lambda v: isinstance(v, list) and all(isinstance(r, dict) and isinstance(r.get("torch"),
+                                                                                                 torch.Tensor)
+                                                          and isinstance(r.get("batches"), dict) for r in v),
+              "run_id": lambda v: isinstance(v, str)}
+    for key, ok in checks.items():
+        if key in state and not ok(state[key]):
+            return f"training's {key} is {state[key]!r:.40}, not of its kind"
+    return None
 
 
 def load_model(path, device="cpu", prefer: str = "best.pt", precision: str = "fp32") -> tuple[GPT, CharVocab, dict]:

@@ -64,11 +64,32 @@ def fail(prog: str, error: BaseException, *, speak: bool = True):
     """Report error as `prog: error: <one line>` on stderr (unless speak is False: another process already
     does) and exit with its status."""
     if isinstance(error, OutputError):  # what is left in stdout's buffer (if it failed) would fail again at exit
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        silence(sys.stdout)
     if speak:
         message = "interrupted" if isinstance(error, KeyboardInterrupt) else one_line(error)
-        print(f"{prog}: error: {message}", file=sys.stderr)
+        stream = sys.stderr if sys.stderr is not None else sys.stdout  # closed stderr: refused before any output
+        try:
+            if stream is not None:
+                print(f"{prog}: error: {message}", file=stream, flush=True)
+        except (OSError, ValueError):  # a full or closed stream: the status alone tells
+            silence(stream)
     sys.exit(exit_status(error))
+
+
+def check_standard_streams() -> None:
+    """A standard output or error closed at the start (`>&-`, `2>&-`) is refused before any work: with stderr
+    closed, print() would send the errors and the summary to stdout, among the results."""
+    for name, stream in (("output", sys.stdout), ("error", sys.stderr)):
+        if stream is None:
+            raise UsageError(f"standard {name} is closed; send it to a file or a pipe")
+
+
+def silence(stream) -> None:
+    """Point a standard stream at /dev/null, so that the flush at exit does not fail again on what it holds."""
+    if stream is not None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
 
 
 def write_line(text: str) -> None:

@@ -3,6 +3,7 @@
 import math
 import tempfile
 import time
+import uuid
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -41,19 +42,16 @@ class Trainer:
 
     def __init__(self, settings: Settings, model: GPT, data: PreparedData, device: torch.device, run_dir: Path,
                  summaries: Summaries | None, resumed: dict | None = None, rank: int = 0, world_size: int = 1,
-                 started_at: float | None = None):
+                 started_at: float | None = None, run_id: str | None = None):
         """summaries: rank 0's TensorBoard events. A sample_prompt outside the data's vocabulary is an
         UnknownCharacterError, raised before any step. started_at: when train.max_minutes began to count, on
-        time.perf_counter()'s clock (default: now)."""
+        time.perf_counter()'s clock (default: now). run_id: the run directory's identity, which the checkpoints
+        record (a new one when None)."""
         tc = self.tc = settings.train
         self.settings, self.data, self.device, self.run_dir = settings, data, device, run_dir
         self.rank, self.world_size, self.is_master = rank, world_size, rank == 0
+        self.run_id = run_id or uuid.uuid4().hex
         self.raw_model = model  # the module trained: no torch.compile or DDP prefix in its keys
-        self.ema = None  # with train.ema_decay, the moving average of the weights, updated after every step
-        if tc.ema_decay is not None:
-            self.ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(tc.ema_decay))
-            self.ema.update_parameters(model)  # the first update copies: the average starts at the initial weights
-        self.eval_model = model if self.ema is None else self.ema.module  # evaluated, sampled and saved as `model`
         self.vocab = data.vocab
         self.prompt = torch.tensor([self.vocab.encode(tc.sample_prompt)], device=device)
         self.batches = Batches(data.train, model.config.block_size, tc.batch_size, device, seed=tc.seed + rank)
@@ -63,14 +61,19 @@ class Trainer:
         # step 0 its learning rate, which the length of a plan never changes.
         self.schedulers = [make_scheduler(o, settings.optim, tc.max_iters or settings.optim.warmup_iters + 1)
                            for o in self.optimizers]
+        compile_if_asked = torch.compile if tc.compile else lambda module: module
+        compiled = compile_if_asked(model)
+        self.model = DDP(compiled, device_ids=[device.index] if device.type == "cuda" else None) \
+            if world_size > 1 else compiled  # DDP gives every process rank 0's weights
+        self.ema = None  # with train.ema_decay, the moving average of the weights, updated after every step
+        if tc.ema_decay is not None:  # made after DDP's copy of the weights: every process averages the same ones
+            self.ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(tc.ema_decay))
+            self.ema.update_parameters(model)  # the first update copies: the average starts at the initial weights
+        self.eval_model = model if self.ema is None else self.ema.module  # evaluated, sampled and saved as `model`
         self.step, self.best_val_loss, self.last_val_loss = 0, math.inf, None  # step: optimiser steps taken
         if resumed is not None:
             self.restore(resumed)
         self.start_step = self.step
-        compile_if_asked = torch.compile if tc.compile else lambda module: module
-        compiled = compile_if_asked(model)
-        self.model = DDP(compiled, device_ids=[device.index] if device.type == "cuda" else None) \
-            if world_size > 1 else compiled
         self.evaluated = self.model if self.ema is None else compile_if_asked(self.eval_model)  # what evaluations run
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
         self.tokens_per_step = tc.batch_size * model.config.block_size * tc.grad_accum_steps * world_size
@@ -101,9 +104,11 @@ class Trainer:
         self.timer = time.perf_counter()
         try:
             with StopSignals() as stop:
-                # every curve starts at about ln(vocabulary size); a resumed run's goes on from where it resumed
-                self.evaluate_and_save()
-                if self.tc.max_iters is None:
+                # where the uninterrupted run evaluates: at step 0, about ln(vocabulary size); a run resumed
+                # between evaluations adds no point of its own
+                if self.step % self.tc.eval_interval == 0:
+                    self.evaluate_and_save()
+                if self.tc.max_iters is None:  # a budget: step 0's evaluation is timed, then the steps are planned
                     self.plan_to_budget(evaluation_s=time.perf_counter() - self.timer)
                 tc = self.tc
                 if self.is_master:
@@ -111,7 +116,7 @@ class Trainer:
                 bar = tqdm(total=tc.max_iters, initial=self.step, unit="step", dynamic_ncols=True,
                            disable=None if self.is_master else True)  # None: no bar when stderr is not a terminal
                 while self.step < tc.max_iters:
-                    if stop.agreed(self.step, tc.log_interval, self.device):
+                    if stop.agreed():
                         self.stop(stop.signal_name)
                     self.train_step()
                     bar.update()
@@ -227,9 +232,10 @@ class Trainer:
         self.last_val_loss = losses["val"]
         trained = self.step > self.start_step  # the weights as they started are saved already, or not worth it
         improved = self.last_val_loss < self.best_val_loss and trained
-        self.best_val_loss = min(self.best_val_loss, self.last_val_loss)
-        if trained:
-            self.save("last.pt", *(["best.pt"] if improved else []))
+        if improved:  # best_val_loss is always the val loss of the model best.pt holds
+            self.best_val_loss = self.last_val_loss
+        if trained:  # best.pt first: last.pt never records a best that no checkpoint holds
+            self.save(*(["best.pt"] if improved else []), "last.pt")
         if self.is_master:
             self.summaries.evaluation(self.step, losses, self.best_val_loss)
             self.summaries.sample_and_attention(self.eval_model, self.vocab, self.prompt, tc.sample_tokens,
@@ -245,7 +251,7 @@ class Trainer:
                     "step": self.step, "best_val_loss": self.best_val_loss,
                     # every process's generators, so that a resumed DDP run draws what this one would
                     "rng": gather(rng_state(self.batches, self.device), self.world_size),
-                    "config": self.settings.config}
+                    "config": self.settings.config, "run_id": self.run_id}
         if self.ema is not None:
             training["raw_model"] = self.raw_model.state_dict()
         if self.is_master:

@@ -9,88 +9,158 @@ import shutil
 import time
 from pathlib import Path
 
+import hydra.core.utils
+from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, read_write
 
-from .checkpoint import resolve_checkpoint
+from .checkpoint import load_checkpoint, resolve_checkpoint
 from .distributed import is_rank_zero
 from .errors import CheckpointError, ConfigError, fail, one_line
 
+RECORD = ".hydra"  # Hydra's record of how a run started: its config, Hydra's own and the overrides
+CHECKPOINTS = ("last.pt", "best.pt")
+_held = {}  # the directories this process has claimed (resolved) -> whether it continues a run in place there
+
 
 class RunDirectory(Callback):
-    """conf/config.yaml's hydra callback: claims the run's directory (a sweep's, with -m) before Hydra writes its
-    .hydra/ record into it, however it was named, and holds it until the process ends.
+    """conf/config.yaml's hydra callback: claims the run's directory (a sweep's, with -m) before anything is
+    written into it, however it was named. A sweep's jobs claim their own through take_run_dir.
 
     Unnamed (hydra.run.dir=???), a run gets a new runs_dir/<date>_<time> (-2, -3, ... for runs started in the same
-    second), and a resumed run goes on in its own directory. A directory is taken by creating it, or as it is for
-    the run being resumed; one that already holds files is another's and is refused. An exclusive lock on the
-    directory for the process's lifetime keeps out every other run named alike, a second resume included.
-    Under torchrun only rank 0 has a directory; the other processes write nothing."""
-
-    def __init__(self):
-        self.locked = []  # descriptors of the directories held; the lock ends with the process
+    second), and a resumed run goes on in its own directory. Under torchrun only rank 0 has a directory; the other
+    processes write nothing."""
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
         try:
+            no_record_elsewhere(config)
             self.claim_run_dir(config)
         except Exception as e:  # Hydra would turn an exception raised here into a warning, and run on
             fail("train.py", e, speak=is_rank_zero())
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         try:
+            no_record_elsewhere(config)
             if is_rank_zero():
-                self.claim(Path(config.hydra.sweep.dir), "hydra.sweep.dir", continuing=False)
+                claim(Path(config.hydra.sweep.dir), "hydra.sweep.dir")
         except Exception as e:
             fail("train.py", e)
-
-    def on_job_start(self, config: DictConfig, **kwargs) -> None:
-        if config.hydra.mode == RunMode.MULTIRUN:  # a job's directory inside the sweep's
-            atexit.register(remove_if_unused, Path(config.hydra.runtime.output_dir))
 
     def claim_run_dir(self, config: DictConfig) -> None:
         with read_write(config.hydra):
             if not is_rank_zero():
-                config.hydra.output_subdir, config.hydra.run.dir = None, os.getcwd()
+                config.hydra.run.dir = os.getcwd()
                 return
-            resumed = resumed_run_dir(config.train.resume)
+            resumed = resumed_checkpoint(config.train.resume)
             if OmegaConf.is_missing(config.hydra.run, "dir"):
-                config.hydra.run.dir = str(resumed or new_run_dir(Path(config.runs_dir)))
+                config.hydra.run.dir = str(resumed.parent if resumed else new_run_dir(Path(config.runs_dir)))
             run_dir = Path(config.hydra.run.dir)
-            continuing = resumed is not None and run_dir.resolve() == resumed.resolve()
-            self.claim(run_dir, "hydra.run.dir", continuing)
-            if continuing:
-                config.hydra.output_subdir = None  # the run's own record of how it started stays
+            claim(run_dir, "hydra.run.dir", resumed if continues_in_place(resumed, run_dir) else None)
 
-    def claim(self, path: Path, key: str, continuing: bool) -> None:
-        if path.exists() and not path.is_dir():
-            raise ConfigError(f"{key}={path} is a file, not a folder")
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-            self.locked.append(os.open(path, os.O_RDONLY))
-        except OSError as e:
-            raise ConfigError(f"{key}={path}: cannot create the folder ({one_line(e)})") from None
-        try:
-            fcntl.flock(self.locked[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ConfigError(f"{key}={path} is in use by another training process; wait for it to end, or give "
-                              f"a new {key}") from None
-        if continuing:
-            return
-        if any(path.iterdir()):
-            resume = f"continue that run with train.resume={path}, or " if (path / "last.pt").is_file() else ""
-            raise ConfigError(f"{key}={path} already holds another run's files; {resume}give a new {key}")
+
+def no_record_elsewhere(config: DictConfig) -> None:
+    if config.hydra.output_subdir is not None:  # Hydra would write it before the directory is claimed
+        raise ConfigError(f"hydra.output_subdir cannot be set: a run's record is written to {RECORD}/ once its "
+                          f"directory is claimed")
+
+
+def claim(path: Path, key: str, resumed: Path | None = None, job: str = "") -> None:
+    """Take path for this process's run, before anything is written into it, or raise a ConfigError: the one
+    rule for every directory a run writes to. A directory is taken by creating it, or empty, or as it is when
+    the run resumed from `resumed` provably continues there (check_own_run). An exclusive lock on it for the
+    process's lifetime keeps out every other run named alike, a second resume included."""
+    where = f"{key}={path}" if not job else f"{key}: {job}'s folder {path}"
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{where} is a file, not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        held = path.resolve()
+        if held in _held:  # an earlier job of this sweep, or an earlier claim
+            raise ConfigError(f"{where} already holds another run's files; give each run its own {key}")
+        descriptor = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise ConfigError(f"{where}: cannot create the folder ({one_line(e)})") from None
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(descriptor)
+        raise ConfigError(f"{where} is in use by another training process; wait for it to end, or give "
+                          f"a new {key}") from None
+    try:
+        if resumed is not None:
+            check_own_run(path, resumed)
+        elif any(path.iterdir()):
+            resume = f"continue that run with train.resume={path}, or " \
+                if key == "hydra.run.dir" and (path / "last.pt").is_file() else ""
+            raise ConfigError(f"{where} already holds another run's files; {resume}give a new {key}")
+    except BaseException:
+        os.close(descriptor)
+        raise
+    _held[held] = resumed is not None  # the lock lasts as long as the descriptor: the process's lifetime
+    if resumed is None:
         atexit.register(remove_if_unused, path)
 
 
-def resumed_run_dir(resume: str | None) -> Path | None:
-    """The directory of the checkpoint train.resume names: where a resumed run goes on."""
+def check_own_run(run_dir: Path, resumed: Path) -> None:
+    """A resumed run continues in place only in the directory that is provably the checkpoint's run, holding
+    nothing newer: the checkpoint is its last.pt or best.pt and records the run's identity, and the other of the
+    two, if any, records the same run at no later step. Anything else may be another run's files, which the run
+    would overwrite."""
+    ours = load_checkpoint(resumed).get("training")
+    run_id = ours.get("run_id") if isinstance(ours, dict) else None
+    reason, advice = None, ""
+    if resumed.name not in CHECKPOINTS:
+        reason = f"{resumed.name} is not a run's last.pt or best.pt"
+    elif not isinstance(run_id, str):
+        reason = "the checkpoint records no run identity: an earlier version of kvgpt wrote it"
+    for other in (run_dir / name for name in CHECKPOINTS if name != resumed.name and reason is None):
+        if not other.exists():
+            continue
+        try:
+            theirs = load_checkpoint(other)["training"]
+            same_run, newer = theirs.get("run_id") == run_id, theirs["step"] > ours["step"]
+        except (CheckpointError, KeyError, TypeError, AttributeError):
+            same_run, newer = False, False
+        if not same_run:
+            reason = f"its {other.name} is another run's"
+        elif newer:
+            reason, advice = f"its {other.name} is newer", f"resume from {other}, or "
+    if reason is not None:
+        raise ConfigError(f"train.resume: {run_dir} is not provably the run of {resumed} ({reason}); {advice}"
+                          f"continue in a new directory with hydra.run.dir=NEW")
+
+
+def take_run_dir(task_config: DictConfig) -> None:
+    """In the job itself (where an error fails that job alone): claim a sweep job's directory
+    (hydra.sweep.dir/hydra.sweep.subdir) as a run's, then write Hydra's record into the run's directory, unless
+    the run continues there."""
+    hydra_config = HydraConfig.instance().cfg
+    job = hydra_config.hydra
+    if not is_rank_zero():
+        return
+    run_dir = Path(job.runtime.output_dir)
+    if job.mode == RunMode.MULTIRUN:
+        claim(run_dir, "hydra.sweep.subdir", job=f"job {job.job.num}")
+    if not _held.get(run_dir.resolve(), False):
+        for name, node in (("config.yaml", task_config), ("hydra.yaml", hydra_config),
+                           ("overrides.yaml", job.overrides.task)):
+            hydra.core.utils._save_config(node, name, run_dir / RECORD)  # as Hydra writes its record
+
+
+def resumed_checkpoint(resume: str | None) -> Path | None:
+    """The checkpoint train.resume names (a run directory: its last.pt)."""
     if resume is None:
         return None
     try:
-        return resolve_checkpoint(resume, prefer="last.pt").parent
+        return resolve_checkpoint(resume, prefer="last.pt")
     except CheckpointError as e:
         raise ConfigError(f"train.resume: {e}") from None
+
+
+def continues_in_place(resumed: Path | None, run_dir: Path) -> bool:
+    """Whether a run resumed from the checkpoint `resumed` writes into that checkpoint's own directory."""
+    return resumed is not None and resumed.parent.resolve() == Path(run_dir).resolve()
 
 
 def new_run_dir(parent: Path) -> Path:
@@ -112,8 +182,8 @@ def new_run_dir(parent: Path) -> Path:
 
 
 def remove_if_unused(run_dir: Path) -> None:
-    """Remove a run directory that holds nothing but Hydra's .hydra/ record: its run failed before its first step."""
-    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {".hydra"}:
+    """Remove a run directory that holds nothing but Hydra's record: its run failed before its first step."""
+    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {RECORD}:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 

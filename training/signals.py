@@ -6,39 +6,57 @@ import torch
 import torch.distributed as dist
 
 
+def interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def interrupt_on_signals() -> None:
+    """train.py, outside training: SIGINT and SIGTERM interrupt, and what is half done is cleaned up on the way
+    out."""
+    for sig in StopSignals.SIGNALS:
+        signal.signal(sig, interrupt)
+
+
 class StopSignals:
     """Turns the first SIGINT or SIGTERM into a request to stop after the current step; a second one
-    interrupts at once."""
+    interrupts at once. In train.py's process, once the run has finished and saved, a signal is only noted in
+    `late`: it cannot turn that success into a failure, and a sweep stops before its next job."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    late = None  # the name of a signal received after a run finished
 
     def __init__(self):
         self.signal_name = None
         self._previous = {}
+        self._group = None
 
     def __enter__(self):
+        if dist.is_initialized():  # the processes agree on the CPU, without waiting for the device's work
+            self._group = dist.new_group(backend="gloo")
         for sig in self.SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, *exc):
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            finished = exc_type is None and handler is interrupt
+            signal.signal(sig, self._note_late if finished else handler)
 
     def _handle(self, signum, frame):
         if self.signal_name is not None:
             raise KeyboardInterrupt
         self.signal_name = signal.Signals(signum).name
 
-    def agreed(self, step: int, log_interval: int, device) -> bool:
-        """Whether to stop now. Under DDP all processes must stop at the same step: they agree at log
-        intervals, so that the exchange costs no extra sync."""
-        if not dist.is_initialized():
+    @staticmethod
+    def _note_late(signum, frame):
+        StopSignals.late = signal.Signals(signum).name
+
+    def agreed(self) -> bool:
+        """Whether to stop now. Under DDP all processes stop at the same step: they agree at every step."""
+        if self._group is None:
             return self.signal_name is not None
-        if step % log_interval:
-            return False
-        flag = torch.tensor(float(self.signal_name is not None), device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        flag = torch.tensor(float(self.signal_name is not None))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
         stop = bool(flag.item())
         if stop and self.signal_name is None:
             self.signal_name = "a signal to another process"

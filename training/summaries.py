@@ -156,7 +156,8 @@ class Summaries:
     def evaluation(self, step: int, losses: dict[str, float], best_val_loss: float):
         self.writer.add_scalar(VAL_LOSS, losses["val"], step)
         self.writer.add_scalar(TRAIN_EVAL_LOSS, losses["train"], step)  # the same batches at every evaluation
-        self.writer.add_scalar(VAL_BEST, best_val_loss, step)
+        if math.isfinite(best_val_loss):  # inf until best.pt exists: weights never trained are no candidate
+            self.writer.add_scalar(VAL_BEST, best_val_loss, step)
 
     @torch.no_grad()
     def sample_and_attention(self, model: GPT, vocab: CharVocab, prompt: torch.Tensor, n_tokens: int, seed: int,
