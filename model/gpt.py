@@ -283,7 +283,8 @@ class KVCache(nn.Module):
         self.register_buffer("slot_ids", torch.arange(max_len, device=device), persistent=False)
         self.window = window or max_len  # the most tokens a query sees: itself and window - 1 before it
         if self.window > max_len:
-            raise ValueError(f"a window of {self.window} tokens needs at least as many slots, got max_len {max_len}")
+            raise ValueError(f"max_len {max_len} is below the window of {self.window} tokens that a query sees: give "
+                             f"at least {self.window} slots")
         self.read_all_slots = read_all_slots
         self.padded = False  # whether reset() was given left padding
 

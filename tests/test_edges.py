@@ -23,7 +23,7 @@ import corpus
 import train
 import training.runs
 from data import CharVocab
-from model import GPT, GREEDY, GPTConfig, Sampling, generate
+from model import GPT, GREEDY, GPTConfig, KVCache, Sampling, generate
 from test_train import TINY, config, data_overrides
 from tiny_models import random_model, random_tokens
 from training.checkpoint import CheckpointError, build_checkpoint, save_checkpoint
@@ -772,7 +772,10 @@ def test_generate_misuse_is_a_value_error_naming_the_argument(model, case, argum
     if case == "a cache of another batch size":
         kwargs["cache"] = model.new_kv_cache(3)
     elif case == "a cache shorter than block_size":
-        kwargs["cache"] = model.new_kv_cache(2, max_len=model.config.block_size - 1)
+        c = model.config  # a cache of its own making: model.new_kv_cache refuses fewer slots than block_size
+        kwargs["cache"] = KVCache(c.n_layer, 2, c.n_kv_head, c.block_size - 1, c.head_dim)
+        with pytest.raises(ValueError, match="max_len"):
+            model.new_kv_cache(2, max_len=c.block_size - 1)
     elif case == "float idx":
         idx = idx.float()
     elif case == "empty idx":
@@ -862,14 +865,16 @@ def test_the_gpu_preset_compiled_trains_a_few_steps_at_a_tiny_size(tmp_path, dat
     assert torch.load(tmp_path / "runs/gpu/last.pt", weights_only=True)["training"]["step"] == 4
 
 
-def test_the_memory_check_counts_the_cache_the_decoder_really_builds(monkeypatch):
+@pytest.mark.parametrize("kv_cache", [None, "int8"])
+def test_the_memory_check_counts_the_cache_the_decoder_really_builds(monkeypatch, kv_cache):
     import sample
     from model.quantize import to_precision
 
     model = to_precision(random_model(), "bf16")
-    need = model.new_kv_cache(1).nbytes + (1 + 10) * 8  # a float32 cache on the CPU; a one-token prompt, 10 more
-    assert model.new_kv_cache(1).k.dtype == torch.float32
-    args = argparse.Namespace(num_samples=1, max_new_tokens=10)
+    cache = model.new_kv_cache(1, dtype=torch.int8 if kv_cache else None)
+    need = cache.nbytes + (1 + 10) * 8  # a one-token prompt, 10 more
+    assert cache.k.dtype == (torch.int8 if kv_cache else torch.float32)  # float32 on the CPU, even at bf16
+    args = argparse.Namespace(num_samples=1, max_new_tokens=10, kv_cache=kv_cache)
     for memory, fits in ((2 * need, True), (2 * need - 2, False)):  # sample.py may use half of it
         monkeypatch.setattr(os, "sysconf", lambda name: memory if name == "SC_PHYS_PAGES" else 1)
         if fits:
