@@ -25,6 +25,7 @@ class Conversation:
 
     def __init__(self, model: GPT, *, sampling: Sampling = GREEDY, generator: torch.Generator | None = None,
                  window: int | None = None):
+        _check(model, torch.zeros(1, 1, dtype=torch.long), 0, window, None, True, None, False)  # window, eval mode
         self.sampling, self.generator, self.window = sampling, generator, window
         self.text = CachedText(model, window=window)
 
