@@ -55,8 +55,9 @@ class SpeculativeStats:
 
 class PromptLookup:
     """A draft that needs no model: the tokens that followed the latest earlier occurrence of the text's last
-    max_ngram tokens, or failing that of fewer, down to one. Good where text repeats itself (names, code,
-    quotes)."""
+    max_ngram tokens, or failing that of fewer, down to one. Good where text repeats itself (names, code, quotes,
+    a greedy loop). When that occurrence is fewer than k tokens back, the copy runs on into its own proposals, as
+    the repeat would."""
 
     def __init__(self, max_ngram: int = 3):
         if not (is_integer(max_ngram) and max_ngram >= 1):
@@ -70,7 +71,10 @@ class PromptLookup:
             ending = tokens[-n:]
             for end in range(len(tokens) - 1, n - 1, -1):  # the latest occurrence ending before the last token
                 if tokens[end - n:end] == ending:
-                    return tokens[end:end + k], None
+                    proposals = tokens[end:end + k]
+                    while len(proposals) < k:  # the repeat goes on: copy what was just proposed
+                        proposals.append(proposals[len(proposals) - (len(tokens) - end)])
+                    return proposals, None
         return [], None
 
     def keep(self, length: int) -> None:

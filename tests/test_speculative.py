@@ -290,5 +290,6 @@ def test_prompt_lookup_proposes_what_followed_the_latest_earlier_occurrence():
     assert lookup.propose([1, 2, 3, 9, 1, 2, 4, 5, 1, 2], 3) == ([4, 5, 1], None)  # the latest "1 2"
     assert lookup.propose([7, 1, 2, 8, 3, 2], 2) == ([8, 3], None)  # no earlier "3 2": the latest "2"
     assert lookup.propose([1, 2, 3], 4) == ([], None)  # nothing repeats
+    assert lookup.propose([5, 1, 2, 1, 2], 5) == ([1, 2, 1, 2, 1], None)  # a repeat two tokens long goes on
     with pytest.raises(ValueError, match="max_ngram must be an integer >= 1"):
         PromptLookup(max_ngram=0)
