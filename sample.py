@@ -14,10 +14,10 @@ First, stderr says which checkpoint is sampled: its step, best val loss and the 
 sample is written as it is generated (to a terminal token by token, elsewhere every CHUNK tokens); samples
 generated side by side are written one after another at the end. Ctrl-C writes what was generated and exits
 with status 130. A one-line summary (tokens, seconds, tokens/s, precision, the cache's size and dtype) ends
-stderr (with speculative decoding also the draft's acceptance rate and the tokens per model pass). --interactive
-reads lines instead (see interact). A mistake in the command line or its inputs is one line on stderr with exit status 2; an output that
-cannot be written (a full disk) is one line with status 1; a reader that stops early (`| head`) ends sampling
-quietly.
+stderr (with speculative decoding also the draft's acceptance rate and the tokens per model pass).
+--interactive reads lines instead (see interact). A mistake in the command line or its inputs is one line on
+stderr with exit status 2; an output that cannot be written (a full disk) is one line with status 1; a reader
+that stops early (`| head`) ends sampling quietly.
 """
 
 import argparse
