@@ -6,36 +6,47 @@
     python sample.py --temperature 0 --no-kv-cache     # greedy, recomputing everything at every step
     python sample.py --precision int8                  # int8 weights, quantized when loaded: fastest on CPU
     python sample.py --kv-cache int8                   # int8 keys and values: about a quarter of the cache
+    python sample.py --temperature 0 --draft lookup    # speculative decoding: the same text, fewer model passes
+    python sample.py --draft runs/<small run> --speculate-k 4   # ... with a smaller checkpoint as the draft
+    python sample.py --interactive --temperature 0     # type a line, the model continues the text; Ctrl-D ends
 
 First, stderr says which checkpoint is sampled: its step, best val loss and the text it was trained on. A lone
 sample is written as it is generated (to a terminal token by token, elsewhere every CHUNK tokens); samples
 generated side by side are written one after another at the end. Ctrl-C writes what was generated and exits
 with status 130. A one-line summary (tokens, seconds, tokens/s, precision, the cache's size and dtype) ends
-stderr. A mistake in the command line or its inputs is one line on stderr with exit status 2; an output that
-cannot be written (a full disk) is one line with status 1; a reader that stops early (`| head`) ends sampling
-quietly.
+stderr (with speculative decoding also the draft's acceptance rate and the tokens per model pass).
+--interactive reads lines instead (see interact). A mistake in the command line or its inputs is one line on
+stderr with exit status 2; an output that cannot be written (a full disk) is one line with status 1; a reader
+that stops early (`| head`) ends sampling quietly.
 """
 
 import argparse
+import contextlib
 import itertools
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
 import torch
 
 from data import CharVocab, DataError, UnknownCharacterError, read_regular_file
-from model import Sampling, generate_tokens, kv_cache_bytes_per_token
+from model import GPT, Sampling, generate_tokens, kv_cache_bytes_per_token
+from model.conversation import Conversation
+from model.speculative import PromptLookup, SpeculativeStats, speculative_generate
 from model.quantize import PRECISIONS
 from training.checkpoint import load_model, resolve_checkpoint, trained_on
 from training.devices import choose_device, memory_of
-from training.errors import MISTAKES, UsageError, check_standard_streams, fail, silence
+from training.errors import MISTAKES, CheckpointError, UsageError, check_standard_streams, fail, one_line, silence
 from training.runs import find_latest_checkpoint
 
 SAMPLE_SEPARATOR = "---------------\n"
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
 MEMORY_SHARE = 0.5  # the largest share of the device's memory that the samples' KV cache and tokens may take
 CHUNK = 64  # tokens read back from the device at once when the output is no terminal: each read is a sync
+SPECULATE_K = 4  # --speculate-k's default
+REPLY_STOP = "\n\n"  # --interactive: a reply ends with a blank line (a speech's end, in a play)
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -79,6 +90,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--read-all-slots", action="store_true",
                         help="attend every slot of the cache through its mask, the rule model/gpt.py's KVCache "
                              "teaches, as compiled and GPU steps do (eagerly on the CPU the filled slots are read)")
+    parser.add_argument("--draft", metavar="PATH|lookup",
+                        help="speculative decoding: a checkpoint with the same vocabulary (a smaller model) or "
+                             "lookup (the text's own continuation of its last few characters) proposes "
+                             "--speculate-k characters, which the model checks in one pass; the same text when "
+                             "greedy, the same distribution when sampling")
+    parser.add_argument("--speculate-k", metavar="K", type=int,
+                        help=f"characters the draft proposes per model pass (default: {SPECULATE_K})")
+    parser.add_argument("--interactive", action="store_true",
+                        help="read lines from the terminal: each is added to the text and the model continues "
+                             "it, up to --max-new-tokens characters or a blank line; Ctrl-C ends a reply, "
+                             "Ctrl-D ends the session")
     return parser
 
 
@@ -122,13 +144,91 @@ def read_prompt(args) -> str:
     return prompt
 
 
-def encode_prompt(vocab: CharVocab, prompt: str) -> list[int]:
+def encode_prompt(vocab: CharVocab, prompt: str, what: str = "the prompt") -> list[int]:
     try:
         return vocab.encode(prompt)
     except UnknownCharacterError as e:
         unknown = ", ".join(repr(c) for c in e.chars)
-        raise UsageError(f"the prompt has characters not in the checkpoint's vocabulary: {unknown}; "
+        raise UsageError(f"{what} has characters not in the checkpoint's vocabulary: {unknown}; "
                          f"the vocabulary is {vocab.chars!r}") from None
+
+
+def check_combinations(args) -> None:
+    """Refuse options that cannot apply together, naming them."""
+    one_row = {"--draft": args.draft, "--interactive": args.interactive}
+    plain_decoding = {"--no-kv-cache": args.no_kv_cache, "--compile": args.compile, "--kv-cache": args.kv_cache,
+                      "--read-all-slots": args.read_all_slots, "--num-samples": args.num_samples != 1}
+    if args.speculate_k is not None and not args.draft:
+        raise UsageError("--speculate-k applies to speculative decoding: give --draft too")
+    if args.speculate_k is not None and args.speculate_k < 1:
+        raise UsageError(f"--speculate-k must be >= 1, got {args.speculate_k}")
+    if args.draft and args.interactive:
+        raise UsageError("--draft applies to sampling, not to --interactive: drop one of them")
+    for mode, on in one_row.items():
+        for option, given in plain_decoding.items():
+            if on and given:
+                raise UsageError(f"{option} applies to plain decoding, not to {mode}: drop one of them")
+
+
+def load_draft(args, model: GPT, vocab: CharVocab, device: torch.device) -> GPT | PromptLookup:
+    if args.draft == "lookup":
+        return PromptLookup()
+    try:
+        draft, draft_vocab, _ = load_model(resolve_checkpoint(Path(args.draft)), device, precision=args.precision)
+    except CheckpointError as e:
+        raise UsageError(f"--draft: {one_line(e)}") from None
+    if draft_vocab != vocab:
+        raise UsageError(f"--draft {args.draft} has another vocabulary ({len(draft_vocab)} characters) than the "
+                         f"checkpoint ({len(vocab)}): draft with a checkpoint trained on the same text")
+    return draft
+
+
+@contextlib.contextmanager
+def ctrl_c_sets_flag():
+    """While inside, Ctrl-C sets the flag yielded instead of raising KeyboardInterrupt: a reply then ends between
+    two tokens, with the conversation whole."""
+    flag = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: flag.set())
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def interact(conversation: Conversation, vocab: CharVocab, prompt: str, max_new_tokens: int, out) -> None:
+    """Read lines from standard input to its end (Ctrl-D). Each line, with its newline (and, first, the prompt), is
+    added to the text and the model continues it, written as it is drawn, up to max_new_tokens characters or
+    through REPLY_STOP. Ctrl-C ends a reply (while typing: the line). A line with characters outside the
+    vocabulary is one line on stderr, and the loop goes on."""
+    newline = "\n" if "\n" in vocab.chars else ""
+    stop = vocab.encode(REPLY_STOP) if set(REPLY_STOP) <= set(vocab.chars) else ()
+    print(f"type a line and press Enter: the model continues the text for up to {max_new_tokens} characters"
+          f"{' or to a blank line' if stop else ''}. Ctrl-C ends a reply, Ctrl-D the session.", file=sys.stderr)
+    out.write(prompt)
+    out.flush()
+    before = prompt  # the prompt goes in with the first line
+    while True:
+        try:
+            line = input()
+        except EOFError:
+            if not vocab.decode(conversation.tokens[-1:]).endswith("\n"):
+                out.write("\n")  # leave the shell's prompt a line of its own
+            return
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            continue
+        try:
+            new = encode_prompt(vocab, before + line + newline, "the line")
+        except UsageError as e:
+            print(f"{e}; type another", file=sys.stderr)
+            continue
+        before = ""
+        with ctrl_c_sets_flag() as stopped:
+            for token in conversation.reply(new, max_new_tokens, stop):
+                out.write(vocab.decode([token]))
+                out.flush()
+                if stopped.is_set():
+                    break
 
 
 def checked(steps):
@@ -176,6 +276,7 @@ def sample(args) -> None:
     if args.no_kv_cache and (args.kv_cache or args.read_all_slots):
         raise UsageError(f"{'--kv-cache' if args.kv_cache else '--read-all-slots'} applies to the KV cache: "
                          f"drop it, or --no-kv-cache")
+    check_combinations(args)
     try:
         sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     except ValueError as e:  # its messages name the argument, as the options do
@@ -190,19 +291,34 @@ def sample(args) -> None:
     model, vocab, contents = load_model(path, device, precision=args.precision)
     prompt_ids = encode_prompt(vocab, prompt)
     check_memory(args, len(prompt_ids), model, device)
+    draft = load_draft(args, model, vocab, device) if args.draft else None
 
     generator = torch.Generator(device)
     if args.seed is None:
         generator.seed()  # a new generator starts from the same fixed seed every time; draw a random one
     else:
         generator.manual_seed(args.seed)
+    if args.interactive:
+        try:
+            conversation = Conversation(model, sampling=sampling, generator=generator, window=args.window)
+        except ValueError as e:  # its messages name the argument, as the options do
+            raise UsageError(e) from None
     use_cache = not args.no_kv_cache
     cache = model.new_kv_cache(args.num_samples, dtype=KV_CACHES[args.kv_cache or "float"],
-                               read_all_slots=args.read_all_slots) if use_cache else None
+                               read_all_slots=args.read_all_slots) if use_cache and not draft else None
     idx = torch.tensor([prompt_ids] * args.num_samples, dtype=torch.long, device=device)
     start = time.perf_counter()
-    steps = checked(generate_tokens(model, idx, args.max_new_tokens, sampling=sampling, generator=generator,
-                                    window=args.window, use_cache=use_cache, cache=cache, compile=args.compile))
+    speculation = SpeculativeStats()
+    if args.interactive:
+        steps = None
+    elif draft:
+        steps = checked(speculative_generate(model, idx, args.max_new_tokens, draft=draft,
+                                             k=args.speculate_k or SPECULATE_K, sampling=sampling,
+                                             generator=generator, window=args.window, stats=speculation))
+    else:
+        steps = checked(generate_tokens(model, idx, args.max_new_tokens, sampling=sampling, generator=generator,
+                                        window=args.window, use_cache=use_cache, cache=cache,
+                                        compile=args.compile))
 
     state = contents.get("training")
     progress = f"step {state['step']}, best val loss {state['best_val_loss']:.4f}" if state else "weights only"
@@ -214,6 +330,9 @@ def sample(args) -> None:
         print(f"standard output is {sys.stdout.encoding}: characters it cannot show are written as '?' "
               f"(PYTHONIOENCODING=utf-8 writes them all)", file=sys.stderr)
     try:
+        if args.interactive:
+            interact(conversation, vocab, prompt, args.max_new_tokens, sys.stdout)
+            return
         write_samples(steps, prompt, vocab, args.num_samples, sys.stdout, every=1 if sys.stdout.isatty() else CHUNK)
     except BrokenPipeError:  # the reader stopped early (`| head`): nothing more is wanted
         silence(sys.stdout)
@@ -226,9 +345,11 @@ def sample(args) -> None:
     tokens = args.num_samples * args.max_new_tokens
     # the cache's own dtype: float32 on the CPU also at bf16 and int8 (model/attention.py: attention_dtype)
     cache_size = f"KV cache {cache.nbytes / 2**20:.2f} MiB in {str(cache.k.dtype).removeprefix('torch.')}" \
-        if use_cache else "no cache"
+        if cache is not None else f"KV caches {speculation.cache_bytes / 2**20:.2f} MiB" if draft else "no cache"
+    speculated = f", draft acceptance {speculation.acceptance_rate:.0%}, {speculation.tokens_per_pass:.2f} " \
+        f"tokens per model pass" if draft else ""
     print(f"{tokens} tokens in {seconds:.2f} s, {tokens / max(seconds, 1e-9):.1f} tokens/s at {args.precision}, "
-          f"{cache_size} ({device.type})", file=sys.stderr)
+          f"{cache_size} ({device.type}){speculated}", file=sys.stderr)
 
 
 def main(argv=None) -> None:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .gpt import GPT, KVCache
+from .gpt import GPT, GPTConfig, KVCache
 from .quantize import Int8KVCache
 
 
@@ -140,9 +140,7 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampl
     block_size = model.config.block_size
     rolling = model.config.pos_emb == "rope"  # the cache rolls on past block_size
     start = _check(model, idx, max_new_tokens, window, n_pad, use_cache, cache, compile)
-    # the longest context that can still change the next token, and how much of it a jump forward keeps
-    span = model.config.n_layer * (block_size - 1) + 1 if rolling else block_size
-    window = span if rolling else default_window(block_size) if window is None else window
+    span, window = context_limits(model.config, window)
     if use_cache:
         cache = cache if cache is not None else model.new_kv_cache(idx.size(0))
         one_token_step = torch.compile(model.decode_step, fullgraph=True) if compile else model.decode_step
@@ -154,7 +152,7 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampl
     fed = None  # seq[:, :fed] has gone through the cache; None: (re)fill it
     for _ in range(max_new_tokens):
         if length - min(start) > span:  # some row's context would pass span
-            start = [s if length - s <= span else length - window for s in start]
+            start = [moved_start(s, length, span, window) for s in start]
             if not rolling:
                 fed = None
         first = min(start)  # the batch's context is seq[:, first:], each row left-padded to it
@@ -182,6 +180,21 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampl
 def default_window(block_size: int) -> int:
     """Context tokens that learned positions keep when the context passes block_size: half of it, at least one."""
     return max(block_size // 2, 1)
+
+
+def context_limits(config: GPTConfig, window: int | None) -> tuple[int, int]:
+    """(span, window): the longest context that can still change the next token, and how much of it a jump
+    forward keeps (see the module's docstring)."""
+    if config.pos_emb == "rope":
+        span = config.n_layer * (config.block_size - 1) + 1
+        return span, span
+    return config.block_size, default_window(config.block_size) if window is None else window
+
+
+def moved_start(start: int, length: int, span: int, window: int) -> int:
+    """Where a context that starts at `start` starts before the token after seq[:length] is drawn: where it did,
+    or, when it would pass span, `window` tokens back."""
+    return start if length - start <= span else length - window
 
 
 def _same_rows(idx: torch.Tensor) -> bool:

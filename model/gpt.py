@@ -315,8 +315,7 @@ class KVCache(nn.Module):
         """What a forward pass of the next t tokens needs: (their positions (B, t) or (t,), the attention mask
         (B, 1, t, T_k) or None for plain causal attention, their slots (t,), how many slots attention reads
         (None: all))."""
-        if (t > 1 and not torch.compiler.is_compiling() and int(self.pos) + t > self.max_len
-                and self.max_len < self.window + t - 1):
+        if t > 1 and not torch.compiler.is_compiling() and t > self.longest_chunk():
             raise ValueError(f"a chunk of {t} tokens must fit in the cache before it first wraps ({self.max_len} "
                              f"slots, {len(self)} fed), or the cache needs window + {t - 1} = {self.window + t - 1} "
                              f"slots; feed one token at a time past that")
@@ -325,6 +324,11 @@ class KVCache(nn.Module):
         if self.static_shapes:
             return self.positions(new), self.attn_mask(new), slots, None
         return self.filled_slots_only(new, slots)
+
+    def longest_chunk(self) -> int:
+        """The most tokens the next forward pass may feed: those that fit before the ring first wraps, or
+        max_len - window + 1 (see the class's docstring). Reads `pos` back (a sync on GPU)."""
+        return max(self.max_len - len(self), self.max_len - self.window + 1)
 
     def positions(self, new):
         """(B, t) position of each new token in its row, counted from the row's first real token."""
@@ -344,6 +348,11 @@ class KVCache(nn.Module):
         """Forget the last n tokens fed (speculative decoding's rejected drafts): the next ones overwrite them."""
         if not 0 <= n <= len(self):
             raise ValueError(f"cannot roll back {n} tokens: the cache holds {len(self)}")
+        if n > self.max_len - self.window + 1 and len(self) > self.max_len:
+            # the last of them overwrote a token that the next one fed would still see
+            raise ValueError(f"cannot roll back {n} tokens of a ring of {self.max_len} slots that has wrapped: it "
+                             f"rolls back max_len - window + 1 = {self.max_len - self.window + 1} at most; make "
+                             f"the cache with max_len = window + {n - 1}")
         self.pos -= n
 
     def fill_from(self, other: "KVCache") -> None:

@@ -1,0 +1,127 @@
+"""Speculative decoding against plain cached decoding, batch 1, in one run.
+
+    python bench/speculative.py --checkpoint runs/<date>_<time>                      # prompt lookup as the draft
+    python bench/speculative.py --checkpoint runs/<big> --draft runs/<small>         # also a draft checkpoint
+    python bench/speculative.py --ceiling-only                                       # the verification pass alone
+
+Decoding: --new-tokens new tokens after "ROMEO:" from --checkpoint, plain cached decoding (model/generate.py) and
+speculative decoding (model/speculative.py) with prompt lookup and with --draft, for each k, at temperature 0 and
+0.8. Each figure is the median of --repeats runs with their spread (min-max); every ratio is taken within this run.
+Greedy speculative text is checked against plain greedy text; sampled text differs by design (the same
+distribution, other draws), so at 0.8 the acceptance rate and the tokens per model pass are what to read.
+
+The ceiling: the classic shape (conf/model/classic.yaml), random weights, fp32, batch 1, a context of --context
+tokens in a rotary model's cache with k spare slots: one cached pass over k + 1 = 9 tokens against a one-token step.
+A draft that is always right, and free, would decode (k + 1) / that ratio times faster than one token per step.
+"""
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.configs import model_config  # noqa: E402
+from bench.decode import fmt, rates, timings  # noqa: E402
+from bench.kv_designs import host  # noqa: E402
+from model import GPT, GREEDY, Sampling, generate  # noqa: E402
+from model.speculative import PromptLookup, SpeculativeStats, speculative_generate  # noqa: E402
+from training.checkpoint import load_model  # noqa: E402
+
+BENCH_PROMPT = "ROMEO:"
+KS = (1, 2, 4, 8)
+TEMPERATURES = (0.0, 0.8)
+
+
+def speculative_run(model, prompt, n, draft, k, temperature):
+    """(new tokens, stats) of one speculative generation, seeded."""
+    stats = SpeculativeStats()
+    steps = speculative_generate(model, prompt, n, draft=draft, k=k, sampling=sampling_at(temperature),
+                                 generator=torch.Generator().manual_seed(0), stats=stats)
+    return torch.cat(list(steps)).tolist(), stats
+
+
+def sampling_at(temperature: float) -> Sampling:
+    return GREEDY if temperature == 0 else Sampling(temperature=temperature)
+
+
+def decoding_table(model, vocab, drafts: dict, n: int, repeats: int) -> None:
+    prompt = torch.tensor([vocab.encode(BENCH_PROMPT)])
+    print(f"| temperature | decoding | k | acceptance | tokens per model pass | tok/s | x plain | identical text |")
+    print("|---|---|---|---|---|---|---|---|")
+    for temperature in TEMPERATURES:
+        def plain():
+            return generate(model, prompt, n, sampling=sampling_at(temperature),
+                            generator=torch.Generator().manual_seed(0))[0, prompt.size(1):].tolist()
+        plain_text = plain()
+        plain_rate = rates(n, timings(plain, repeats, sync=lambda: None))
+        print(f"| {temperature} | plain cached | - | - | 1.00 | {fmt(plain_rate)} | 1.00 | - |", flush=True)
+        for name, draft in drafts.items():
+            for k in KS:
+                text, stats = speculative_run(model, prompt, n, draft, k, temperature)
+                rate = rates(n, timings(lambda: speculative_run(model, prompt, n, draft, k, temperature),
+                                        repeats, sync=lambda: None))
+                same = ("yes" if text == plain_text else "NO") if temperature == 0 else "-"
+                print(f"| {temperature} | {name} | {k} | {stats.acceptance_rate:.0%} | {stats.tokens_per_pass:.2f} "
+                      f"| {fmt(rate)} | {rate[0] / plain_rate[0]:.2f} | {same} |", flush=True)
+
+
+@torch.no_grad()
+def ceiling(context: int, k: int, repeats: int) -> None:
+    """One cached pass over k + 1 tokens against a one-token step, both after `context` tokens."""
+    torch.manual_seed(0)
+    model = GPT(dataclasses.replace(model_config("classic"), pos_emb="rope")).eval()
+    cache = model.new_kv_cache(1, max_len=model.config.block_size + k)
+    model.decode_step(torch.randint(0, model.config.vocab_size, (1, context)), cache)
+    chunk = torch.randint(0, model.config.vocab_size, (1, k + 1))
+
+    def pass_of(tokens):
+        def run():
+            for _ in range(20):  # 20 passes per timing, so that timer resolution does not matter
+                model(tokens, cache=cache)
+                cache.rollback(tokens.size(1))
+        return run
+
+    verify = rates(20, timings(pass_of(chunk), repeats, sync=lambda: None))
+    step = rates(20, timings(pass_of(chunk[:, :1]), repeats, sync=lambda: None))
+    ratio = step[0] / verify[0]
+    print(f"\nceiling: classic shape, rotary, random weights, fp32, batch 1, after {context} tokens "
+          f"(passes/s, median (min-max) of {repeats})")
+    print("| pass | passes/s | time / one-token step |")
+    print("|---|---|---|")
+    print(f"| one token | {fmt(step)} | 1.00 |")
+    print(f"| {k + 1} tokens (k = {k}) | {fmt(verify)} | {ratio:.2f} |")
+    print(f"a free draft that is always right: {(k + 1) / ratio:.2f}x one token per step")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", type=Path, help="the model decoded (a run directory or checkpoint file)")
+    parser.add_argument("--draft", type=Path, help="a draft checkpoint with the same vocabulary")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--new-tokens", type=int, default=500)
+    parser.add_argument("--context", type=int, default=200, help="the ceiling's context")
+    parser.add_argument("--ceiling-only", action="store_true")
+    args = parser.parse_args()
+    if not args.ceiling_only and args.checkpoint is None:
+        parser.error("--checkpoint is needed for the decoding table (or --ceiling-only)")
+
+    print(f"# speculative decoding benchmark: {host()}, torch {torch.__version__}, {torch.get_num_threads()} "
+          f"threads, cpu, batch 1, median (min-max) of {args.repeats}")
+    if not args.ceiling_only:
+        model, vocab, _ = load_model(args.checkpoint, torch.device("cpu"))
+        drafts = {"prompt lookup": PromptLookup()}
+        if args.draft:
+            draft, draft_vocab, _ = load_model(args.draft, torch.device("cpu"))
+            if draft_vocab != vocab:
+                parser.error(f"--draft {args.draft} has another vocabulary than --checkpoint")
+            drafts[f"draft {args.draft}"] = draft
+        print(f"\ndecoding: {args.checkpoint}, {args.new_tokens} new tokens after {BENCH_PROMPT!r}")
+        decoding_table(model, vocab, drafts, args.new_tokens, args.repeats)
+    ceiling(args.context, KS[-1], args.repeats)
+
+
+if __name__ == "__main__":
+    main()

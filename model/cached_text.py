@@ -1,0 +1,73 @@
+"""One row of text and a model's KV cache over it, fed only as far as each call needs: what speculative decoding
+(model/speculative.py) and a conversation (model/conversation.py) build on.
+
+Past block_size it follows generate's rules (model/generate.py): a rotary model's ring rolls on, and a
+learned-position model's context jumps forward to its last `window` tokens, its cache refilled. The tokens
+already fed stay in the cache until the text is cut back (truncate), which rolls the cache back past them.
+"""
+
+import math
+
+import torch
+
+from .generate import context_limits, moved_start
+from .gpt import GPT
+
+
+class CachedText:
+    """tokens: the text, token ids, which callers extend; the cache holds tokens[start:fed].
+
+    spare: slots beyond block_size, so that a chunk of up to spare + 1 tokens may cross the ring's end, and so
+    many may be rolled back after it has wrapped (see KVCache).
+    """
+
+    def __init__(self, model: GPT, *, spare: int = 0, window: int | None = None):
+        self.model = model
+        self.tokens: list[int] = []
+        self.cache = model.new_kv_cache(1, max_len=model.config.block_size + spare)
+        self.rolling = model.config.pos_emb == "rope"  # the ring rolls on: the context never jumps
+        self.span, self.window = context_limits(model.config, window)
+        self.start = 0  # the context is tokens[start:]
+
+    @property
+    def fed(self) -> int:
+        """tokens[:fed] have gone through the model."""
+        return self.start + len(self.cache)
+
+    def prepare(self, length: int, fresh: bool = False) -> None:
+        """Move the context's start where generate puts it before drawing the token after tokens[:length]:
+        continuing from the current start, or as for a new prompt (fresh). A move empties the cache."""
+        if self.rolling:
+            return
+        start = moved_start(0 if fresh else self.start, length, self.span, self.window)
+        if start != self.start:
+            self.start = start
+            self.cache.reset()
+
+    def room(self, length: int) -> float:
+        """How many tokens past tokens[:length] one pass may still predict from the same context."""
+        return math.inf if self.rolling else self.start + self.span - length
+
+    def logits(self, end: int, n: int = 1) -> torch.Tensor:
+        """Feed tokens[fed:end] through the model, the last n of them in one pass; their logits (n, vocab_size),
+        each the prediction of the token after it."""
+        self.prepare(end - n + 1)
+        while self.fed < end - n:  # what the cache lacks before them, in the longest chunks it takes
+            chunk = min(end - n - self.fed, self.cache.longest_chunk())
+            self.model.decode_step(self._ids(self.fed, self.fed + chunk), self.cache)
+        return self.model(self._ids(end - n, end), cache=self.cache)[0][0]
+
+    def truncate(self, length: int) -> None:
+        """Keep tokens[:length] only, rolling the cache back past the rest."""
+        del self.tokens[length:]
+        excess = self.fed - length
+        if excess <= 0:
+            return
+        if length >= self.start:
+            self.cache.rollback(excess)
+        else:  # the context had jumped past length: start again from the beginning
+            self.start = 0
+            self.cache.reset()
+
+    def _ids(self, begin: int, end: int) -> torch.Tensor:
+        return torch.tensor([self.tokens[begin:end]], device=self.cache.k.device)

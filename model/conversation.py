@@ -1,0 +1,58 @@
+"""A conversation: a text that grows by turns, and the model's KV cache over it, kept between turns.
+
+    chat = Conversation(model, sampling=GREEDY)
+    for token in chat.reply(new_ids, 200, stop=blank_line_ids):  # ints, as they are drawn
+        ...
+
+Each turn appends the new tokens to the text and continues it, and only the tokens not yet read go through the
+model: the new ones, and the previous reply's last token. Each reply is what generate would continue the whole
+text with: a rotary model's cache rolls on past block_size, with nothing read twice; a learned-position model's
+context starts where generate's would for the whole text as a prompt, so that once the text passes block_size each
+turn starts by refilling the cache with its last `window` tokens, as generate does.
+"""
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from .cached_text import CachedText
+from .generate import GREEDY, Sampling, _check
+from .gpt import GPT
+
+
+class Conversation:
+    """sampling, generator, window: as in generate."""
+
+    def __init__(self, model: GPT, *, sampling: Sampling = GREEDY, generator: torch.Generator | None = None,
+                 window: int | None = None):
+        _check(model, torch.zeros(1, 1, dtype=torch.long), 0, window, None, True, None, False)  # window, eval mode
+        self.sampling, self.generator, self.window = sampling, generator, window
+        self.text = CachedText(model, window=window)
+
+    @property
+    def tokens(self) -> list[int]:
+        """The whole text so far: every turn's tokens and every reply."""
+        return self.text.tokens
+
+    @torch.no_grad()
+    def reply(self, new_tokens: Sequence[int], max_new_tokens: int, stop: Sequence[int] = ()) -> Iterator[int]:
+        """Append new_tokens to the text and continue it: yield each new token as it is drawn, up to
+        max_new_tokens, or until the reply ends with `stop` (which it then includes). Stopping early (closing the
+        iterator) keeps what was yielded in the text."""
+        text, model = self.text, self.text.model
+        if not text.tokens and not new_tokens:
+            raise ValueError("a conversation starts from at least one token: new_tokens is empty")
+        ids = torch.tensor([[*text.tokens[-1:], *new_tokens]], device=text.cache.k.device)
+        _check(model, ids, max_new_tokens, self.window, None, True, None, False)
+        text.tokens += new_tokens
+        text.prepare(len(text.tokens), fresh=True)
+        stop = list(stop)
+        reply = []
+        for _ in range(max_new_tokens):
+            logits = text.logits(len(text.tokens))
+            token = int(self.sampling.next_token(logits, self.generator))
+            text.tokens.append(token)
+            reply.append(token)
+            yield token
+            if stop and reply[-len(stop):] == stop:
+                return

@@ -1,0 +1,118 @@
+"""sample.py's speculative decoding (--draft, --speculate-k) and --interactive, end to end in a subprocess."""
+
+import io
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import sample
+from data import CharVocab
+from model import GPT, GPTConfig, GREEDY, generate
+from model.conversation import Conversation
+from training.checkpoint import build_checkpoint, load_model, save_checkpoint
+from test_sample import ENV, NEW_TOKENS, PROMPT, SAMPLE, VOCAB, assert_usage_error, run_sample, sample_ok, tiny_model
+
+REPLY = 40
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """The model, a draft trained less from another seed, and a model of another vocabulary."""
+    folder = tmp_path_factory.mktemp("spec")
+    paths = {}
+    for name, model in (("model", tiny_model(seed=0, train_steps=120)), ("draft", tiny_model(seed=1, train_steps=40))):
+        paths[name] = save_checkpoint(build_checkpoint(model, VOCAB), folder / f"{name}.pt")
+    torch.manual_seed(0)
+    other = GPT(GPTConfig(vocab_size=5, block_size=16, n_layer=1, n_head=1, n_embd=8)).eval()
+    paths["other"] = save_checkpoint(build_checkpoint(other, CharVocab("abcde")), folder / "other.pt")
+    return paths
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(checkpoints) -> str:
+    return sample_ok("--checkpoint", checkpoints["model"], "--prompt", PROMPT, "--temperature", 0,
+                     "--max-new-tokens", NEW_TOKENS).stdout
+
+
+@pytest.mark.parametrize("draft, k", [("lookup", "3"), ("draft", "4")])
+def test_speculative_greedy_text_equals_plain_greedy_text(checkpoints, plain_greedy, draft, k):
+    result = sample_ok("--checkpoint", checkpoints["model"], "--prompt", PROMPT, "--temperature", 0,
+                       "--max-new-tokens", NEW_TOKENS, "--draft", checkpoints.get(draft, draft), "--speculate-k", k)
+    assert result.stdout == plain_greedy
+    summary = result.stderr.splitlines()[-1]
+    assert "draft acceptance " in summary and " tokens per model pass" in summary
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["--draft", "OTHER"], ["--draft", "another vocabulary (5 characters)", "(35)"]),
+    (["--draft", "lookup", "--speculate-k", "0"], ["--speculate-k must be >= 1, got 0"]),
+    (["--speculate-k", "2"], ["--speculate-k applies to speculative decoding: give --draft too"]),
+    (["--draft", "lookup", "--num-samples", "2"], ["--num-samples applies to plain decoding, not to --draft"]),
+    (["--draft", "lookup", "--no-kv-cache"], ["--no-kv-cache applies to plain decoding, not to --draft"]),
+    (["--interactive", "--num-samples", "3"], ["--num-samples applies to plain decoding, not to --interactive"]),
+    (["--interactive", "--draft", "lookup"], ["--draft applies to sampling, not to --interactive"]),
+    (["--interactive", "--kv-cache", "int8"], ["--kv-cache applies to plain decoding, not to --interactive"]),
+    (["--draft", "MISSING"], ["--draft: no checkpoint at"]),
+])
+def test_options_that_cannot_work_are_one_line_with_status_2(checkpoints, tmp_path, args, fragments):
+    args = [{"OTHER": checkpoints["other"], "MISSING": tmp_path / "none.pt"}.get(a, a) for a in args]
+    assert_usage_error(run_sample("--checkpoint", checkpoints["model"], *args), *fragments)
+
+
+def expected_conversation(checkpoint, prompt: str, lines: list[str]) -> str:
+    """prompt, then for each line a fresh greedy generation over the whole text so far, cut after a blank line."""
+    model, vocab, _ = load_model(checkpoint, torch.device("cpu"))
+    text = prompt
+    shown = prompt
+    for line in lines:
+        text += line + "\n"
+        ids = torch.tensor([vocab.encode(text)])
+        reply = vocab.decode(generate(model, ids, REPLY, sampling=GREEDY)[0, ids.size(1):].tolist())
+        reply = reply[:reply.index("\n\n") + 2] if "\n\n" in reply else reply
+        text += reply
+        shown += reply
+    return shown + ("" if shown.endswith("\n") else "\n")
+
+
+def test_interactive_replies_are_fresh_greedy_generations_and_unknown_characters_are_skipped(checkpoints):
+    lines = ["First Citizen:", "Speak, speak.", "All:", "You are all resolved rather to die than to famish?"]
+    typed = "\n".join(lines[:2] + ["Speak \u00e9"] + lines[2:]) + "\n"
+    result = subprocess.run([sys.executable, str(SAMPLE), "--checkpoint", str(checkpoints["model"]), "--interactive",
+                             "--temperature", "0", "--max-new-tokens", str(REPLY), "--prompt", "All:\n"],
+                            input=typed, env=ENV, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == expected_conversation(checkpoints["model"], "All:\n", lines)
+    assert "the line has characters not in the checkpoint's vocabulary: '\u00e9'" in result.stderr
+
+
+def test_ctrl_c_ends_a_reply_between_two_tokens_and_the_session_goes_on(checkpoints, monkeypatch):
+    """In-process, so that Ctrl-C comes at a known token. The vocabulary has no newline, so no stop string: a reply
+    runs to its limit unless Ctrl-C ends it."""
+    model, vocab, _ = load_model(checkpoints["other"], torch.device("cpu"))
+    conversation = Conversation(model, sampling=GREEDY)
+    typed = iter(["abc", KeyboardInterrupt, "de"])  # Ctrl-C while typing is a line dropped
+
+    def fake_input():
+        line = next(typed, EOFError)  # then Ctrl-D
+        if isinstance(line, type):
+            raise line
+        return line
+
+    class Terminal(io.StringIO):
+        def write(self, text):
+            super().write(text)
+            if len(self.getvalue()) == 10:  # Ctrl-C in the first reply's 9th token
+                os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr("builtins.input", fake_input)
+    out = Terminal()
+    sample.interact(conversation, vocab, "a", 30, out)
+    first = generate(model, torch.tensor([vocab.encode("aabc")]), 9, sampling=GREEDY)[0, 4:].tolist()
+    text = "aabc" + vocab.decode(first) + "de"
+    second = generate(model, torch.tensor([vocab.encode(text)]), 30, sampling=GREEDY)[0, len(text):].tolist()
+    assert out.getvalue() == "a" + vocab.decode(first) + vocab.decode(second) + "\n"
+    assert conversation.tokens == vocab.encode(text) + second
