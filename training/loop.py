@@ -106,10 +106,11 @@ class Trainer:
             with StopSignals() as stop:
                 # where the uninterrupted run evaluates: at step 0, about ln(vocabulary size); a run resumed
                 # between evaluations adds no point of its own
+                evaluating_from = time.perf_counter()
                 if self.step % self.tc.eval_interval == 0:
                     self.evaluate_and_save()
                 if self.tc.max_iters is None:  # a budget: step 0's evaluation is timed, then the steps are planned
-                    self.plan_to_budget(evaluation_s=time.perf_counter() - self.timer)
+                    self.plan_to_budget(evaluation_s=time.perf_counter() - evaluating_from)
                 tc = self.tc
                 if self.is_master:
                     self.summaries.start_session(self.settings.config, self.device.type)
