@@ -882,3 +882,26 @@ def test_the_memory_check_counts_the_cache_the_decoder_really_builds(monkeypatch
         else:
             with pytest.raises(UsageError, match="need 0.0 GiB of KV cache and tokens"):
                 sample.check_memory(args, 1, model, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("error, status, fragment", [
+    ("ENOSPC", 1, "free some space, or give data.root another disk"),  # the machine failed
+    ("EACCES", 2, "give data.root a writable folder"),  # the folder chosen cannot be written: a mistake
+], ids=["a full disk", "a read-only folder"])
+def test_a_failure_while_preparing_the_data_is_one_line_with_its_status(tmp_path, error, status, fragment):
+    """The text's encoding fails as it is written: a full disk is the machine's failure (status 1), a folder that
+    cannot be written the user's (status 2), one line either way."""
+    text = corpus.write_corpus(tmp_path / "text.txt")
+    script = f"""
+import errno, runpy, sys
+sys.path.insert(0, {str(REPO)!r})
+import data.prepare
+def failing(*args, **kwargs):
+    raise OSError(errno.{error}, "{error}", "train.bin")
+data.prepare._encode = failing
+sys.argv = ["train.py", *{[*TINY, *SHORT, f"data.text={text}", f"data.root={tmp_path / 'prepared'}",
+                            f"hydra.run.dir={tmp_path / 'run'}"]!r}]
+runpy.run_path({str(REPO / "train.py")!r}, run_name="__main__")
+"""
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, env=ENV)
+    assert_one_line_error(result, "train.py", "cannot prepare the data", fragment, status=status)
