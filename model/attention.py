@@ -115,14 +115,7 @@ class MultiHeadAttention(nn.Module):
         B, T_q, _ = x.shape
         if rope is not None and context is not None:
             raise ValueError("rotary positions apply to self-attention only: queries and keys from one sequence")
-        if not self.project_kv:  # keys and values come from an earlier layer, already turned and cached
-            if cache is None or context is not None:
-                raise ValueError("a block without project_kv attends to another layer's keys and values: pass them "
-                                 "as cache, and no context")
-            q = self.qkv(x).view(B, T_q, self.n_head, -1).transpose(1, 2)  # (B, nh, T_q, hs)
-            q = q if rope is None else rotate(q, *rope)
-            k, v = cache.read()  # (B, n_kv, T_k, hs)
-        else:
+        if self.project_kv:
             q, k, v = self.project(x, context)
             q = q.view(B, T_q, self.n_head, -1).transpose(1, 2)  # (B, nh, T_q, hs)
             k = k.view(B, k.size(1), self.n_kv_head, -1).transpose(1, 2)  # (B, n_kv, T_k, hs)
@@ -132,6 +125,13 @@ class MultiHeadAttention(nn.Module):
             if cache is not None:
                 # the slots attention reads: all max_len of them, or the filled ones (eagerly, on the CPU)
                 k, v = cache.update(k, v)  # (B, n_kv, T_k, hs)
+        else:  # keys and values come from an earlier layer, already turned and cached
+            if cache is None or context is not None:
+                raise ValueError("a block without project_kv attends to another layer's keys and values: pass them "
+                                 "as cache, and no context")
+            q = self.qkv(x).view(B, T_q, self.n_head, -1).transpose(1, 2)  # (B, nh, T_q, hs)
+            q = q if rope is None else rotate(q, *rope)
+            k, v = cache.read()  # (B, n_kv, T_k, hs)
         dtype = k.dtype if cache is not None else attention_dtype(q.dtype, q.device)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         T_k = k.size(2)
