@@ -44,7 +44,7 @@ from training.config import TrainConfig, explained, register, validate
 from training.devices import choose_device, memory_needed, memory_of
 from training.distributed import init_distributed, is_rank_zero
 from training.errors import (ConfigError, OutputError, UsageError, check_standard_streams, exit_status, fail,
-                             one_line, write_line)
+                             one_line, silence, write_line)
 from training.files import remove_stale_temporaries
 from training.loop import Stopped, Trainer
 from training.resume import load_resume_checkpoint
@@ -217,6 +217,8 @@ if __name__ == "__main__":
         check_flags(sys.argv[1:])
         sys.stdout.reconfigure(line_buffering=True)  # evaluation lines reach a log file as they happen
         hydra_main()
+    except BrokenPipeError:  # the reader stopped early (`--help | head`): nothing more is wanted
+        silence(sys.stdout)
     except (Exception, KeyboardInterrupt) as e:
         fail("train.py", explained(e), speak=is_rank_zero())
     finally:  # the run has ended, and its status is set: a signal now would only add a traceback or change it

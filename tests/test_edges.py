@@ -905,3 +905,13 @@ runpy.run_path({str(REPO / "train.py")!r}, run_name="__main__")
 """
     result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, env=ENV)
     assert_one_line_error(result, "train.py", "cannot prepare the data", fragment, status=status)
+
+
+@pytest.mark.parametrize("flag", ["--help", "--hydra-help"])
+def test_a_reader_that_stops_early_ends_train_py_quietly(flag):
+    """`train.py --help | head`: the pipe closes before the help is written; nothing more was wanted, so no error."""
+    process = subprocess.Popen([sys.executable, str(REPO / "train.py"), flag], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, env=ENV, cwd=REPO)
+    process.stdout.close()  # the reader is gone before the first line
+    stderr = process.stderr.read().decode()
+    assert process.wait() == 0 and stderr == "", stderr
