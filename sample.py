@@ -23,6 +23,7 @@ that stops early (`| head`) ends sampling quietly.
 import argparse
 import contextlib
 import itertools
+import math
 import signal
 import sys
 import threading
@@ -111,7 +112,8 @@ def check_memory(args, prompt_len: int, model, device: torch.device) -> None:
     """Refuse up front samples whose KV cache (as the decoder builds it) and tokens (the int64 sequence it fills)
     would not fit, rather than run out of memory midway. Without the cache, the forward passes hold at least as
     much."""
-    cache_bytes = model.config.block_size * kv_cache_bytes_per_token(model.config, cache_dtype(args, model))
+    cache_dtype = model.kv_cache_dtype(KV_CACHES[args.kv_cache or "float"])
+    cache_bytes = model.config.block_size * kv_cache_bytes_per_token(model.config, cache_dtype)
     per_sample = cache_bytes + (prompt_len + args.max_new_tokens) * torch.long.itemsize
     memory = memory_of(device)
     if args.num_samples * per_sample > MEMORY_SHARE * memory:
@@ -120,10 +122,6 @@ def check_memory(args, prompt_len: int, model, device: torch.device) -> None:
                          f"{args.num_samples * per_sample / 2**30:.1f} GiB of KV cache and tokens, more than "
                          f"{MEMORY_SHARE:.0%} of the {memory / 2**30:.1f} GiB of {device.type} memory; "
                          + (f"use at most {most} samples" if most else "ask for fewer new tokens"))
-
-
-def cache_dtype(args, model) -> torch.dtype:
-    return KV_CACHES[args.kv_cache or "float"] or model.attention_dtype
 
 
 def read_prompt(args) -> str:
@@ -321,7 +319,9 @@ def sample(args) -> None:
                                         compile=args.compile))
 
     state = contents.get("training")
-    progress = f"step {state['step']}, best val loss {state['best_val_loss']:.4f}" if state else "weights only"
+    evaluated = f"best val loss {state['best_val_loss']:.4f}" if state and math.isfinite(state["best_val_loss"]) \
+        else "not yet evaluated"
+    progress = f"step {state['step']}, {evaluated}" if state else "weights only"
     print(f"sampling {path} ({progress}), trained on {trained_on(contents)}", file=sys.stderr)
     try:
         vocab.chars.encode(sys.stdout.encoding)

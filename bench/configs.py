@@ -1,6 +1,7 @@
 """The configs the benchmarks measure, composed from conf/ exactly as train.py composes them."""
 
 import dataclasses
+import subprocess
 import sys
 from pathlib import Path
 
@@ -34,3 +35,12 @@ def model_config(shape: str, vocab_size: int = TINY_SHAKESPEARE_VOCAB_SIZE) -> G
 def shakespeare() -> PreparedData:
     """tiny_shakespeare, prepared where train.py prepares it (downloaded on first use)."""
     return prepare_shakespeare(Path(settings("preset=cpu").data.root) / SHAKESPEARE)
+
+
+def host() -> str:
+    """The processor, as lscpu names it: every figure is printed beside it."""
+    try:
+        lines = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
+        return next(line.split(":", 1)[1].strip() for line in lines if line.startswith("Model name"))
+    except (OSError, StopIteration):
+        return "unknown host"

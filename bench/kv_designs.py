@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.configs import REPO, model_config, shakespeare  # noqa: E402
+from bench.configs import REPO, host, model_config, shakespeare  # noqa: E402
 from bench.curve import read_curve  # noqa: E402
 from model import GPT, kv_cache_bytes_per_token  # noqa: E402
 from model.decoder_loss import decoder_loss, teacher_forced_loss  # noqa: E402
@@ -47,14 +47,6 @@ TRAINED = [("MHA (the preset)", [], None), ("GQA, n_kv_head=2", ["model.n_kv_hea
 CLASSIC = [("MHA", 6, 1, None), ("GQA 3", 3, 1, None), ("GQA 2", 2, 1, None), ("MQA", 1, 1, None),
            ("MHA, int8 cache", 6, 1, torch.int8), ("MQA, int8 cache", 1, 1, torch.int8),
            ("MHA, kv_share=2", 6, 2, None), ("MQA, kv_share=2", 1, 2, None)]
-
-
-def host() -> str:
-    try:
-        lines = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
-        return next(line.split(":", 1)[1].strip() for line in lines if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        return "unknown host"
 
 
 @torch.no_grad()

@@ -23,9 +23,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.configs import model_config  # noqa: E402
+from bench.configs import host, model_config  # noqa: E402
 from bench.decode import fmt, rates, timings  # noqa: E402
-from bench.kv_designs import host  # noqa: E402
 from model import GPT, GREEDY, Sampling, generate  # noqa: E402
 from model.speculative import PromptLookup, SpeculativeStats, speculative_generate  # noqa: E402
 from training.checkpoint import load_model  # noqa: E402

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.configs import REPO  # noqa: E402
+from bench.configs import REPO, host  # noqa: E402
 from bench.curve import read_curve  # noqa: E402
 
 # The cpu preset as it was before Muon, as overrides of it: AdamW on every parameter, 900 steps, a floor under
@@ -29,12 +29,14 @@ ADAMW_RECIPE = ["optim=adamw", "optim.min_lr=1e-3", "train.max_iters=900"]
 CANDIDATES = {"cpu preset": [], "AdamW recipe": ADAMW_RECIPE}
 
 
-def run(name: str, overrides: list[str], seed: int, eval_interval: int | None, workdir: Path) -> dict:
+def run(name: str, overrides: list[str], seed: int, eval_interval: int | None, workdir: Path,
+        threads: int | None) -> dict:
     run_dir = workdir / f"{name.replace(' ', '_')}-{seed}"
     command = [sys.executable, str(REPO / "train.py"), "preset=cpu", *overrides, f"train.seed={seed}",
                f"hydra.run.dir={run_dir}", *([f"train.eval_interval={eval_interval}"] if eval_interval else [])]
     start = time.time()
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}  # torch's threads
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env)
     seconds = time.time() - start
     if result.returncode != 0:
         raise SystemExit(f"train_quality.py: {name} failed: {result.stderr.strip().splitlines()[-1]}")
@@ -66,10 +68,13 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=1.70)
     parser.add_argument("--eval-interval", type=int, help="override every candidate's train.eval_interval")
     parser.add_argument("--curves", action="store_true", help="also print each run's val loss against seconds")
+    parser.add_argument("--threads", type=int, help="torch's threads in each run (OMP_NUM_THREADS); 1 stands in "
+                                                     "for a machine half as fast as a 2-core one")
     args = parser.parse_args()
     candidates = {c[0]: c[1:] for c in args.candidate} if args.candidate else CANDIDATES
 
-    print(f"# train.py quality: {os.cpu_count()} cores, seeds {args.seeds}, time to val loss {args.target}")
+    print(f"# train.py quality: {host()}, {os.cpu_count()} cores, {args.threads or 'all'} thread(s) a run, seeds "
+          f"{args.seeds}, time to val loss {args.target}")
     print("| candidate | seed | steps | wall s | best val | final val | final train | "
           f"s to val {args.target} |")
     print("|---|---|---|---|---|---|---|---|")
@@ -77,11 +82,11 @@ def main() -> None:
         for seed in args.seeds:
             outcomes = []
             for name, overrides in candidates.items():
-                outcome = run(name, overrides, seed, args.eval_interval, Path(tmp))
+                outcome = run(name, overrides, seed, args.eval_interval, Path(tmp), args.threads)
                 outcomes.append(outcome)
                 last = outcome["curve"][-1]
                 reached = seconds_to(args.target, outcome)
-                print(f"| {name} | {seed} | {last['step']} | {outcome['seconds']:.0f} | "
+                print(f"| {name} | {seed} | {last['step']} | {outcome['seconds']:.1f} | "
                       f"{min(r['val'] for r in outcome['curve']):.4f} | {last['val']:.4f} | {last['train']:.4f} | "
                       f"{'-' if reached is None else f'{reached:.0f}'} |", flush=True)
             if args.curves:

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from .cached_text import CachedText
-from .generate import GREEDY, Sampling, _check
+from .generate import GREEDY, Sampling, check_arguments
 from .gpt import GPT
 
 
@@ -25,7 +25,7 @@ class Conversation:
 
     def __init__(self, model: GPT, *, sampling: Sampling = GREEDY, generator: torch.Generator | None = None,
                  window: int | None = None):
-        _check(model, torch.zeros(1, 1, dtype=torch.long), 0, window, None, True, None, False)  # window, eval mode
+        check_arguments(model, torch.zeros(1, 1, dtype=torch.long), 0, window)  # window, eval mode
         self.sampling, self.generator, self.window = sampling, generator, window
         self.text = CachedText(model, window=window)
 
@@ -43,7 +43,7 @@ class Conversation:
         if not text.tokens and not new_tokens:
             raise ValueError("a conversation starts from at least one token: new_tokens is empty")
         ids = torch.tensor([[*text.tokens[-1:], *new_tokens]], device=text.cache.k.device)
-        _check(model, ids, max_new_tokens, self.window, None, True, None, False)
+        check_arguments(model, ids, max_new_tokens, self.window)
         text.tokens += new_tokens
         text.prepare(len(text.tokens), fresh=True)
         stop = list(stop)

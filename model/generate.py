@@ -139,7 +139,7 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampl
     """
     block_size = model.config.block_size
     rolling = model.config.pos_emb == "rope"  # the cache rolls on past block_size
-    start = _check(model, idx, max_new_tokens, window, n_pad, use_cache, cache, compile)
+    start = check_arguments(model, idx, max_new_tokens, window, n_pad, use_cache, cache, compile)
     span, window = context_limits(model.config, window)
     if use_cache:
         cache = cache if cache is not None else model.new_kv_cache(idx.size(0))
@@ -210,8 +210,10 @@ def _prefill_once(model: GPT, prompt: torch.Tensor, cache: KVCache) -> torch.Ten
     return logits.expand(cache.batch_size, -1)
 
 
-def _check(model: GPT, idx, max_new_tokens, window, n_pad, use_cache, cache, compile) -> list[int]:
-    """Refuse arguments that cannot work; each row's left padding as a list of ints."""
+def check_arguments(model: GPT, idx, max_new_tokens, window=None, n_pad=None, use_cache=True, cache=None,
+                    compile=False) -> list[int]:
+    """Refuse generate's arguments that cannot work, each in a ValueError naming it; each row's left padding as a
+    list of ints."""
     c = model.config
     block_size = c.block_size
     if model.training:
@@ -237,7 +239,7 @@ def _check(model: GPT, idx, max_new_tokens, window, n_pad, use_cache, cache, com
     if not use_cache and (cache is not None or compile):
         raise ValueError("cache and compile apply to cached decoding: pass use_cache=True, or neither of them")
     if cache is not None:
-        _check_cache(model, cache, B)
+        check_cache(model, cache, B)
     if n_pad is None:
         return [0] * B
     pads = n_pad.tolist() if isinstance(n_pad, torch.Tensor) else list(n_pad)
@@ -247,13 +249,13 @@ def _check(model: GPT, idx, max_new_tokens, window, n_pad, use_cache, cache, com
     return pads
 
 
-def _check_cache(model: GPT, cache, batch_size: int) -> None:
+def check_cache(model: GPT, cache, batch_size: int) -> None:
     """A cache passed in must be one that model.new_kv_cache(batch_size) could have made."""
     c = model.config
     if not isinstance(cache, KVCache):
         raise ValueError(f"cache must be a KVCache from model.new_kv_cache, got {type(cache).__name__}")
     layers, _, heads, _, head_dim = cache.k.shape
-    if (layers, heads, head_dim, cache.window) != (c.n_layer // c.kv_share, c.n_kv_head, c.head_dim, c.block_size):
+    if (layers, heads, head_dim, cache.window) != (c.n_kv_layer, c.n_kv_head, c.head_dim, c.block_size):
         raise ValueError(f"cache was made for another model shape ({layers} layers of {heads} key/value heads of "
                          f"{head_dim}, window {cache.window}); use model.new_kv_cache({batch_size})")
     if cache.batch_size != batch_size or cache.max_len < c.block_size:

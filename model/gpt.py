@@ -33,6 +33,11 @@ class GPTConfig:
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
+    @property
+    def n_kv_layer(self) -> int:
+        """Layers that project keys and values, and so the KV cache's layers: one per kv_share group."""
+        return self.n_layer // self.kv_share
+
     def __post_init__(self):
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
@@ -190,24 +195,27 @@ class GPT(nn.Module):
         more let a chunk of tokens wrap the ring, see KVCache). dtype: the dtype attention computes in (see
         attention_dtype) unless given; torch.int8 stores int8 keys and values (model/quantize.py).
         read_all_slots: attention always reads every slot through the cache's mask (see KVCache)."""
-        c, w = self.config, self.wte.weight
-        compute_dtype = self.attention_dtype
-        shape = dict(n_layer=c.n_layer // c.kv_share, batch_size=batch_size, n_kv_head=c.n_kv_head,
+        c = self.config
+        shape = dict(n_layer=c.n_kv_layer, batch_size=batch_size, n_kv_head=c.n_kv_head,
                      max_len=max_len or c.block_size, head_dim=c.head_dim, window=c.block_size,
-                     device=w.device, read_all_slots=read_all_slots)
-        if dtype == torch.int8:
+                     device=self.wte.weight.device, read_all_slots=read_all_slots)
+        if self.kv_cache_dtype(dtype) == torch.int8:
             from .quantize import Int8KVCache  # the int8 design lives beside the int8 weights
-            return Int8KVCache(**shape, dtype=compute_dtype)
-        if dtype is not None and not dtype.is_floating_point:
+            return Int8KVCache(**shape, dtype=self.attention_dtype)
+        return KVCache(**shape, dtype=self.kv_cache_dtype(dtype))
+
+    def kv_cache_dtype(self, dtype: torch.dtype | None = None) -> torch.dtype:
+        """The dtype new_kv_cache(dtype=dtype) stores keys and values in: attention's own unless given."""
+        if dtype is not None and not (dtype.is_floating_point or dtype == torch.int8):
             raise ValueError(f"a KV cache holds floating-point keys and values, or int8 ones: dtype {dtype}")
-        return KVCache(**shape, dtype=dtype or compute_dtype)
+        return dtype or self.attention_dtype
 
 
 def kv_cache_bytes_per_token(config: GPTConfig, dtype: torch.dtype) -> int:
     """Bytes a KV cache of `dtype` holds per token and row: keys and values, for every layer that projects them
     (n_layer / kv_share) and each key/value head; int8 adds one KV_SCALE_DTYPE scale per token and head to each."""
     per_head = config.head_dim * dtype.itemsize + (KV_SCALE_DTYPE.itemsize if dtype == torch.int8 else 0)
-    return 2 * (config.n_layer // config.kv_share) * config.n_kv_head * per_head
+    return 2 * config.n_kv_layer * config.n_kv_head * per_head
 
 
 KV_SCALE_DTYPE = torch.float32  # an int8 cache's scales (model/quantize.py: Int8KVCache)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from .cached_text import CachedText
-from .generate import GREEDY, Sampling, _check, is_integer
+from .generate import GREEDY, Sampling, check_arguments, is_integer
 from .gpt import GPT
 
 
@@ -157,7 +157,7 @@ def speculative_generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, 
     window: as in generate, for learned positions (the model's; a draft model keeps its default). stats: a
     SpeculativeStats to fill. Arguments that cannot work are a ValueError naming the argument.
     """
-    _check(model, idx, max_new_tokens, window, None, True, None, False)
+    check_arguments(model, idx, max_new_tokens, window)
     if idx.size(0) != 1:
         raise ValueError(f"speculative decoding decodes one row: idx has {idx.size(0)} rows; decode each alone, "
                          f"or use generate_tokens for a batch")

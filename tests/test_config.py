@@ -32,6 +32,11 @@ def composed(*overrides):
     ("optim.grad_clip=0", "optim.grad_clip must be a positive number"),
     ("optim.name=sgd", "optim.name must be one of"),
     ("train.max_iters=1000 optim.warmup_iters=1000", "optim.warmup_iters must be below train.max_iters=1000"),
+    ("optim.decay_frac=0", "optim.decay_frac must be in (0, 1], got 0"),
+    ("optim.decay_frac=1.5", "optim.decay_frac must be in (0, 1], got 1.5"),
+    ("optim.warmup_iters=0 optim.decay_frac=1", "train.max_minutes fixes the run's length from the steps taken "
+                                                "before the learning rate decays, and this schedule decays from the "
+                                                "first: set optim.warmup_iters above 0 or optim.decay_frac below 1"),
     ("model.n_head=5", "model: n_embd 128 is not divisible by n_head 5"),
 ])
 def test_a_bad_value_is_one_line_naming_the_setting(override, message):

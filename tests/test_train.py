@@ -31,9 +31,10 @@ import training.optim
 from model import GPT, GPTConfig
 from training.budget import steps_within
 from training.checkpoint import save_checkpoint
-from training.config import validate
+from training.config import OptimConfig, validate
 from training.evaluation import evaluate
 from training.loop import Diverged, Stopped, Trainer
+from training.optim import decay_begins
 from training.summaries import hparam_name
 
 REPO = corpus.REPO
@@ -360,6 +361,7 @@ def test_a_resume_keeps_the_moving_average_of_the_run_it_continues(tmp_path, dat
 # --- a time budget, and extending a run ---------------------------------------------------------------------------
 
 BUDGET = ["train.max_iters=null", "train.max_minutes=0.1"]  # 6 seconds, start-up included
+HOLD = ["optim.decay_frac=0.5"]  # the rate holds at its peak for half the run: the length is fixed halfway
 
 
 def chosen_steps(printed: str) -> int:
@@ -375,7 +377,7 @@ def budget_run(tmp_path_factory, data_root) -> tuple[Path, int]:
     with pytest.MonkeyPatch.context() as patch:
         printed = []
         patch.setattr(training.loop, "write_line", printed.append)
-        train.main(config(tmp_path, data_root, *BUDGET), tmp_path / "runs/budget")
+        train.main(config(tmp_path, data_root, *BUDGET, *HOLD), tmp_path / "runs/budget")
     return tmp_path / "runs/budget", chosen_steps("\n".join(printed))
 
 
@@ -384,7 +386,12 @@ def test_a_budget_records_the_steps_it_chose(budget_run):
     last = torch.load(run_dir / "last.pt", weights_only=True)["training"]
     assert last["step"] == steps > 5  # past the warm-up
     assert (last["config"]["train"]["max_iters"], last["config"]["train"]["max_minutes"]) == (steps, 0.1)
-    assert sorted(scalars(run_dir, "loss/train")) == list(range(steps))  # the steps measured first are not logged
+    assert sorted(scalars(run_dir, "loss/train")) == list(range(steps))
+    lrs = scalars(run_dir, "optim/lr")  # the warm-up, the peak held until the decay's half of the run, the decay
+    begins = decay_begins(OptimConfig(warmup_iters=5, decay_frac=0.5), steps)
+    assert begins in (steps // 2, steps // 2 + 1)
+    assert [lrs[step] for step in range(5, begins + 1)] == [pytest.approx(1e-2)] * (begins - 4)
+    assert lrs[begins + 1] < lrs[begins]
     session = plugin_data_pb2.HParamsPluginData.FromString(
         events(run_dir).PluginTagToContent("hparams")["_hparams_/session_start_info"])
     assert session.session_start_info.hparams[hparam_name("train.max_iters")].string_value == str(steps)
@@ -392,7 +399,7 @@ def test_a_budget_records_the_steps_it_chose(budget_run):
 
 def test_the_steps_a_budget_chose_repeat_its_run_exactly(tmp_path, data_root, budget_run):
     run_dir, steps = budget_run
-    train.main(config(tmp_path, data_root, f"train.max_iters={steps}"), tmp_path / "runs/steps")
+    train.main(config(tmp_path, data_root, *HOLD, f"train.max_iters={steps}"), tmp_path / "runs/steps")
     assert scalars(tmp_path / "runs/steps", "loss/train") == scalars(run_dir, "loss/train")
     budget, planned = (torch.load(d / "last.pt", weights_only=True) for d in (run_dir, tmp_path / "runs/steps"))
     for name, weight in budget["model"].items():
@@ -403,22 +410,24 @@ def test_the_steps_a_budget_chose_repeat_its_run_exactly(tmp_path, data_root, bu
 
 
 def test_a_budget_too_short_for_the_warm_up_is_one_line(tmp_path, data_root):
-    with pytest.raises(train.ConfigError, match=r"^train.max_minutes=0.0001 leaves time for 0 steps here \(.* s "
+    with pytest.raises(train.ConfigError, match=r"^train.max_minutes=0.0001 leaves time for \d steps here \(.* s "
                                                 r"since the start, .*\), no more than optim.warmup_iters=5; give a "
                                                 r"longer budget$"):
         train.main(config(tmp_path, data_root, "train.max_iters=null", "train.max_minutes=0.0001"), tmp_path / "r")
 
 
+@pytest.mark.parametrize("step", [0, 3, 20, 199])
 @pytest.mark.parametrize("seconds, step_s, evaluation_s, eval_interval", [
     (10.0, 0.1, 1.0, 20), (10.0, 0.1, 0.5, 7), (3.05, 0.1, 1.0, 20), (0.5, 0.1, 1.0, 5), (100.0, 0.25, 3.0, 200),
-    (2.95, 0.1, 0.95, 10)])
+    (2.95, 0.1, 0.95, 10), (-1.0, 0.1, 1.0, 5)])
 def test_the_steps_within_a_budget_are_the_most_that_fit_with_their_evaluations(seconds, step_s, evaluation_s,
-                                                                                eval_interval):
-    def cost(n):  # n steps, and an evaluation after every eval_interval-th and after the last
-        return n * step_s + math.ceil(n / eval_interval) * evaluation_s
+                                                                                eval_interval, step):
+    def cost(n):  # n steps after `step`, and an evaluation after each one at a multiple of eval_interval and the last
+        evaluated = {s for s in range(step + 1, step + n + 1) if s % eval_interval == 0} | ({step + n} if n else set())
+        return n * step_s + len(evaluated) * evaluation_s
 
-    most = max(n for n in range(10_000) if cost(n) <= seconds + 1e-9)
-    assert steps_within(seconds, step_s, evaluation_s, eval_interval) == most
+    most = max(n for n in range(2_000) if cost(n) <= max(seconds, 0) + 1e-9)
+    assert steps_within(seconds, step_s, evaluation_s, eval_interval, step) == most
 
 
 def test_the_budget_counts_from_the_start_of_the_process():
@@ -447,21 +456,47 @@ def stopped_at(tmp_path: Path, data_root: Path, step: int, overrides: list[str],
             train.main(config(tmp_path, data_root, *overrides), run_dir, named)
 
 
-def test_a_resumed_budget_run_keeps_its_steps(tmp_path, data_root, monkeypatch, budget_run):
-    _, steps = budget_run
+def test_a_resumed_budget_run_keeps_its_steps(tmp_path, data_root, monkeypatch):
     run_dir = tmp_path / "runs/stopped"
-    stopped_at(tmp_path, data_root, 3 + 11, BUDGET, run_dir)  # 11 steps measured first, then 3 of the run
+    stopped_at(tmp_path, data_root, 14, BUDGET, run_dir)  # its length is fixed as its warm-up ends, at step 5
     planned = torch.load(run_dir / "last.pt", weights_only=True)["training"]["config"]["train"]["max_iters"]
+    assert planned > 14
     printed = []
     monkeypatch.setattr(training.loop, "write_line", printed.append)
     train.main(config(tmp_path, data_root, *BUDGET, f"train.resume={run_dir}"), run_dir)
-    assert not [line for line in printed if "fits" in line]  # measured and sized once, when it started
+    assert not [line for line in printed if "fits" in line]  # sized once
     assert torch.load(run_dir / "last.pt", weights_only=True)["training"]["step"] == planned
     with pytest.raises(train.ConfigError, match=rf"^train.resume: a resumed run keeps the {planned} steps it was "
                                                 rf"planned for, sized by train.max_minutes=0.1; resume without "
                                                 rf"train.max_minutes, or extend it with train.max_iters=N$"):
         train.main(config(tmp_path, data_root, "train.max_iters=null", "train.max_minutes=1",
                           f"train.resume={run_dir}"), run_dir)
+
+
+def test_a_budget_run_stopped_before_its_length_was_fixed_resumes_and_fixes_it(tmp_path, data_root, monkeypatch):
+    run_dir = tmp_path / "runs/open"
+    stopped_at(tmp_path, data_root, 3, [*BUDGET, *HOLD], run_dir)
+    stopped = torch.load(run_dir / "last.pt", weights_only=True)["training"]
+    assert stopped["config"]["train"]["max_iters"] is None and stopped["seconds"] > 0
+    printed = []
+    monkeypatch.setattr(training.loop, "write_line", printed.append)
+    train.main(config(tmp_path, data_root, *BUDGET, *HOLD, f"train.resume={run_dir}"), run_dir)
+    steps = chosen_steps("\n".join(printed))
+    last = torch.load(run_dir / "last.pt", weights_only=True)["training"]
+    assert last["step"] == last["config"]["train"]["max_iters"] == steps > 3
+    assert sorted(scalars(run_dir, "loss/train")) == list(range(steps))  # one curve
+
+
+def test_a_resumed_budget_counts_the_time_its_run_spent_before(tmp_path, data_root):
+    """An earlier life that spent 1,000 s leaves nothing of a 6 s budget."""
+    run_dir = tmp_path / "runs/open"
+    stopped_at(tmp_path, data_root, 3, [*BUDGET, *HOLD], run_dir)
+    contents = torch.load(run_dir / "last.pt", weights_only=True)
+    contents["training"]["seconds"] = 1000.0
+    save_checkpoint(contents, run_dir / "last.pt")
+    with pytest.raises(train.ConfigError, match=r"^train.max_minutes=0.1 leaves time for 4 steps here \(100\d\.\d s "
+                                                r"since the start, "):
+        train.main(config(tmp_path, data_root, *BUDGET, *HOLD, f"train.resume={run_dir}"), run_dir)
 
 
 def test_a_resume_naming_no_length_keeps_the_runs_plan(tmp_path, data_root):
@@ -617,6 +652,17 @@ def test_own_text_trains_in_a_folder_of_its_own_and_is_recorded(tmp_path):
     assert sampled.returncode == 0 and sampled.stdout.startswith("Le")
     assert sampled.stderr.splitlines()[0] == f"sampling {best.relative_to(tmp_path)} (step {step}, best val loss " \
         f"{loss:.4f}), trained on notes.txt (sha256 {sha256[:12]})"
+
+
+def test_a_checkpoint_saved_before_its_first_evaluation_is_sampled_as_not_yet_evaluated(tmp_path, data_root):
+    """A run stopped before its first evaluation after step 0 holds no best val loss yet (best.pt does not exist)."""
+    run_dir = tmp_path / "runs/early"
+    stopped_at(tmp_path, data_root, 3, ["train.max_iters=20", "train.eval_interval=10"], run_dir)
+    assert sorted(p.name for p in run_dir.glob("*.pt")) == ["last.pt"]
+    sampled = subprocess.run([sys.executable, str(REPO / "sample.py"), "--checkpoint", str(run_dir),
+                              "--max-new-tokens", "5"], env=train_env(), capture_output=True, text=True, timeout=120)
+    assert sampled.returncode == 0, sampled.stderr
+    assert sampled.stderr.splitlines()[0].startswith(f"sampling {run_dir / 'last.pt'} (step 3, not yet evaluated), ")
 
 
 def test_a_budget_on_the_command_line_and_a_resume_that_names_no_length(tmp_path, data_root):

@@ -1,16 +1,18 @@
 """A training budget in wall-clock time (train.max_minutes): how many steps fit in it on the machine at hand.
 
-The run measures what its steps, evaluations and checkpoint saves cost here, and takes the most steps that end,
-with their evaluations, within the budget less MARGIN, counted from the start of the process."""
+The run measures what its steps, evaluations and checkpoint saves cost here as it trains, and fixes its length
+when the learning rate must begin to decay (the rate before then does not depend on the length): to the most
+steps that end, with their evaluations, within the budget less MARGIN, counted from the start of the process.
+The longer the rate holds at its peak (optim.decay_frac below 1), the more of the run is measured before the
+length is fixed, and the closer the run ends to its budget."""
 
 import math
 import os
 import time
 
-# The run aims this far below its budget: the speed measured in a few seconds at the start varies over a run
+# The run aims this far below its budget: the speed of the steps left after the length is fixed still varies
 # (other processes, the processor's clock), and the process takes a moment to exit after its last line.
-MARGIN = 0.03
-REHEARSAL_STEPS = 10  # timed throwaway steps that measure a step's cost, after one untimed (its first costs more)
+MARGIN = 0.02
 
 
 def process_started() -> float:
@@ -26,10 +28,15 @@ def process_started() -> float:
         return time.perf_counter()
 
 
-def steps_within(seconds: float, step_s: float, evaluation_s: float, eval_interval: int) -> int:
-    """The most steps n whose time, n steps and the evaluation after every eval_interval-th step and after the
-    last (ceil(n / eval_interval) evaluations), fits in seconds; 0 if none does."""
-    block_s = eval_interval * step_s + evaluation_s  # eval_interval steps and the evaluation after them
-    blocks = max(0, math.floor(seconds / block_s))
-    rest = seconds - blocks * block_s  # a last, shorter stretch of steps ends with an evaluation of its own
-    return blocks * eval_interval + min(eval_interval - 1, max(0, math.floor((rest - evaluation_s) / step_s)))
+def steps_within(seconds: float, step_s: float, evaluation_s: float, eval_interval: int, step: int = 0) -> int:
+    """The most steps n after `step` that fit in seconds with their evaluations: one after every step that is a
+    multiple of eval_interval, and one after the last; 0 if none fit."""
+    def cost(n: int) -> float:  # grows with n: a step past a multiple of eval_interval adds the last evaluation
+        evaluations = (step + n) // eval_interval - step // eval_interval + ((step + n) % eval_interval != 0)
+        return n * step_s + evaluations * evaluation_s if n else 0.0
+
+    fits, too_many = 0, max(1, math.floor(seconds / step_s) + 1)  # each step costs at least step_s
+    while too_many - fits > 1:  # bisect: cost(fits) fits, cost(too_many) does not
+        middle = (fits + too_many) // 2
+        fits, too_many = (middle, too_many) if cost(middle) <= seconds else (fits, middle)
+    return fits

@@ -42,7 +42,9 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    """A linear warm-up to lr, then a cosine or linear decay to min_lr at train.max_iters."""
+    """A linear warm-up to lr, then a cosine or linear decay to min_lr at train.max_iters: over every step after
+    the warm-up, or with decay_frac below 1 over the last decay_frac of the steps, the rate held at its peak
+    until then (warm-up, stable, decay)."""
 
     name: str = "adamw"  # the optim group's choice: adamw, or muon for the blocks' matrices and adamw for the rest
     lr: float = 1e-3  # AdamW's peak
@@ -50,6 +52,7 @@ class OptimConfig:
     min_lr: float = 1e-4
     warmup_iters: int = 100
     decay: str = "cosine"  # or linear
+    decay_frac: float = 1.0  # the share of train.max_iters the decay takes (at most all steps after the warm-up)
     beta1: float = 0.9
     beta2: float = 0.99  # not the usual 0.999, as in nanoGPT's shakespeare-char recipe
     weight_decay: float = 0.1  # on matrices and embeddings only, never on biases and LayerNorm gains
@@ -64,6 +67,7 @@ class OptimConfig:
         _require(self, lambda v: 0 <= v <= self.lr, f"in [0, lr={self.lr}]", "min_lr")
         _require(self, lambda v: v >= 0, "a non-negative integer", "warmup_iters")
         _require(self, lambda v: v in DECAYS, f"one of {', '.join(DECAYS)}", "decay")
+        _require(self, lambda v: 0 < v <= 1, "in (0, 1]", "decay_frac")
         _require(self, lambda v: 0 <= v < 1, "in [0, 1)", "beta1", "beta2")
         _require(self, lambda v: 0 <= v < math.inf, "a non-negative number", "weight_decay")
         _require(self, lambda v: v > 0, "a positive number (inf: no clipping)", "grad_clip")
@@ -79,9 +83,10 @@ class OptimConfig:
 @dataclass
 class TrainConfig:
     # The run's length: max_iters optimiser steps, which size the learning-rate schedule, or (max_iters null) a
-    # budget of max_minutes of wall-clock time, start-up included: the run measures its speed and sizes max_iters
-    # so that it ends within the budget. Set by a preset, max_iters decides (max_minutes is then null); once a
-    # budget has sized a run, both are set: max_minutes records the budget that chose max_iters.
+    # budget of max_minutes of wall-clock time, start-up included: the run measures its speed as it trains and
+    # fixes max_iters, before its learning rate decays, so that it ends within the budget (training/budget.py).
+    # Set by a preset, max_iters decides (max_minutes is then null); once a budget has sized a run, both are set:
+    # max_minutes records the budget that chose max_iters.
     max_iters: int | None = 5000
     max_minutes: float | None = None
     batch_size: int = 64  # sequences per micro-step and process
@@ -188,6 +193,10 @@ def validate(cfg: DictConfig, named: set[str] | None = None) -> Settings:
     if settings.train.max_iters is not None and not settings.optim.warmup_iters < settings.train.max_iters:
         raise ConfigError(f"optim.warmup_iters must be below train.max_iters={settings.train.max_iters}, "
                           f"got {settings.optim.warmup_iters}")
+    if settings.train.max_iters is None and settings.optim.warmup_iters == 0 and settings.optim.decay_frac == 1:
+        raise ConfigError("train.max_minutes fixes the run's length from the steps taken before the learning rate "
+                          "decays, and this schedule decays from the first: set optim.warmup_iters above 0 or "
+                          "optim.decay_frac below 1")
     return settings
 
 

@@ -1,7 +1,6 @@
 """The training loop: steps, periodic logging, evaluation and checkpoints, stopping on a signal."""
 
 import math
-import tempfile
 import time
 import uuid
 from contextlib import nullcontext
@@ -16,14 +15,14 @@ from tqdm import tqdm
 from data import Batches, PreparedData
 from model import GPT
 
-from .budget import MARGIN, REHEARSAL_STEPS, steps_within
+from .budget import MARGIN, steps_within
 from .checkpoint import build_checkpoint, save_checkpoint
 from .config import Settings
 from .distributed import gather
 from .errors import ConfigError, write_line
 from .evaluation import evaluate
-from .optim import advance, make_optimizers, make_scheduler
-from .rng import load_rng_state, restore_rng, rng_state
+from .optim import advance, decay_begins, make_optimizers, make_scheduler
+from .rng import restore_rng, rng_state
 from .signals import StopSignals
 from .summaries import Summaries
 
@@ -57,10 +56,8 @@ class Trainer:
         self.batches = Batches(data.train, model.config.block_size, tc.batch_size, device, seed=tc.seed + rank)
         self.started_at = time.perf_counter() if started_at is None else started_at
         self.optimizers = make_optimizers(model, settings.optim, fused=device.type == "cuda")
-        # With a budget, fit() plans the steps once it has measured them; until then a plan of any length gives
-        # step 0 its learning rate, which the length of a plan never changes.
-        self.schedulers = [make_scheduler(o, settings.optim, tc.max_iters or settings.optim.warmup_iters + 1)
-                           for o in self.optimizers]
+        # With a budget, fit() fixes the length as it trains; until then the schedule is open (see make_scheduler).
+        self.schedulers = [make_scheduler(o, settings.optim, tc.max_iters) for o in self.optimizers]
         compile_if_asked = torch.compile if tc.compile else lambda module: module
         compiled = compile_if_asked(model)
         self.model = DDP(compiled, device_ids=[device.index] if device.type == "cuda" else None) \
@@ -77,6 +74,8 @@ class Trainer:
         self.evaluated = self.model if self.ema is None else compile_if_asked(self.eval_model)  # what evaluations run
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
         self.tokens_per_step = tc.batch_size * model.config.block_size * tc.grad_accum_steps * world_size
+        self.signals = StopSignals()  # what fit() does on SIGINT and SIGTERM
+        self.evaluation_s = []  # what each evaluation with its saves took, for a budget's plan
         self.pending = []  # (loss, grad norm, lrs, wall time) of the steps since the last log; read back in one sync
         self.summaries = summaries
 
@@ -93,6 +92,8 @@ class Trainer:
             else:  # extended (or shortened): from here on the rates of a run planned for max_iters from the start
                 advance(scheduler, state["step"])
         self.step, self.best_val_loss = state["step"], state["best_val_loss"]
+        if self.tc.max_iters is None:  # a budget still open: it counts the run's earlier lives too
+            self.started_at -= state.get("seconds", 0.0)
         if not restore_rng(state["rng"], self.batches, self.rank, self.world_size, self.device) and self.is_master:
             print(f"resuming {len(state['rng'])} process(es) as {self.world_size}: batches and dropout draw "
                   f"afresh from the seed")
@@ -103,24 +104,26 @@ class Trainer:
         bar = None
         self.timer = time.perf_counter()
         try:
-            with StopSignals() as stop:
+            with self.signals as stop:
                 # where the uninterrupted run evaluates: at step 0, about ln(vocabulary size); a run resumed
                 # between evaluations adds no point of its own
-                evaluating_from = time.perf_counter()
                 if self.step % self.tc.eval_interval == 0:
                     self.evaluate_and_save()
-                if self.tc.max_iters is None:  # a budget: step 0's evaluation is timed, then the steps are planned
-                    self.plan_to_budget(evaluation_s=time.perf_counter() - evaluating_from)
                 tc = self.tc
-                if self.is_master:
+                if self.is_master and tc.max_iters is not None:  # else once a budget has fixed it
                     self.summaries.start_session(self.settings.config, self.device.type)
                 bar = tqdm(total=tc.max_iters, initial=self.step, unit="step", dynamic_ncols=True,
                            disable=None if self.is_master else True)  # None: no bar when stderr is not a terminal
-                while self.step < tc.max_iters:
+                self.loop_started, self.evaluations_before_loop = time.perf_counter(), len(self.evaluation_s)
+                while tc.max_iters is None or self.step < tc.max_iters:
                     if stop.agreed():
                         self.stop(stop.signal_name)
                     self.train_step()
                     bar.update()
+                    if tc.max_iters is None and self.plan_to_budget():
+                        tc = self.tc
+                        bar.total = tc.max_iters
+                        bar.refresh()
                     evaluating = self.step % tc.eval_interval == 0 or self.step == tc.max_iters
                     if evaluating or self.step % tc.log_interval == 0:
                         self.log_pending(bar)
@@ -133,52 +136,41 @@ class Trainer:
                 bar.close()
         return self.last_val_loss
 
-    def plan_to_budget(self, evaluation_s: float) -> None:
-        """Fix max_iters, and the learning-rate schedule with it, to the most steps that end within
-        train.max_minutes. A step's cost is measured on throwaway steps, a checkpoint's on a throwaway save, from
-        the state before the first step, which is then restored: the run goes on exactly as one planned for that
-        many steps from the start would. evaluation_s: what the evaluation at step 0 took."""
+    def plan_to_budget(self) -> bool:
+        """With a budget (train.max_minutes) whose length is still open: once the decay must begin, fix max_iters,
+        and the schedule with it, to the most steps that end within the budget at the speed measured so far (the
+        steps, the evaluations with their saves, the start-up). Until then the rate follows the warm-up and holds
+        at its peak, as in a run planned for those steps from the start: train.max_iters=N repeats this run
+        exactly. Whether it fixed them now."""
         tc, oc = self.tc, self.settings.optim
-        initial = {"model": {k: v.clone() for k, v in self.raw_model.state_dict().items()},
-                   "rng": rng_state(self.batches, self.device)}
-        if self.ema is not None:
-            initial["ema"] = {k: v.clone() for k, v in self.ema.state_dict().items()}
-        for i in range(REHEARSAL_STEPS + 1):
-            self.train_step()
-            self.pending[-1][0].item()  # waits for the device
-            if i == 0:
-                timed_from = time.perf_counter()
-        step_s = (time.perf_counter() - timed_from) / REHEARSAL_STEPS
-        saving = time.perf_counter()
-        if self.is_master:  # into a folder of its own in the run directory, removed with what it holds
-            with tempfile.TemporaryDirectory(prefix=".budget-", dir=self.run_dir) as scratch:
-                self.save(f"{Path(scratch).name}/last.pt")
-        else:
-            self.save()  # every process takes part
-        save_s = time.perf_counter() - saving
-        self.raw_model.load_state_dict(initial["model"])
-        if self.ema is not None:
-            self.ema.load_state_dict(initial["ema"])
-        load_rng_state(initial["rng"], self.batches, self.device)
-        self.step, self.pending = 0, []
-        self.optimizers = make_optimizers(self.raw_model, oc, fused=self.device.type == "cuda")
-
-        # every evaluation after this one saves last.pt and, as val loss mostly improves, best.pt
-        per_evaluation_s = evaluation_s + 2 * save_s
-        spent_s = time.perf_counter() - self.started_at
-        steps = gather(steps_within(tc.max_minutes * 60 * (1 - MARGIN) - spent_s, step_s, per_evaluation_s,
-                                    tc.eval_interval), self.world_size)[0]  # rank 0's plan for every process
-        measured = (f"{spent_s:.1f} s since the start, then {step_s:.3g} s a step and {per_evaluation_s:.3g} s an "
-                    f"evaluation with its saves")
-        if steps <= oc.warmup_iters:
-            raise ConfigError(f"train.max_minutes={tc.max_minutes:g} leaves time for {steps} steps here ({measured}),"
+        now = time.perf_counter()
+        step_s = (now - self.loop_started - sum(self.evaluation_s[self.evaluations_before_loop:])) \
+            / (self.step - self.start_step)
+        # none timed yet in a run resumed between evaluations: the first one timed will count
+        evaluation_s = sum(self.evaluation_s) / len(self.evaluation_s) if self.evaluation_s else 0.0
+        spent_s = now - self.started_at
+        fits = gather(self.step + steps_within(tc.max_minutes * 60 * (1 - MARGIN) - spent_s, step_s, evaluation_s,
+                                               tc.eval_interval, self.step), self.world_size)[0]  # rank 0's plan
+        if decay_begins(oc, fits) > self.step:
+            return False  # the rate holds until then whatever the length: measure on
+        measured = (f"{spent_s:.1f} s since the start, {step_s:.3g} s a step and {evaluation_s:.3g} s an evaluation "
+                    f"with its saves")
+        if fits <= oc.warmup_iters:
+            raise ConfigError(f"train.max_minutes={tc.max_minutes:g} leaves time for {fits} steps here ({measured}),"
                               f" no more than optim.warmup_iters={oc.warmup_iters}; give a longer budget")
+        steps = fits
+        while decay_begins(oc, steps) < self.step:  # the steps taken at the peak rate stay so in the plan
+            steps += 1
         self.settings = self.settings.planned(steps, tc.max_minutes)
         self.tc = self.settings.train
         self.schedulers = [make_scheduler(o, oc, steps) for o in self.optimizers]
+        for scheduler in self.schedulers:
+            advance(scheduler, self.step)
         if self.is_master:
             write_line(f"train.max_minutes={tc.max_minutes:g} fits {steps} steps ({measured}); "
                        f"train.max_iters={steps} repeats this run")
+            self.summaries.start_session(self.settings.config, self.device.type)
+        return True
 
     def train_step(self) -> None:
         """One optimiser step over grad_accum_steps micro-batches; its values stay on the device until logged."""
@@ -225,7 +217,7 @@ class Trainer:
         self.pending, self.timer = [], time.perf_counter()
 
     def evaluate_and_save(self) -> None:
-        tc = self.tc
+        tc, started = self.tc, time.perf_counter()
         losses = evaluate(self.evaluated, self.data, self.raw_model.config.block_size, tc.batch_size, tc.eval_iters,
                           tc.seed + self.rank, self.device, self.autocast, self.world_size)
         if not all(math.isfinite(v) for v in losses.values()):
@@ -237,6 +229,8 @@ class Trainer:
             self.best_val_loss = self.last_val_loss
         if trained:  # best.pt first: last.pt never records a best that no checkpoint holds
             self.save(*(["best.pt"] if improved else []), "last.pt")
+            if self.step == tc.max_iters:  # the run is done and saved: a signal can no longer make it fail
+                self.signals.finished()
         if self.is_master:
             self.summaries.evaluation(self.step, losses, self.best_val_loss)
             self.summaries.sample_and_attention(self.eval_model, self.vocab, self.prompt, tc.sample_tokens,
@@ -244,6 +238,7 @@ class Trainer:
             write_line(f"step {self.step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
                        f"{' (best)' if improved else ''}, lr {self.schedulers[0].get_last_lr()[0]:.2e}")
         self.timer = time.perf_counter()  # tokens/s counts training only
+        self.evaluation_s.append(self.timer - started)
 
     def save(self, *names: str) -> None:
         """Write the checkpoint to each of names in the run directory (rank 0; every process takes part)."""
@@ -252,7 +247,8 @@ class Trainer:
                     "step": self.step, "best_val_loss": self.best_val_loss,
                     # every process's generators, so that a resumed DDP run draws what this one would
                     "rng": gather(rng_state(self.batches, self.device), self.world_size),
-                    "config": self.settings.config, "run_id": self.run_id}
+                    "config": self.settings.config, "run_id": self.run_id,
+                    "seconds": time.perf_counter() - self.started_at}  # the run's wall-clock time so far
         if self.ema is not None:
             training["raw_model"] = self.raw_model.state_dict()
         if self.is_master:

@@ -9,7 +9,7 @@ import math
 import warnings
 
 import torch
-from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
+from torch.optim.lr_scheduler import ConstantLR, CosineAnnealingLR, LinearLR, SequentialLR
 
 from model import GPT
 
@@ -69,18 +69,39 @@ def orthogonalize(g: torch.Tensor, coefficients: tuple[float, float, float], ste
     return wide.T if x.size(0) > x.size(1) else wide
 
 
-def make_scheduler(optimizer: torch.optim.Optimizer, oc: OptimConfig, max_iters: int):
-    """Linear warmup from peak / warmup_iters to the optimiser's peak lr, then a cosine or linear decay to
-    peak * min_lr / lr at max_iters: every optimiser follows the same curve, scaled to its own peak."""
-    peak, decay_iters = optimizer.param_groups[0]["lr"], max_iters - oc.warmup_iters
-    if oc.decay == "cosine":
-        decay = CosineAnnealingLR(optimizer, T_max=decay_iters, eta_min=peak * oc.min_lr / oc.lr)
-    else:
-        decay = LinearLR(optimizer, start_factor=1.0, end_factor=oc.min_lr / oc.lr, total_iters=decay_iters)
-    if oc.warmup_iters == 0:
-        return decay
-    warmup = LinearLR(optimizer, start_factor=1 / oc.warmup_iters, total_iters=oc.warmup_iters)
-    return SequentialLR(optimizer, [warmup, decay], milestones=[oc.warmup_iters])
+def make_scheduler(optimizer: torch.optim.Optimizer, oc: OptimConfig, max_iters: int | None):
+    """Linear warmup from peak / warmup_iters to the optimiser's peak lr, held there until the decay's last
+    decay_steps() steps, a cosine or linear decay to peak * min_lr / lr at max_iters: every optimiser follows the
+    same curve, scaled to its own peak. max_iters None: the length is still open (a budget fixes it as the run
+    goes), and the rate holds at its peak after the warm-up."""
+    peak = optimizer.param_groups[0]["lr"]
+    hold_iters = OPEN if max_iters is None else decay_begins(oc, max_iters) - oc.warmup_iters
+    phases, milestones = [], []
+    if oc.warmup_iters:
+        phases.append(LinearLR(optimizer, start_factor=1 / oc.warmup_iters, total_iters=oc.warmup_iters))
+        milestones.append(oc.warmup_iters)
+    if hold_iters:
+        phases.append(ConstantLR(optimizer, factor=1.0, total_iters=hold_iters))
+        milestones.append(oc.warmup_iters + hold_iters)
+    if max_iters is not None:
+        decay_iters = decay_steps(oc, max_iters)
+        phases.append(CosineAnnealingLR(optimizer, T_max=decay_iters, eta_min=peak * oc.min_lr / oc.lr)
+                      if oc.decay == "cosine" else
+                      LinearLR(optimizer, start_factor=1.0, end_factor=oc.min_lr / oc.lr, total_iters=decay_iters))
+    return SequentialLR(optimizer, phases, milestones[:len(phases) - 1]) if len(phases) > 1 else phases[0]
+
+
+OPEN = 10**9  # steps an open schedule holds its peak: more than any budget buys
+
+
+def decay_steps(oc: OptimConfig, max_iters: int) -> int:
+    """How many of max_iters steps the decay takes: the last decay_frac of them, and none of the warm-up's."""
+    return max(1, min(max_iters - oc.warmup_iters, round(oc.decay_frac * max_iters)))
+
+
+def decay_begins(oc: OptimConfig, max_iters: int) -> int:
+    """The step from which a plan of max_iters steps decays; before it, the rate is the same for any length."""
+    return max_iters - decay_steps(oc, max_iters)
 
 
 def advance(scheduler, steps: int) -> None:

@@ -18,12 +18,12 @@ MUST_MATCH = ("model.", "optim.", "train.batch_size", "train.grad_accum_steps", 
 
 
 def load_resume_checkpoint(path, config: dict, optim: OptimConfig,
-                           length_named: bool = True) -> tuple[dict, tuple[int, float | None]]:
+                           length_named: bool = True) -> tuple[dict, tuple[int | None, float | None]]:
     """The checkpoint at path (a run directory means its last.pt), checked to fit config (the resolved,
     composed config as a dict) and to be whole: a damaged one is a ConfigError, not a crash mid-restore. With
     it, the length of the resumed run, (train.max_iters, train.max_minutes): config's steps where the command
-    names the run's length (length_named), else the checkpoint's. A budget sizes a run once, when it starts: a
-    resume never sizes it again."""
+    names the run's length (length_named), else the checkpoint's. A budget fixes a run's length once: a resume
+    keeps it, or lets the budget fix it if the run stopped before then."""
     try:
         contents = load_checkpoint(path, prefer="last.pt")
     except CheckpointError as e:
@@ -38,17 +38,19 @@ def load_resume_checkpoint(path, config: dict, optim: OptimConfig,
         raise ConfigError("train.resume continues a run with other settings; add them to the command: "
                           + " ".join(f"{key}={as_override(theirs[key])}" for key in differ))
     planned, budget, step = theirs.get("train.max_iters"), theirs.get("train.max_minutes"), state["step"]
-    if not (isinstance(planned, int) and isinstance(step, int) and 0 <= step <= planned):
+    open_budget = planned is None and budget is not None  # stopped before its budget fixed its length
+    if not (isinstance(step, int) and 0 <= step and (open_budget or isinstance(planned, int) and step <= planned)):
         raise ConfigError(f"train.resume: {path} is damaged (step {step!r} of a plan of {planned!r} steps); resume "
                           f"from another checkpoint")
     max_iters, max_minutes = (ours["train.max_iters"], None) if length_named else (planned, budget)
     if max_iters is None:  # the command has a budget
         if ours["train.max_minutes"] != budget:
             sized = f", sized by train.max_minutes={budget:g}" if budget is not None else ""
-            raise ConfigError(f"train.resume: a resumed run keeps the {planned} steps it was planned for{sized}; "
-                              f"resume without train.max_minutes, or extend it with train.max_iters=N")
+            kept = f"the {planned} steps it was planned for" if planned is not None else "its budget"
+            raise ConfigError(f"train.resume: a resumed run keeps {kept}{sized}; resume without "
+                              f"train.max_minutes, or extend it with train.max_iters=N")
         max_iters, max_minutes = planned, budget
-    if max_iters < step:
+    if max_iters is not None and max_iters < step:  # (None: its budget goes on to fix the length)
         raise ConfigError(f"train.max_iters={max_iters} is below step {step}, which the run in {path} has reached; "
                           f"give a larger train.max_iters to extend it")
     if max_iters == step:
@@ -62,7 +64,7 @@ def load_resume_checkpoint(path, config: dict, optim: OptimConfig,
     return contents, (max_iters, max_minutes)
 
 
-def check_restorable(contents: dict, optim: OptimConfig, max_iters: int) -> None:
+def check_restorable(contents: dict, optim: OptimConfig, max_iters: int | None) -> None:
     """Restore the checkpoint's weights, optimiser and schedule into throwaway copies, as the Trainer will, and
     check the values that are restored as they are; whatever does not fit raises."""
     state = contents["training"]

@@ -42,6 +42,11 @@ class StopSignals:
             finished = exc_type is None and handler is interrupt
             signal.signal(sig, self._note_late if finished else handler)
 
+    def finished(self) -> None:
+        """The run has saved its final checkpoint: from now on a signal, even a second one, is only noted."""
+        for sig in self.SIGNALS:
+            signal.signal(sig, self._note_late)
+
     def _handle(self, signum, frame):
         if self.signal_name is not None:
             raise KeyboardInterrupt

@@ -8,6 +8,7 @@ multiline chart draws each run's series in one colour, and which TensorBoard nev
 evaluations read as measured. Everything goes to the run's one event file, so that TensorBoard shows one run per run.
 """
 
+import contextlib
 import math
 import os
 import threading
@@ -124,6 +125,20 @@ def described_image(tag: str, pixels: torch.Tensor, description: str) -> Summary
         tensor=make_tensor_proto([str(png.width).encode(), str(png.height).encode(), png.encoded_image_string]))])
 
 
+def after_earlier_lives(run_dir: Path) -> None:
+    """Return once a new event file in run_dir would sort after those there. TensorBoard reads a run's event files
+    in the order of their names (a later file is a later life), and a name starts with the second the file was
+    opened, then the host, the process id and a counter, which need not sort (counter 10 sorts before 9): a life
+    that starts within the second the last one opened its file, as a resume in the same process can, waits for
+    the next second."""
+    seconds = []
+    for path in Path(run_dir).glob("events.out.tfevents.*"):
+        with contextlib.suppress(ValueError, IndexError):
+            seconds.append(int(path.name.split(".")[3]))
+    while seconds and time.time() < max(seconds) + 1:
+        time.sleep(max(seconds) + 1 - time.time())
+
+
 class Summaries:
     """The run's TensorBoard events, written by one process."""
 
@@ -134,6 +149,7 @@ class Summaries:
         and the run's curves go on as one. That loader takes a run's first START for its beginning, so a new run
         writes one too. The Rust data server reads no SessionLog: it drops a tag's points where the tag's steps go
         back."""
+        after_earlier_lives(run_dir)
         self.writer = SummaryWriter(str(run_dir), purge_step=first_step)
         self.first_step = first_step
         self.writer.add_text("config", as_code(config_yaml))
