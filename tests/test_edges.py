@@ -499,6 +499,17 @@ def test_under_torchrun_a_mistake_is_told_once_and_every_rank_exits_alike(tmp_pa
     assert not (tmp_path / "runs").exists() or list((tmp_path / "runs").iterdir()) == []
 
 
+def test_under_torchrun_itself_our_line_comes_first_with_the_cause(tmp_path):
+    """torchrun adds its own report of the failed process after ours, and exits 1 (README)."""
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             str(REPO / "train.py"), *TINY, "model.n_head=5"], cwd=tmp_path, env=ENV,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1
+    assert result.stderr.splitlines()[0] == "train.py: error: model: n_embd 32 is not divisible by n_head 5"
+    assert result.stderr.count("train.py: error:") == 1  # rank 0's; the other rank is silent
+    assert not (tmp_path / "runs").exists() or list((tmp_path / "runs").iterdir()) == []
+
+
 # --- debris -------------------------------------------------------------------------------------------------------
 
 def dead_pid() -> int:

@@ -458,18 +458,18 @@ def stopped_at(tmp_path: Path, data_root: Path, step: int, overrides: list[str],
 
 def test_a_resumed_budget_run_keeps_its_steps(tmp_path, data_root, monkeypatch):
     run_dir = tmp_path / "runs/stopped"
-    stopped_at(tmp_path, data_root, 14, BUDGET, run_dir)  # its length is fixed as its warm-up ends, at step 5
+    stopped_at(tmp_path, data_root, 14, [*BUDGET, "optim.decay_frac=1"], run_dir)  # fixed at the warm-up's end
     planned = torch.load(run_dir / "last.pt", weights_only=True)["training"]["config"]["train"]["max_iters"]
     assert planned > 14
     printed = []
     monkeypatch.setattr(training.loop, "write_line", printed.append)
-    train.main(config(tmp_path, data_root, *BUDGET, f"train.resume={run_dir}"), run_dir)
+    train.main(config(tmp_path, data_root, *BUDGET, "optim.decay_frac=1", f"train.resume={run_dir}"), run_dir)
     assert not [line for line in printed if "fits" in line]  # sized once
     assert torch.load(run_dir / "last.pt", weights_only=True)["training"]["step"] == planned
     with pytest.raises(train.ConfigError, match=rf"^train.resume: a resumed run keeps the {planned} steps it was "
                                                 rf"planned for, sized by train.max_minutes=0.1; resume without "
                                                 rf"train.max_minutes, or extend it with train.max_iters=N$"):
-        train.main(config(tmp_path, data_root, "train.max_iters=null", "train.max_minutes=1",
+        train.main(config(tmp_path, data_root, "train.max_iters=null", "train.max_minutes=1", "optim.decay_frac=1",
                           f"train.resume={run_dir}"), run_dir)
 
 

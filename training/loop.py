@@ -3,6 +3,7 @@
 import math
 import time
 import uuid
+from collections import deque
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from tqdm import tqdm
 from data import Batches, PreparedData
 from model import GPT
 
-from .budget import MARGIN, steps_within
+from .budget import BUDGET_WINDOW, MARGIN, steps_within
 from .checkpoint import build_checkpoint, save_checkpoint
 from .config import Settings
 from .distributed import gather
@@ -75,7 +76,7 @@ class Trainer:
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
         self.tokens_per_step = tc.batch_size * model.config.block_size * tc.grad_accum_steps * world_size
         self.signals = StopSignals()  # what fit() does on SIGINT and SIGTERM
-        self.evaluation_s = []  # what each evaluation with its saves took, for a budget's plan
+        self.evaluation_s = []  # (when it ended, seconds) of each evaluation with its saves, for a budget's plan
         self.pending = []  # (loss, grad norm, lrs, wall time) of the steps since the last log; read back in one sync
         self.summaries = summaries
 
@@ -114,7 +115,7 @@ class Trainer:
                     self.summaries.start_session(self.settings.config, self.device.type)
                 bar = tqdm(total=tc.max_iters, initial=self.step, unit="step", dynamic_ncols=True,
                            disable=None if self.is_master else True)  # None: no bar when stderr is not a terminal
-                self.loop_started, self.evaluations_before_loop = time.perf_counter(), len(self.evaluation_s)
+                self.clock = deque([(self.step, time.perf_counter())], maxlen=BUDGET_WINDOW + 1)  # (step, when)
                 while tc.max_iters is None or self.step < tc.max_iters:
                     if stop.agreed():
                         self.stop(stop.signal_name)
@@ -144,10 +145,13 @@ class Trainer:
         exactly. Whether it fixed them now."""
         tc, oc = self.tc, self.settings.optim
         now = time.perf_counter()
-        step_s = (now - self.loop_started - sum(self.evaluation_s[self.evaluations_before_loop:])) \
-            / (self.step - self.start_step)
-        # none timed yet in a run resumed between evaluations: the first one timed will count
-        evaluation_s = sum(self.evaluation_s) / len(self.evaluation_s) if self.evaluation_s else 0.0
+        # the latest steps, less the evaluations among them: the first steps of a run are slower than the rest
+        self.clock.append((self.step, now))
+        first_step, first_time = self.clock[0]
+        evaluating_s = sum(seconds for ended, seconds in self.evaluation_s if ended > first_time)
+        step_s = (now - first_time - evaluating_s) / (self.step - first_step)
+        # the latest evaluation, with its saves (step 0's has none); none yet in a run resumed between them
+        evaluation_s = self.evaluation_s[-1][1] if self.evaluation_s else 0.0
         spent_s = now - self.started_at
         fits = gather(self.step + steps_within(tc.max_minutes * 60 * (1 - MARGIN) - spent_s, step_s, evaluation_s,
                                                tc.eval_interval, self.step), self.world_size)[0]  # rank 0's plan
@@ -238,7 +242,7 @@ class Trainer:
             write_line(f"step {self.step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
                        f"{' (best)' if improved else ''}, lr {self.schedulers[0].get_last_lr()[0]:.2e}")
         self.timer = time.perf_counter()  # tokens/s counts training only
-        self.evaluation_s.append(self.timer - started)
+        self.evaluation_s.append((self.timer, self.timer - started))
 
     def save(self, *names: str) -> None:
         """Write the checkpoint to each of names in the run directory (rank 0; every process takes part)."""
