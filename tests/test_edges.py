@@ -684,7 +684,8 @@ def default_sigint():
 def signal_state(pid: int) -> str:
     """The kernel's view of a process's signals: which it ignores, blocks, catches and has pending (hex masks)."""
     with open(f"/proc/{pid}/status") as status:
-        return " ".join(line.strip() for line in status if line.startswith(("SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")))
+        return " ".join(line.strip() for line in status
+                        if line.startswith(("SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")))
 
 
 def test_ctrl_c_keeps_the_text_written_so_far(checkpoint, tmp_path):

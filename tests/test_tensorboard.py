@@ -99,7 +99,8 @@ class Server:
             except OSError as e:  # not listening yet
                 seen = repr(e)
             time.sleep(0.5)
-        raise AssertionError(f"tensorboard did not load {runs} runs in {timeout} s (last seen: {seen}); it said: {self.output()}")
+        raise AssertionError(f"tensorboard did not load {runs} runs in {timeout} s (last seen: {seen}); "
+                             f"it said: {self.output()}")
 
     def stop(self):
         self.process.terminate()
