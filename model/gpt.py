@@ -199,10 +199,11 @@ class GPT(nn.Module):
         shape = dict(n_layer=c.n_kv_layer, batch_size=batch_size, n_kv_head=c.n_kv_head,
                      max_len=max_len or c.block_size, head_dim=c.head_dim, window=c.block_size,
                      device=self.wte.weight.device, read_all_slots=read_all_slots)
-        if self.kv_cache_dtype(dtype) == torch.int8:
+        dtype = self.kv_cache_dtype(dtype)
+        if dtype == torch.int8:
             from .quantize import Int8KVCache  # the int8 design lives beside the int8 weights
             return Int8KVCache(**shape, dtype=self.attention_dtype)
-        return KVCache(**shape, dtype=self.kv_cache_dtype(dtype))
+        return KVCache(**shape, dtype=dtype)
 
     def kv_cache_dtype(self, dtype: torch.dtype | None = None) -> torch.dtype:
         """The dtype new_kv_cache(dtype=dtype) stores keys and values in: attention's own unless given."""

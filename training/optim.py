@@ -88,6 +88,7 @@ def make_scheduler(optimizer: torch.optim.Optimizer, oc: OptimConfig, max_iters:
         phases.append(CosineAnnealingLR(optimizer, T_max=decay_iters, eta_min=peak * oc.min_lr / oc.lr)
                       if oc.decay == "cosine" else
                       LinearLR(optimizer, start_factor=1.0, end_factor=oc.min_lr / oc.lr, total_iters=decay_iters))
+    # a milestone where each phase but the last ends (an open schedule's hold is its last)
     return SequentialLR(optimizer, phases, milestones[:len(phases) - 1]) if len(phases) > 1 else phases[0]
 
 
