@@ -39,7 +39,8 @@ from training.checkpoint import load_model  # noqa: E402
 STEPS = 16  # one-token steps timed after the prefill, the context growing from block_size - STEPS to block_size
 BATCHES = (1, 64)
 STREAMS = 64  # rows of the val split decoded side by side for the loss through the decoder
-# (name, model overrides, KV cache dtype): the trained designs, on the cpu preset's 4 heads and 4 layers
+# (name, model overrides, KV cache dtype): the trained designs, on the cpu preset's 4 heads and 4 layers (kv_share=2
+# needs an even number of layers, so --train-overrides pins 4 wherever the preset's depth is)
 TRAINED = [("MHA (the preset)", [], None), ("GQA, n_kv_head=2", ["model.n_kv_head=2"], None),
            ("MQA, n_kv_head=1", ["model.n_kv_head=1"], None), ("kv_share=2", ["model.kv_share=2"], None),
            ("kv_share=2 + MQA", ["model.kv_share=2", "model.n_kv_head=1"], None),
@@ -159,9 +160,10 @@ def main() -> None:
     t.add_argument("--repeats", type=int, default=5)
     t.add_argument("--prompt-len", type=int, default=64, help="tokens prefilled before one-token decoding")
     t.add_argument("--stream-len", type=int, default=1_000_000, help="cut each stream to this many tokens")
-    t.add_argument("--train-overrides", nargs="*", default=["train.max_iters=1000"],
+    t.add_argument("--train-overrides", nargs="*",
+                   default=["train.max_iters=1000", "optim.decay_frac=1", "model.n_layer=4"],
                    help="train.py overrides for every design (default: the same 1,000 steps for each, rather than "
-                        "the steps the preset's time budget buys)")
+                        "the steps the preset's time budget buys, decaying from the warm-up's end, on 4 layers)")
     args = parser.parse_args()
     speed(args) if args.part == "speed" else train(args)
 

@@ -27,7 +27,7 @@ from training.loop import Trainer  # noqa: E402
 SHAPES = {  # name: (overrides of the cpu preset, as on train.py's command line)
     "cpu preset": [],
     "cpu preset, rope": ["model.pos_emb=rope"],
-    "small (4L 4H 128w, block 64)": ["model.block_size=64", "train.batch_size=12"],
+    "small (4L 4H 128w, block 64)": ["model.n_layer=4", "model.block_size=64", "train.batch_size=12"],
     "classic (6L 6H 384w, block 256)": ["model=classic", "train.batch_size=64"],
 }
 
