@@ -13,8 +13,9 @@
 A run writes everything to its directory runs/<date>_<time>/ (runs started in the same second get -2, -3, ...;
 hydra.run.dir=... names another, which must be new): .hydra/ (the composed config), TensorBoard events, last.pt (at
 every evaluation) and best.pt (at the best val loss so far). A resumed run goes on in its own directory, unless
-hydra.run.dir names a new one. A run that fails before its first step leaves no directory. Ctrl-C or SIGTERM saves
-last.pt and exits cleanly; a second one interrupts at once.
+hydra.run.dir names a new one. A run that fails before its first step leaves no directory. Ctrl-C, SIGTERM or
+SIGHUP (a closed terminal) saves last.pt and exits cleanly; a second one interrupts at once. Under nohup the run
+outlives its terminal.
 """
 
 import dataclasses

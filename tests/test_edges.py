@@ -4,13 +4,17 @@
 import argparse
 import dataclasses
 import errno
+import fcntl
 import math
 import os
+import re
 import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
+import termios
 import time
 import uuid
 from pathlib import Path
@@ -143,6 +147,47 @@ def test_a_run_directory_in_use_is_refused_and_a_stopped_run_resumes_in_it(tmp_p
     assert result.returncode == 0, result.stderr
     assert torch.load(run_dir / "last.pt", weights_only=True)["training"]["step"] == 300
     assert [p.name for p in tmp_path.iterdir() if p.name != "run"] == []  # no other run directory
+
+
+@pytest.mark.parametrize("output", ["pipes", "a closed terminal", "nohup"])
+def test_a_hangup_saves_the_run_unless_nohup_asks_it_to_go_on(tmp_path, data_root, output):
+    """SIGHUP (a closed terminal, a lost ssh session) stops a run after its step and saves last.pt there, as SIGTERM
+    does, even once every write to the terminal fails (EIO); under nohup, which starts the process ignoring SIGHUP,
+    the run trains on to its end. Evaluations (and so saves) come every 50,000 steps: a last.pt before then is the
+    stop's."""
+    run_dir = tmp_path / "run"
+    max_iters = 300 if output == "nohup" else 100_000
+    command = [sys.executable, str(REPO / "train.py"), *TINY, *data_overrides(data_root),
+               f"train.max_iters={max_iters}", f"train.eval_interval={20 if output == 'nohup' else 50_000}",
+               f"hydra.run.dir={run_dir}"]
+    if output == "a closed terminal":
+        terminal, child_end = os.openpty()
+        fcntl.ioctl(child_end, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))  # 80 columns, as a terminal has
+        process = subprocess.Popen(command, cwd=tmp_path, env=ENV, stdout=child_end, stderr=child_end)
+        os.close(child_end)
+        shown = b""
+        while not re.search(rb"[1-9]\d*/100000", shown) and select.select([terminal], [], [], 60)[0]:
+            shown += os.read(terminal, 4096)  # until the progress bar shows a step taken
+        os.close(terminal)  # the terminal is gone: what the run writes to it now fails with EIO
+    else:
+        ignore_hangup = (lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if output == "nohup" else None
+        process = subprocess.Popen(command, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   preexec_fn=ignore_hangup)
+        while not process.stdout.readline().startswith(b"step 0:"):  # the first evaluation is done
+            assert process.poll() is None
+    try:
+        process.send_signal(signal.SIGHUP)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 0, stderr
+    step = torch.load(run_dir / "last.pt", weights_only=True)["training"]["step"]
+    if output == "nohup":
+        assert step == max_iters and b"stopped" not in stderr, stderr
+        return
+    assert step < 50_000
+    if output == "pipes":
+        assert f"stopped by SIGHUP at step {step}: saved {run_dir / 'last.pt'}".encode() in stderr, stderr
 
 
 def test_a_sweep_runs_its_possible_jobs_and_names_the_impossible_one(tmp_path, data_root):

@@ -33,7 +33,7 @@ class Diverged(Exception):
 
 
 class Stopped(Exception):
-    """SIGINT or SIGTERM stopped the run after last.pt was saved."""
+    """A stop signal (SIGINT, SIGTERM, SIGHUP) stopped the run after last.pt was saved."""
 
 
 class Trainer:

@@ -1,28 +1,53 @@
-"""Stopping on SIGINT or SIGTERM after the current step, at the same step in every process."""
+"""Stopping on SIGINT, SIGTERM or SIGHUP after the current step, at the same step in every process."""
 
 import signal
+import sys
 
 import torch
 import torch.distributed as dist
 
+from .errors import silence
+
+HANGUP = getattr(signal, "SIGHUP", None)  # a closed terminal or a lost ssh session (POSIX only)
+
+
+def stop_signals() -> tuple:
+    """SIGINT, SIGTERM and SIGHUP, unless SIGHUP was ignored when the process started: `nohup` asks for a run that
+    outlives its terminal."""
+    hangup = HANGUP is not None and signal.getsignal(HANGUP) is not signal.SIG_IGN
+    return (signal.SIGINT, signal.SIGTERM, *([HANGUP] if hangup else []))
+
+
+# the standard streams that are a terminal, noted at the start: once it hangs up, isatty() answers False
+TERMINALS = [stream for stream in (sys.stdout, sys.stderr) if stream is not None and stream.isatty()]
+
+
+def hung_up(signum) -> None:
+    """After SIGHUP the terminal is gone and every write to it fails (EIO): send what the standard streams still
+    print there to /dev/null, so that nothing written on the way stops the run from saving."""
+    if signum == HANGUP:
+        for stream in TERMINALS:
+            silence(stream)
+
 
 def interrupt(signum, frame):
+    hung_up(signum)
     raise KeyboardInterrupt
 
 
 def interrupt_on_signals() -> None:
-    """train.py, outside training: SIGINT and SIGTERM interrupt, and what is half done is cleaned up on the way
+    """train.py, outside training: the stop signals interrupt, and what is half done is cleaned up on the way
     out."""
     for sig in StopSignals.SIGNALS:
         signal.signal(sig, interrupt)
 
 
 class StopSignals:
-    """Turns the first SIGINT or SIGTERM into a request to stop after the current step; a second one
-    interrupts at once. In train.py's process, once the run has finished and saved, a signal is only noted in
+    """Turns the first stop signal (SIGINT, SIGTERM, SIGHUP) into a request to stop after the current step; a second
+    one interrupts at once. In train.py's process, once the run has finished and saved, a signal is only noted in
     `late`: it cannot turn that success into a failure, and a sweep stops before its next job."""
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    SIGNALS = stop_signals()
     late = None  # the name of a signal received after a run finished
 
     def __init__(self):
@@ -48,12 +73,14 @@ class StopSignals:
             signal.signal(sig, self._note_late)
 
     def _handle(self, signum, frame):
+        hung_up(signum)
         if self.signal_name is not None:
             raise KeyboardInterrupt
         self.signal_name = signal.Signals(signum).name
 
     @staticmethod
     def _note_late(signum, frame):
+        hung_up(signum)
         StopSignals.late = signal.Signals(signum).name
 
     def agreed(self) -> bool:
