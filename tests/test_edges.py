@@ -110,6 +110,21 @@ def test_a_refused_run_changes_nothing_in_the_directory_it_names(tmp_path, namin
     assert tree(run_dir) == before
 
 
+@pytest.mark.parametrize("naming", ["hydra.run.dir", "hydra.sweep.dir", "runs_dir"])
+def test_a_run_named_inside_another_runs_directory_is_refused(tmp_path, naming):
+    """A run's files inside another run's directory would be listed (TensorBoard, the newest best.pt), moved and
+    deleted with that run: refused, with nothing created in it."""
+    earlier = tmp_path / "runs/earlier"
+    (earlier / ".hydra").mkdir(parents=True)
+    (earlier / "best.pt").write_bytes(b"the earlier run's checkpoint")
+    before = tree(earlier)
+    names = {"hydra.run.dir": [f"hydra.run.dir={earlier}/more"], "runs_dir": [f"runs_dir={earlier}/runs"],
+             "hydra.sweep.dir": [f"hydra.sweep.dir={earlier}/sweep", "train.seed=1,2"]}
+    result = train_cli(*(["-m"] if naming == "hydra.sweep.dir" else []), *TINY, *names[naming], cwd=tmp_path)
+    assert_one_line_error(result, "train.py", f"lies inside the run directory {earlier}; give a {naming} outside")
+    assert tree(earlier) == before
+
+
 def test_an_empty_run_dir_is_the_current_folder_and_refused(tmp_path):
     (tmp_path / "notes.txt").write_text("the user's own file\n")
     result = train_cli(*TINY, "hydra.run.dir=", cwd=tmp_path)

@@ -73,6 +73,9 @@ def claim(path: Path, key: str, resumed: Path | None = None, job: str = "") -> N
     where = f"{key}={path}" if not job else f"{key}: {job}'s folder {path}"
     if path.exists() and not path.is_dir():
         raise ConfigError(f"{where} is a file, not a folder")
+    inside = enclosing_run(path)
+    if inside is not None:  # its files would be read, listed and deleted as part of that run
+        raise ConfigError(f"{where} lies inside the run directory {inside}; give a {key} outside every run's")
     try:
         path.mkdir(parents=True, exist_ok=True)
         held = path.resolve()
@@ -100,6 +103,14 @@ def claim(path: Path, key: str, resumed: Path | None = None, job: str = "") -> N
     _held[held] = resumed is not None  # the lock lasts as long as the descriptor: the process's lifetime
     if resumed is None:
         atexit.register(remove_if_unused, path)
+
+
+def enclosing_run(path: Path) -> Path | None:
+    """The run directory that path lies inside, if any: a folder above it that holds a run's record or checkpoint."""
+    for parent in path.resolve().parents:
+        if (parent / RECORD).is_dir() or any((parent / name).is_file() for name in CHECKPOINTS):
+            return parent
+    return None
 
 
 def check_own_run(run_dir: Path, resumed: Path) -> None:
@@ -167,6 +178,10 @@ def new_run_dir(parent: Path) -> Path:
     """parent/<date>_<time>, created here so that no other run can have it: runs that start in the same second
     (an array job's) get <date>_<time>-2, -3, ..."""
     stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+    inside = enclosing_run(parent / stamp)
+    if inside is not None:
+        raise ConfigError(f"runs_dir={parent} lies inside the run directory {inside}; give a runs_dir outside "
+                          f"every run's")
     try:
         parent.mkdir(parents=True, exist_ok=True)
         for n in range(1, 1_000_000):
