@@ -125,6 +125,16 @@ def test_a_run_named_inside_another_runs_directory_is_refused(tmp_path, naming):
     assert tree(earlier) == before
 
 
+@pytest.mark.parametrize("flags, setting", [([], "hydra.job.chdir=true"), (["-m"], "hydra.job.chdir=true"),
+                                            ([], "hydra.output_subdir=record")])
+def test_hydra_settings_that_move_reads_or_writes_are_refused_before_any_folder(tmp_path, flags, setting):
+    """hydra.job.chdir would read data.text, data.root and train.resume from inside the new run directory;
+    hydra.output_subdir would write Hydra's record before the directory is claimed."""
+    result = train_cli(*flags, *TINY, setting, cwd=tmp_path)
+    assert_one_line_error(result, "train.py", f"{setting.split('=')[0]} cannot be set")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_an_empty_run_dir_is_the_current_folder_and_refused(tmp_path):
     (tmp_path / "notes.txt").write_text("the user's own file\n")
     result = train_cli(*TINY, "hydra.run.dir=", cwd=tmp_path)

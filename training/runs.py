@@ -60,9 +60,14 @@ class RunDirectory(Callback):
 
 
 def no_record_elsewhere(config: DictConfig) -> None:
+    """Refuse the Hydra settings that would write elsewhere than the run directory, or read elsewhere than the
+    folder the command runs in."""
     if config.hydra.output_subdir is not None:  # Hydra would write it before the directory is claimed
         raise ConfigError(f"hydra.output_subdir cannot be set: a run's record is written to {RECORD}/ once its "
                           f"directory is claimed")
+    if config.hydra.job.chdir:  # data.text, data.root and train.resume would be read from inside the new run
+        raise ConfigError("hydra.job.chdir cannot be set: paths are read from the folder you run train.py in, and "
+                          "the run writes only into its run directory")
 
 
 def claim(path: Path, key: str, resumed: Path | None = None, job: str = "") -> None:
