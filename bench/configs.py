@@ -38,9 +38,13 @@ def shakespeare() -> PreparedData:
 
 
 def host() -> str:
-    """The processor, as lscpu names it: every figure is printed beside it."""
+    """The processor, as lscpu names it, and its widest vector instructions (hosts of one name differ there): every
+    figure is printed beside it."""
     try:
         lines = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
-        return next(line.split(":", 1)[1].strip() for line in lines if line.startswith("Model name"))
-    except (OSError, StopIteration):
+        fields = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in lines)}
+        flags = fields.get("Flags", "").split()
+        vector = next((name for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2")) if flag in flags), None)
+        return fields["Model name"] + (f" ({vector})" if vector else "")
+    except (OSError, KeyError):
         return "unknown host"

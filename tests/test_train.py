@@ -362,6 +362,9 @@ def test_a_resume_keeps_the_moving_average_of_the_run_it_continues(tmp_path, dat
 
 BUDGET = ["train.max_iters=null", "train.max_minutes=0.1"]  # 6 seconds, start-up included
 HOLD = ["optim.decay_frac=0.5"]  # the rate holds at its peak for half the run: the length is fixed halfway
+# Tests that check a budget's plan aim at half of it, so that a noisy machine never ends the run at its budget
+# before the plan's last step (see the test of a run whose steps slow down)
+AIM_AT_HALF = 0.5
 
 
 def chosen_steps(printed: str) -> int:
@@ -377,6 +380,7 @@ def budget_run(tmp_path_factory, data_root) -> tuple[Path, int]:
     with pytest.MonkeyPatch.context() as patch:
         printed = []
         patch.setattr(training.loop, "write_line", printed.append)
+        patch.setattr(training.loop, "MARGIN", AIM_AT_HALF)
         train.main(config(tmp_path, data_root, *BUDGET, *HOLD), tmp_path / "runs/budget")
     return tmp_path / "runs/budget", chosen_steps("\n".join(printed))
 
@@ -473,6 +477,43 @@ def test_a_resumed_budget_run_keeps_its_steps(tmp_path, data_root, monkeypatch):
                           f"train.resume={run_dir}"), run_dir)
 
 
+def test_a_budget_run_whose_steps_slow_down_ends_at_its_budget_and_resumes_to_its_plan(tmp_path, data_root,
+                                                                                        monkeypatch):
+    """Once the length is fixed, the machine slows down (each step sleeps 50 ms more): the run ends before one more
+    step and the final evaluation would overrun the budget, says so, saves there, and its resume trains on to the
+    planned step with the planned rates."""
+    run_dir = tmp_path / "runs/slowed"
+    measured_step = Trainer.train_step
+
+    def slower_once_planned(self):
+        measured_step(self)
+        if self.tc.max_iters is not None:
+            time.sleep(0.05)
+
+    printed = []
+    monkeypatch.setattr(training.loop, "write_line", printed.append)
+    monkeypatch.setattr(Trainer, "train_step", slower_once_planned)
+    started = time.perf_counter()
+    train.main(config(tmp_path, data_root, *BUDGET, *HOLD), run_dir, started_at=started)
+    planned = chosen_steps("\n".join(printed))
+    (ended,) = [line for line in printed if "ends the run" in line]
+    step = int(re.fullmatch(rf"train.max_minutes=0.1 ends the run at step (\d+) of the {planned} planned: one more "
+                            rf"step \(\S+ s now, \S+ s when planned\) and the final evaluation \(\S+ s\) would pass "
+                            rf"the budget; train.resume={run_dir} trains it on to step {planned}", ended)[1])
+    last = torch.load(run_dir / "last.pt", weights_only=True)["training"]
+    assert planned // 2 < step == last["step"] < planned and last["config"]["train"]["max_iters"] == planned
+    assert sorted(scalars(run_dir, "loss/train")) == list(range(step)) and max(scalars(run_dir, "loss/val")) == step
+    monkeypatch.setattr(Trainer, "train_step", measured_step)
+    train.main(config(tmp_path, data_root, *BUDGET, *HOLD, f"train.resume={run_dir}"), run_dir)
+    uninterrupted = tmp_path / "runs/planned"  # the run planned for those steps from the start
+    train.main(config(tmp_path, data_root, *HOLD, f"train.max_iters={planned}"), uninterrupted)
+    assert scalars(run_dir, "optim/lr") == scalars(uninterrupted, "optim/lr")
+    resumed, planned_run = (torch.load(d / "last.pt", weights_only=True) for d in (run_dir, uninterrupted))
+    assert resumed["training"]["step"] == planned
+    for name, weight in resumed["model"].items():
+        assert torch.equal(planned_run["model"][name], weight), name
+
+
 def test_a_budget_run_stopped_before_its_length_was_fixed_resumes_and_fixes_it(tmp_path, data_root, monkeypatch):
     run_dir = tmp_path / "runs/open"
     stopped_at(tmp_path, data_root, 3, [*BUDGET, *HOLD], run_dir)
@@ -480,6 +521,7 @@ def test_a_budget_run_stopped_before_its_length_was_fixed_resumes_and_fixes_it(t
     assert stopped["config"]["train"]["max_iters"] is None and stopped["seconds"] > 0
     printed = []
     monkeypatch.setattr(training.loop, "write_line", printed.append)
+    monkeypatch.setattr(training.loop, "MARGIN", AIM_AT_HALF)
     train.main(config(tmp_path, data_root, *BUDGET, *HOLD, f"train.resume={run_dir}"), run_dir)
     steps = chosen_steps("\n".join(printed))
     last = torch.load(run_dir / "last.pt", weights_only=True)["training"]
@@ -676,9 +718,16 @@ def test_a_budget_on_the_command_line_and_a_resume_that_names_no_length(tmp_path
     assert result.returncode == 0, result.stderr
     (steps,) = re.findall(r"^train.max_minutes=0.2 fits (\d+) steps \(\d+\.\d s since the start, ",
                           result.stdout, flags=re.MULTILINE)
-    assert torch.load(run_dir / "last.pt", weights_only=True)["training"]["step"] == int(steps)
+    # a machine that slowed down after the plan ends the run at its budget (the test of a run whose steps slow down)
+    ended = re.findall(rf"^train.max_minutes=0.2 ends the run at step (\d+) of the {steps} planned",
+                       result.stdout, flags=re.MULTILINE)
+    assert torch.load(run_dir / "last.pt", weights_only=True)["training"]["step"] == int(ended[0] if ended else steps)
     resumed = subprocess.run([*command, f"train.resume={run_dir}"], env=train_env(), capture_output=True, text=True,
                              timeout=120)
+    if ended:
+        assert resumed.returncode == 0, resumed.stderr
+        assert torch.load(run_dir / "last.pt", weights_only=True)["training"]["step"] == int(steps)
+        return
     assert resumed.returncode == 2 and resumed.stderr == (
         f"train.py: error: train.resume: the checkpoint is at step {steps}, the end of its schedule (train.max_iters="
         f"{steps}); there is nothing left to train; give a larger train.max_iters to extend it\n")

@@ -4,7 +4,9 @@ The run measures what its steps, evaluations and checkpoint saves cost here as i
 when the learning rate must begin to decay (the rate before then does not depend on the length): to the most
 steps that end, with their evaluations, within the budget less MARGIN, counted from the start of the process.
 The longer the rate holds at its peak (optim.decay_frac below 1), the more of the run is measured before the
-length is fixed, and the closer the run ends to its budget."""
+length is fixed, and the closer the run ends to its budget. Should the machine slow down after that, so that one
+more step and the final evaluation would pass the budget, the run ends there, evaluated and saved: the first
+steps of its plan, which train.resume trains on to the end (Trainer.out_of_time)."""
 
 import math
 import os

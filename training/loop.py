@@ -77,6 +77,7 @@ class Trainer:
         self.tokens_per_step = tc.batch_size * model.config.block_size * tc.grad_accum_steps * world_size
         self.signals = StopSignals()  # what fit() does on SIGINT and SIGTERM
         self.evaluation_s = []  # (when it ended, seconds) of each evaluation with its saves, for a budget's plan
+        self.planned_step_s = None  # a step's cost when a budget fixed the length in this life
         self.pending = []  # (loss, grad norm, lrs, wall time) of the steps since the last log; read back in one sync
         self.summaries = summaries
 
@@ -125,11 +126,14 @@ class Trainer:
                         tc = self.tc
                         bar.total = tc.max_iters
                         bar.refresh()
-                    evaluating = self.step % tc.eval_interval == 0 or self.step == tc.max_iters
+                    out_of_time = self.planned_step_s is not None and self.step < tc.max_iters and self.out_of_time()
+                    evaluating = self.step % tc.eval_interval == 0 or self.step == tc.max_iters or out_of_time
                     if evaluating or self.step % tc.log_interval == 0:
                         self.log_pending(bar)
                     if evaluating:
-                        self.evaluate_and_save()
+                        self.evaluate_and_save(last=out_of_time)
+                    if out_of_time:
+                        break
             if self.is_master:
                 self.summaries.end_session(STATUS_SUCCESS)
         finally:
@@ -144,15 +148,8 @@ class Trainer:
         at its peak, as in a run planned for those steps from the start: train.max_iters=N repeats this run
         exactly. Whether it fixed them now."""
         tc, oc = self.tc, self.settings.optim
-        now = time.perf_counter()
-        # the latest steps, less the evaluations among them: the first steps of a run are slower than the rest
-        self.clock.append((self.step, now))
-        first_step, first_time = self.clock[0]
-        evaluating_s = sum(seconds for ended, seconds in self.evaluation_s if ended > first_time)
-        step_s = (now - first_time - evaluating_s) / (self.step - first_step)
-        # the latest evaluation, with its saves (step 0's has none); none yet in a run resumed between them
-        evaluation_s = self.evaluation_s[-1][1] if self.evaluation_s else 0.0
-        spent_s = now - self.started_at
+        step_s, evaluation_s = self.measured_costs()
+        spent_s = time.perf_counter() - self.started_at
         fits = gather(self.step + steps_within(tc.max_minutes * 60 * (1 - MARGIN) - spent_s, step_s, evaluation_s,
                                                tc.eval_interval, self.step), self.world_size)[0]  # rank 0's plan
         if decay_begins(oc, fits) > self.step:
@@ -167,6 +164,7 @@ class Trainer:
             steps += 1
         self.settings = self.settings.planned(steps, tc.max_minutes)
         self.tc = self.settings.train
+        self.planned_step_s = step_s
         self.schedulers = [make_scheduler(o, oc, steps) for o in self.optimizers]
         for scheduler in self.schedulers:
             advance(scheduler, self.step)
@@ -174,6 +172,32 @@ class Trainer:
             write_line(f"train.max_minutes={tc.max_minutes:g} fits {steps} steps ({measured}); "
                        f"train.max_iters={steps} repeats this run")
             self.summaries.start_session(self.settings.config, self.device.type)
+        return True
+
+    def measured_costs(self) -> tuple[float, float]:
+        """(seconds a step, seconds an evaluation with its saves) on this machine now: the latest steps, less the
+        evaluations among them (the first steps of a run are slower than the rest), and the latest evaluation
+        (step 0's has no saves; a run resumed between evaluations has none yet)."""
+        now = time.perf_counter()
+        self.clock.append((self.step, now))
+        first_step, first_time = self.clock[0]
+        evaluating_s = sum(seconds for ended, seconds in self.evaluation_s if ended > first_time)
+        step_s = (now - first_time - evaluating_s) / (self.step - first_step)
+        return step_s, self.evaluation_s[-1][1] if self.evaluation_s else 0.0
+
+    def out_of_time(self) -> bool:
+        """Once a budget has fixed the length: whether one more step and the final evaluation would end past the
+        budget, the machine having slowed down since the plan. The run then ends here, evaluated and saved:
+        the first steps of the plan it printed, which train.resume trains on to its end. Rank 0's clock decides."""
+        step_s, evaluation_s = self.measured_costs()
+        late = time.perf_counter() + step_s + evaluation_s > self.started_at + self.tc.max_minutes * 60
+        if not gather(late, self.world_size)[0]:
+            return False
+        if self.is_master:
+            write_line(f"train.max_minutes={self.tc.max_minutes:g} ends the run at step {self.step} of the "
+                       f"{self.tc.max_iters} planned: one more step ({step_s:.3g} s now, {self.planned_step_s:.3g} s "
+                       f"when planned) and the final evaluation ({evaluation_s:.3g} s) would pass the budget; "
+                       f"train.resume={self.run_dir} trains it on to step {self.tc.max_iters}")
         return True
 
     def train_step(self) -> None:
@@ -220,7 +244,8 @@ class Trainer:
                                 tok_s=f"{tokens_per_sec:,.0f}", refresh=False)
         self.pending, self.timer = [], time.perf_counter()
 
-    def evaluate_and_save(self) -> None:
+    def evaluate_and_save(self, last: bool = False) -> None:
+        """last: the run ends here before its max_iters (its budget ran out)."""
         tc, started = self.tc, time.perf_counter()
         losses = evaluate(self.evaluated, self.data, self.raw_model.config.block_size, tc.batch_size, tc.eval_iters,
                           tc.seed + self.rank, self.device, self.autocast, self.world_size)
@@ -233,7 +258,7 @@ class Trainer:
             self.best_val_loss = self.last_val_loss
         if trained:  # best.pt first: last.pt never records a best that no checkpoint holds
             self.save(*(["best.pt"] if improved else []), "last.pt")
-            if self.step == tc.max_iters:  # the run is done and saved: a signal can no longer make it fail
+            if self.step == tc.max_iters or last:  # the run is done and saved: a signal can no longer make it fail
                 self.signals.finished()
         if self.is_master:
             self.summaries.evaluation(self.step, losses, self.best_val_loss)
