@@ -135,6 +135,15 @@ def test_hydra_settings_that_move_reads_or_writes_are_refused_before_any_folder(
     assert list(tmp_path.iterdir()) == []
 
 
+def test_another_hydra_programs_record_is_no_run_but_a_stopped_runs_is(tmp_path):
+    """Refusing a run inside another's must not refuse one below a folder where another Hydra program wrote its
+    record; a run stopped before its first checkpoint has its record beside its events."""
+    (tmp_path / ".hydra").mkdir()
+    assert training.runs.enclosing_run(tmp_path / "runs/new") is None
+    (tmp_path / "events.out.tfevents.1700000000.host.1.0").write_bytes(b"")
+    assert training.runs.enclosing_run(tmp_path / "runs/new") == tmp_path.resolve()
+
+
 def test_an_empty_run_dir_is_the_current_folder_and_refused(tmp_path):
     (tmp_path / "notes.txt").write_text("the user's own file\n")
     result = train_cli(*TINY, "hydra.run.dir=", cwd=tmp_path)

@@ -111,9 +111,12 @@ def claim(path: Path, key: str, resumed: Path | None = None, job: str = "") -> N
 
 
 def enclosing_run(path: Path) -> Path | None:
-    """The run directory that path lies inside, if any: a folder above it that holds a run's record or checkpoint."""
+    """The run directory that path lies inside, if any: a folder above it that holds a checkpoint, or a run's record
+    beside its events (a run stopped before its first evaluation). Another Hydra program's record alone is not a
+    run."""
     for parent in path.resolve().parents:
-        if (parent / RECORD).is_dir() or any((parent / name).is_file() for name in CHECKPOINTS):
+        if any((parent / name).is_file() for name in CHECKPOINTS) or \
+                (parent / RECORD).is_dir() and any(parent.glob("events.out.tfevents.*")):
             return parent
     return None
 
