@@ -151,6 +151,20 @@ def test_an_empty_run_dir_is_the_current_folder_and_refused(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
 
 
+def wait_until_stopped(pid: int):
+    """SIGSTOP is delivered after kill() returns: until every thread of the process is stopped ("T" in its stat), its
+    writer thread may still be writing."""
+    def state(task):
+        try:
+            return task.read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return "T"  # a thread that ended writes nothing
+    deadline = time.monotonic() + 30
+    while any(state(task / "stat") != "T" for task in Path(f"/proc/{pid}/task").iterdir()):
+        assert time.monotonic() < deadline, f"process {pid} did not stop"
+        time.sleep(0.01)
+
+
 def test_a_run_directory_in_use_is_refused_and_a_stopped_run_resumes_in_it(tmp_path, data_root):
     """A second run, or a resume, named into the directory of a running training is refused while that runs (it
     is paused here, holding its lock). Stopped, the run says how to continue, and that command does continue it,
@@ -164,6 +178,7 @@ def test_a_run_directory_in_use_is_refused_and_a_stopped_run_resumes_in_it(tmp_p
         while not (run_dir / "last.pt").exists() and first.poll() is None:
             time.sleep(0.02)
         first.send_signal(signal.SIGSTOP)
+        wait_until_stopped(first.pid)
         before = tree(run_dir)
         for extra in ([], [f"train.resume={run_dir}"]):
             result = train_cli(*command, *extra, cwd=tmp_path)
