@@ -13,9 +13,11 @@ import os
 import time
 
 # The run aims this far below its budget: the speed of the steps left after the length is fixed still varies
-# (other processes, the processor's clock: by 7% over half a run on the 2-core host of docs/benchmarks.md), and
-# the process takes a moment to exit after its last line.
-MARGIN = 0.04
+# (other processes, the processor's clock), and the process takes a moment to exit after its last line. A run
+# that slows down past the margin ends at its budget (Trainer.out_of_time); one that speeds up ends early, so
+# the margin is small: at 4%, fourteen five-minute runs of docs/benchmarks.md landed at 280-295 s, five of them
+# more than 5% short of the budget.
+MARGIN = 0.03
 BUDGET_WINDOW = 100  # the latest steps that measure a step's cost (their evaluations left out)
 
 
