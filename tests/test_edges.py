@@ -209,19 +209,22 @@ def test_a_hangup_saves_the_run_unless_nohup_asks_it_to_go_on(tmp_path, data_roo
     command = [sys.executable, str(REPO / "train.py"), *TINY, *data_overrides(data_root),
                f"train.max_iters={max_iters}", f"train.eval_interval={20 if output == 'nohup' else 50_000}",
                f"hydra.run.dir={run_dir}"]
+    # the child's disposition of SIGHUP is the test's to choose, not inherited (the suite itself may run under nohup)
+    hangup = signal.SIG_IGN if output == "nohup" else signal.SIG_DFL
+    set_hangup = lambda: signal.signal(signal.SIGHUP, hangup)  # noqa: E731
     if output == "a closed terminal":
         terminal, child_end = os.openpty()
         fcntl.ioctl(child_end, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))  # 80 columns, as a terminal has
-        process = subprocess.Popen(command, cwd=tmp_path, env=ENV, stdout=child_end, stderr=child_end)
+        process = subprocess.Popen(command, cwd=tmp_path, env=ENV, stdout=child_end, stderr=child_end,
+                                   preexec_fn=set_hangup)
         os.close(child_end)
         shown = b""
         while not re.search(rb"[1-9]\d*/100000", shown) and select.select([terminal], [], [], 60)[0]:
             shown += os.read(terminal, 4096)  # until the progress bar shows a step taken
         os.close(terminal)  # the terminal is gone: what the run writes to it now fails with EIO
     else:
-        ignore_hangup = (lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if output == "nohup" else None
         process = subprocess.Popen(command, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   preexec_fn=ignore_hangup)
+                                   preexec_fn=set_hangup)
         while not process.stdout.readline().startswith(b"step 0:"):  # the first evaluation is done
             assert process.poll() is None
     try:
