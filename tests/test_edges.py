@@ -198,6 +198,15 @@ def test_a_run_directory_in_use_is_refused_and_a_stopped_run_resumes_in_it(tmp_p
     assert [p.name for p in tmp_path.iterdir() if p.name != "run"] == []  # no other run directory
 
 
+def child_signal(signum: int, handler=signal.SIG_DFL):
+    """A preexec_fn: in the child, signum delivered and handled by handler, whatever the parent left (a disposition
+    of SIG_IGN, as nohup or a shell's background job leaves it, or a blocked mask, is inherited across exec)."""
+    def preexec() -> None:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
+        signal.signal(signum, handler)
+    return preexec
+
+
 @pytest.mark.parametrize("output", ["pipes", "a closed terminal", "nohup"])
 def test_a_hangup_saves_the_run_unless_nohup_asks_it_to_go_on(tmp_path, data_root, output):
     """SIGHUP (a closed terminal, a lost ssh session) stops a run after its step and saves last.pt there, as SIGTERM
@@ -209,9 +218,8 @@ def test_a_hangup_saves_the_run_unless_nohup_asks_it_to_go_on(tmp_path, data_roo
     command = [sys.executable, str(REPO / "train.py"), *TINY, *data_overrides(data_root),
                f"train.max_iters={max_iters}", f"train.eval_interval={20 if output == 'nohup' else 50_000}",
                f"hydra.run.dir={run_dir}"]
-    # the child's disposition of SIGHUP is the test's to choose, not inherited (the suite itself may run under nohup)
-    hangup = signal.SIG_IGN if output == "nohup" else signal.SIG_DFL
-    set_hangup = lambda: signal.signal(signal.SIGHUP, hangup)  # noqa: E731
+    # the test decides how the child takes SIGHUP, not the suite (which may itself run under nohup)
+    set_hangup = child_signal(signal.SIGHUP, signal.SIG_IGN if output == "nohup" else signal.SIG_DFL)
     if output == "a closed terminal":
         terminal, child_end = os.openpty()
         fcntl.ioctl(child_end, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))  # 80 columns, as a terminal has
@@ -771,13 +779,6 @@ def test_a_reader_that_stops_early_ends_a_long_sample_promptly(checkpoint):
     process.stderr.close()
 
 
-def default_sigint():
-    """In the child: SIGINT delivered and handled as a terminal's Ctrl-C is, whatever the parent left (a disposition
-    of SIG_IGN, or a blocked mask, is inherited across exec)."""
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def signal_state(pid: int) -> str:
     """The kernel's view of a process's signals: which it ignores, blocks, catches and has pending (hex masks)."""
     with open(f"/proc/{pid}/status") as status:
@@ -789,7 +790,8 @@ def test_ctrl_c_keeps_the_text_written_so_far(checkpoint, tmp_path):
     out = tmp_path / "sample.txt"
     with open(out, "w") as file:
         process = subprocess.Popen(sample_command(checkpoint, "--max-new-tokens", 10**8, "--prompt", "JULIET:"),
-                                   env=ENV, stdout=file, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
+                                   env=ENV, stdout=file, stderr=subprocess.PIPE, text=True,
+                                   preexec_fn=child_signal(signal.SIGINT))
         try:
             deadline = time.monotonic() + 120
             while out.stat().st_size < 200 and time.monotonic() < deadline:  # some text generated and written
