@@ -13,6 +13,7 @@ the seconds until val loss first reached --target (an evaluation at or below it;
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -31,7 +32,8 @@ CANDIDATES = {"cpu preset": [], "AdamW recipe": ADAMW_RECIPE}
 
 def run(name: str, overrides: list[str], seed: int, eval_interval: int | None, workdir: Path,
         threads: int | None) -> dict:
-    run_dir = workdir / f"{name.replace(' ', '_')}-{seed}"
+    plain_name = re.sub(r"[^\w.-]+", "_", name)  # a name that Hydra reads as one value in hydra.run.dir
+    run_dir = workdir / f"{plain_name}-{seed}"
     command = [sys.executable, str(REPO / "train.py"), "preset=cpu", *overrides, f"train.seed={seed}",
                f"hydra.run.dir={run_dir}", *([f"train.eval_interval={eval_interval}"] if eval_interval else [])]
     start = time.time()

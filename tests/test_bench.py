@@ -9,7 +9,7 @@ import torch
 
 import train
 from bench.configs import REPO, compose_config, settings
-from bench.train_quality import ADAMW_RECIPE
+from bench.train_quality import ADAMW_RECIPE, run
 from bench.train_throughput import measure
 from test_train import TINY, data_overrides
 from training.loop import Trainer
@@ -39,3 +39,12 @@ def test_train_throughput_times_train_pys_own_step(monkeypatch, tmp_path: Path):
     shape = settings(*TINY, *data_overrides(tmp_path / "data"))
     tokens_per_s, _ = measure(shape, train.prepare_data(shape), torch.device("cpu"), warmup=1, steps=2)
     assert taken == [0, 1, 2] and tokens_per_s > 0
+
+
+def test_a_candidate_may_be_named_with_commas_and_spaces(tmp_path: Path):
+    """Its run directory is named after it, and Hydra reads `a,b` in an override as a list: the name is made plain."""
+    named_here = ("preset=", "train.max_iters=", "train.eval_interval=", "optim.warmup_iters=")  # run() names preset
+    overrides = [o for o in TINY if not o.startswith(named_here)] + \
+        ["train.max_iters=4", "train.eval_interval=2", "optim.warmup_iters=1", *data_overrides(tmp_path / "data")]
+    outcome = run("4 layers, batch 8", overrides, seed=1, eval_interval=None, workdir=tmp_path, threads=1)
+    assert [row["step"] for row in outcome["curve"]] == [0, 2, 4]
