@@ -105,9 +105,9 @@ def main(cfg: DictConfig, run_dir, preset: str | None = None, named: set[str] | 
                 picked = f"{preset}; " if preset else ""
                 to = tc.max_iters or \
                     f"the steps that fit in train.max_minutes={tc.max_minutes:g} (measured as it trains)"
-                write_line(f"training {model.num_params() / 1e6:.2f}M parameters on {device} ({picked}{world_size} "
-                           f"process(es), {trainer.tokens_per_step} tokens per step) from step {trainer.step} to "
-                           f"{to}; run directory {run_dir}")
+                write_line(f"training {model.num_params() / 1e6:.2f}M parameters on {device} in {trainer.precision} "
+                           f"({picked}{world_size} process(es), {trainer.tokens_per_step} tokens per step) from step "
+                           f"{trainer.step} to {to}; run directory {run_dir}")
             started = True
             last_val_loss = trainer.fit()
         finally:

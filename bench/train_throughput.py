@@ -2,6 +2,7 @@
 
     python bench/train_throughput.py            # the cpu preset (learned, then rotary positions), a small shape, the classic one
     python bench/train_throughput.py --device cuda
+    python bench/train_throughput.py --shapes "cpu preset" --precisions fp32 bf16   # the step in each precision
 
 Each step is train.py's own (training/loop.py's Trainer.train_step: forward, backward, gradient clipping,
 the optimisers and their schedules) with the cpu preset's settings, on batches of tiny_shakespeare. Warm-up
@@ -18,10 +19,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.configs import settings, shakespeare  # noqa: E402
+from bench.configs import host, settings, shakespeare  # noqa: E402
 from data import PreparedData  # noqa: E402
 from model import GPT  # noqa: E402
-from training.config import Settings  # noqa: E402
+from training.config import PRECISIONS, Settings  # noqa: E402
+from training.devices import training_dtype  # noqa: E402
 from training.loop import Trainer  # noqa: E402
 
 SHAPES = {  # name: (overrides of the cpu preset, as on train.py's command line)
@@ -57,20 +59,26 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per shape and mode")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation included)")
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--precisions", nargs="*", default=["auto"], choices=PRECISIONS,
+                        help="train.precision for each shape (auto: what train.py picks on this machine)")
     args = parser.parse_args()
 
     device = torch.device(args.device)
     data = shakespeare()
-    print(f"# training throughput: {torch.__version__}, device {device}, {torch.get_num_threads()} threads, "
-          f"{args.steps} timed steps after {args.warmup} warm-up steps")
-    print("| shape | optimiser | batch | eager tok/s | compiled tok/s | compiled / eager | compile warm-up s |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"# training throughput: {host()}, torch {torch.__version__}, device {device}, "
+          f"{torch.get_num_threads()} threads, {args.steps} timed steps after {args.warmup} warm-up steps")
+    print("| shape | precision | optimiser | batch | eager tok/s | compiled tok/s | compiled / eager | "
+          "compile warm-up s |")
+    print("|---|---|---|---|---|---|---|---|")
     for name in args.shapes:
-        eager, compiled = (settings("preset=cpu", *SHAPES[name], f"train.compile={mode}") for mode in (False, True))
-        eager_tok_s, _ = measure(eager, data, device, args.warmup, args.steps)
-        compiled_tok_s, warmup_s = measure(compiled, data, device, args.warmup, args.steps)
-        print(f"| {name} | {eager.optim.name} | {eager.train.batch_size} | {eager_tok_s:,.0f} | "
-              f"{compiled_tok_s:,.0f} | {compiled_tok_s / eager_tok_s:.2f}x | {warmup_s:.0f} |", flush=True)
+        for precision in args.precisions:
+            eager, compiled = (settings("preset=cpu", *SHAPES[name], f"train.compile={mode}",
+                                        f"train.precision={precision}") for mode in (False, True))
+            dtype = "bf16" if training_dtype(precision, device) == torch.bfloat16 else "fp32"
+            eager_tok_s, _ = measure(eager, data, device, args.warmup, args.steps)
+            compiled_tok_s, warmup_s = measure(compiled, data, device, args.warmup, args.steps)
+            print(f"| {name} | {dtype} | {eager.optim.name} | {eager.train.batch_size} | {eager_tok_s:,.0f} | "
+                  f"{compiled_tok_s:,.0f} | {compiled_tok_s / eager_tok_s:.2f}x | {warmup_s:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -59,8 +59,9 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 def attention_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype attention computes in, for q, k, v of `dtype` on `device`, and a KV cache's default: float32
-    for bf16 on the CPU, where torch's bf16 attention for one query is about 4x slower than its float32 one
-    (and the cache is small beside the weights); else `dtype`. With or without a cache, the same rule."""
+    for bf16 on the CPU, where torch's bf16 attention is slower than its float32 one (about 4x for one query as
+    it decodes, 3x for a training step's backward; the cache is small beside the weights); else `dtype`. With or
+    without a cache, the same rule."""
     return torch.float32 if dtype == torch.bfloat16 and device.type == "cpu" else dtype
 
 
@@ -140,14 +141,17 @@ class MultiHeadAttention(nn.Module):
         # causal needs no mask tensor when T_q == T_k (SDPA's own is_causal is then the same as ours) or when
         # one query comes last and so sees every key (one decoding step)
         plain = attn_mask is None and key_padding_mask is None and (not is_causal or T_q in (1, T_k))
-        if plain and not need_weights:
-            # no mask tensor at all: lets SDPA pick its fastest kernel, and builds no T x T mask
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal and T_q > 1,
-                                               enable_gqa=self.grouped)
-            weights = None
-        else:
-            mask = self.combined_mask(T_q, T_k, x.device, attn_mask, key_padding_mask, is_causal)
-            y, weights = self.attend(q, k, v, mask, dropout_p, need_weights)
+        # in `dtype` under autocast too, which would take float32 attention on the CPU back to bf16 (its backward
+        # about 3x slower there than float32's)
+        with torch.autocast(x.device.type, enabled=False):
+            if plain and not need_weights:
+                # no mask tensor at all: lets SDPA pick its fastest kernel, and builds no T x T mask
+                y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal and T_q > 1,
+                                                   enable_gqa=self.grouped)
+                weights = None
+            else:
+                mask = self.combined_mask(T_q, T_k, x.device, attn_mask, key_padding_mask, is_causal)
+                y, weights = self.attend(q, k, v, mask, dropout_p, need_weights)
 
         y = y.transpose(1, 2).reshape(B, T_q, self.v_dim).to(x.dtype)  # re-assemble the heads side by side
         return self.out_dropout(self.out_proj(y)), weights

@@ -289,6 +289,22 @@ def test_width_not_divisible_by_n_head_is_a_value_error_naming_both(kwargs, widt
     assert width in numbers and n_head in numbers
 
 
+@pytest.mark.parametrize("need_weights", PATHS)
+def test_under_cpu_bf16_autocast_attention_still_computes_in_float32(need_weights):
+    """Autocast makes the projections bf16; attention itself must stay float32 on the CPU (attention_dtype),
+    where torch's bf16 attention is slower. Reference: the softmax written out in float64 on the same q, k, v."""
+    mha = make_mha(E, N_HEAD, out_proj=False)  # the output is attention's own, before any bf16 projection
+    x = torch.randn(B, T, E)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = mha(x, is_causal=True, need_weights=need_weights)
+        q, k, v = (t.view(B, T, N_HEAD, -1).transpose(1, 2).double() for t in mha.project(x))
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
+    scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    expected = (scores.softmax(dim=-1) @ v).transpose(1, 2).reshape(B, T, E)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), expected, rtol=0, atol=1e-5)
+
+
 # --- dropout --------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("need_weights", PATHS)

@@ -32,6 +32,7 @@ from test_train import TINY, config, data_overrides
 from tiny_models import random_model, random_tokens
 from training.checkpoint import CheckpointError, build_checkpoint, save_checkpoint
 from training.config import ConfigError, OptimConfig, validate
+from training.devices import training_dtype
 from training.errors import UsageError, one_line
 from training.files import remove_stale_temporaries, write_atomically
 from training.loop import Trainer
@@ -976,8 +977,9 @@ def test_fused_adamw_steps_like_the_unfused_one():
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_a_training_step_and_an_evaluation_under_bf16_autocast(tmp_path, data_root):
-    settings = validate(config(tmp_path, data_root, *SHORT))
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_a_training_step_and_an_evaluation_in_each_precision(tmp_path, data_root, precision):
+    settings = validate(config(tmp_path, data_root, *SHORT, f"train.precision={precision}"))
     data = train.prepare_data(settings)
     model = GPT(dataclasses.replace(settings.model, vocab_size=len(data.vocab)))
 
@@ -986,16 +988,35 @@ def test_a_training_step_and_an_evaluation_under_bf16_autocast(tmp_path, data_ro
             return lambda *args, **kwargs: None
 
     trainer = Trainer(settings, model, data, torch.device("cpu"), tmp_path, NoSummaries())
-    trainer.autocast = torch.autocast("cpu", dtype=torch.bfloat16)  # what the Trainer uses on CUDA
     logits_dtypes = []
     model.register_forward_hook(lambda module, args, out: logits_dtypes.append(out[0].dtype))
     trainer.train_step()
     trainer.train_step()
     trainer.evaluate_and_save()
-    assert logits_dtypes[0] == torch.bfloat16  # the step really ran in bf16
+    expected = torch.bfloat16 if precision == "bf16" else torch.float32
+    assert trainer.dtype == expected and set(logits_dtypes) == {expected}  # the steps and evaluation alike
     assert all(p.dtype == torch.float32 for p in model.parameters())  # the weights stay fp32
     assert math.isfinite(trainer.last_val_loss) and trainer.last_val_loss < math.log(65) + 0.5
     assert torch.load(tmp_path / "last.pt", weights_only=True)["training"]["step"] == 2
+
+
+@pytest.mark.parametrize("device, native_bf16, expected", [
+    ("cuda", False, torch.bfloat16), ("cpu", True, torch.bfloat16), ("cpu", False, torch.float32),
+    ("mps", True, torch.float32)])
+def test_auto_precision_is_bf16_on_a_gpu_and_on_a_cpu_that_multiplies_bf16_natively(monkeypatch, device, native_bf16,
+                                                                                     expected):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert training_dtype("auto", torch.device(device)) == expected
+    assert training_dtype("fp32", torch.device(device)) == torch.float32
+
+
+def test_bf16_training_on_mps_is_refused_in_one_line(tmp_path, data_root):
+    settings = validate(config(tmp_path, data_root, *SHORT, "train.precision=bf16"))
+    data = train.prepare_data(settings)
+    model = GPT(dataclasses.replace(settings.model, vocab_size=len(data.vocab)))
+    with pytest.raises(ConfigError, match="^train.precision=bf16 trains on cuda and cpu only; on mps use fp32"):
+        Trainer(settings, model, data, torch.device("mps"), tmp_path, None)
 
 
 @pytest.mark.slow

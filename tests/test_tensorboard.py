@@ -32,8 +32,10 @@ import training.summaries
 from training.summaries import Summaries, heads_in_a_grid
 
 RESUMED = "2026-01-01_00-02-00"  # crashed in step 7, after its checkpoint at step 5, resumed from it and extended
-RUNS = {"2026-01-01_00-00-00": ["optim.lr=1e-2"], "multirun/2026-01-01_00-01-00/0": ["optim.lr=5e-3"],
-        "multirun/2026-01-01_00-01-00/1": ["optim=adamw", "optim.lr=2e-3"],  # the others: the cpu preset's Muon
+RUNS = {"2026-01-01_00-00-00": ["optim.lr=1e-2", "train.precision=bf16"],
+        "multirun/2026-01-01_00-01-00/0": ["optim.lr=5e-3"],
+        # AdamW; the other runs have the cpu preset's Muon
+        "multirun/2026-01-01_00-01-00/1": ["optim=adamw", "optim.lr=2e-3", "train.precision=fp32"],
         RESUMED: ["optim.lr=3e-3"]}
 PROMPT = "JULIET:\nO Romeo, Romeo! wherefore art thou Romeo?\n"  # train.sample_prompt's default
 BLOCK_SIZE = 16  # tests/test_train.py's tiny model
@@ -46,7 +48,7 @@ ATTENTION = {f"sample/attention/layer{layer}" for layer in range(2)}  # each lay
 HPARAMS = ["optim.name", "optim.lr", "optim.muon_lr", "train.max_iters", "model.n_layer", "model.n_embd",
            "model.n_head", "model.n_kv_head", "model.kv_share", "model.block_size", "model.pos_emb", "model.dropout", "model.bias", "optim.decay",
            "optim.min_lr", "optim.weight_decay", "optim.muon_weight_decay", "train.batch_size",
-           "train.grad_accum_steps", "train.seed", "device"]
+           "train.grad_accum_steps", "train.seed", "device", "precision"]
 HPARAMS_SHOWN = 5  # the HParams dashboard shows the first five columns until a reader picks others
 INTEGERS = ["model.n_layer", "model.n_embd", "model.n_head", "model.n_kv_head", "model.kv_share", "model.block_size", "train.batch_size",
             "train.grad_accum_steps", "train.max_iters", "train.seed"]
@@ -306,6 +308,8 @@ def test_hparams_columns_and_metrics(server):
         metrics = {m["name"]["tag"]: m["value"] for m in session["metricValues"]}
         assert metrics == {"loss/val_best": pytest.approx(min(val)), "loss/val": pytest.approx(val[-1])}
     assert sorted(g["hparams"][names["optim.lr"]] for g in groups) == [2e-3, 3e-3, 5e-3, 1e-2]  # one row per run
+    precisions = {g["sessions"][0]["name"]: g["hparams"][names["precision"]] for g in groups}
+    assert precisions["2026-01-01_00-00-00"] == "bf16" and precisions[ADAMW_RUN] == "fp32"  # as resolved
 
 
 def test_hparams_integers_shown_as_integers(server):

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import deque
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -29,9 +30,10 @@ import training.config
 import training.loop
 import training.optim
 from model import GPT, GPTConfig
-from training.budget import steps_within
+from training.budget import EXIT_S, steps_within
 from training.checkpoint import save_checkpoint
 from training.config import OptimConfig, validate
+from training.devices import training_dtype
 from training.evaluation import evaluate
 from training.loop import Diverged, Stopped, Trainer
 from training.optim import decay_begins
@@ -294,6 +296,12 @@ def test_muon_settings_are_refused_without_muon(tmp_path, data_root):
 EMA = ["train.ema_decay=0.9", "train.max_iters=10", "train.eval_interval=5"]
 
 
+def autocast_of(settings):
+    """What a run with these settings evaluated under on this CPU: bf16 autocast where train.precision chose it."""
+    bf16 = training_dtype(settings.train.precision, torch.device("cpu")) == torch.bfloat16
+    return torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext()
+
+
 @pytest.fixture(scope="module")
 def ema_run(tmp_path_factory, data_root) -> Path:
     tmp_path = tmp_path_factory.mktemp("ema")
@@ -329,7 +337,7 @@ def test_evaluations_see_the_moving_average_and_best_pt_holds_it(tmp_path, data_
         model = GPT(GPTConfig(**best["model_config"]))
         model.load_state_dict(weights)
         return evaluate(model, data, model.config.block_size, tc.batch_size, tc.eval_iters, tc.seed,
-                        torch.device("cpu"), nullcontext(), world_size=1)["val"]
+                        torch.device("cpu"), autocast_of(settings), world_size=1)["val"]
 
     logged = scalars(ema_run, "loss/val")[best["training"]["step"]]
     assert val_loss(best["model"]) == pytest.approx(logged, rel=1e-6)
@@ -512,6 +520,24 @@ def test_a_budget_run_whose_steps_slow_down_ends_at_its_budget_and_resumes_to_it
     assert resumed["training"]["step"] == planned
     for name, weight in resumed["model"].items():
         assert torch.equal(planned_run["model"][name], weight), name
+
+
+@pytest.mark.parametrize("left_s, ends", [(EXIT_S / 2, True), (EXIT_S + 0.5, False)],
+                         ids=["less than the exit's reserve", "more"])
+def test_a_slowed_run_ends_early_enough_for_the_process_to_exit(tmp_path, data_root, monkeypatch, left_s, ends):
+    """A planned run ends when one more step and the final evaluation would leave less than EXIT_S of the
+    budget (0.1 min) for the process to exit: steps of 0.1 s, evaluations of 0.5 s, left_s to spare after both."""
+    settings = validate(config(tmp_path, data_root, *BUDGET, *HOLD))
+    data = train.prepare_data(settings)
+    trainer = Trainer(settings, GPT(dataclasses.replace(settings.model, vocab_size=len(data.vocab))), data,
+                      torch.device("cpu"), tmp_path, summaries=None)
+    monkeypatch.setattr(training.loop, "write_line", lambda line: None)
+    now = time.perf_counter()
+    trainer.step, trainer.planned_step_s = 10, 0.1
+    trainer.clock = deque([(0, now - 1.0)])  # 10 steps in the last second
+    trainer.evaluation_s = [(now - 2.0, 0.5)]  # the latest evaluation, before those steps
+    trainer.started_at = now + 0.1 + 0.5 + left_s - 6.0  # the budget ends left_s after one more step and evaluation
+    assert trainer.out_of_time() is ends
 
 
 def test_a_budget_run_stopped_before_its_length_was_fixed_resumes_and_fixes_it(tmp_path, data_root, monkeypatch):
@@ -816,7 +842,7 @@ def test_ddp_two_cpu_processes_end_with_identical_weights(tmp_path, data_root, e
     settings = validate(cfg)
     data = train.prepare_data(settings)
     val = [evaluate(model, data, 16, settings.train.batch_size, 2, settings.train.seed + rank, torch.device("cpu"),
-                    nullcontext(), 1)["val"] for rank in range(2)]  # each process evaluates batches of its own
+                    autocast_of(settings), 1)["val"] for rank in range(2)]  # each process evaluates batches of its own
     assert scalars(run_dir, "loss/val")[6] == pytest.approx(sum(val) / 2, rel=1e-5)
     assert len(list(run_dir.glob("events.out.tfevents.*"))) == 1  # rank 0's, hparams included; nobody else's
 

@@ -23,6 +23,7 @@ from .errors import ConfigError, one_line
 
 OPTIMIZERS = ("adamw", "muon")
 DECAYS = ("cosine", "linear")
+PRECISIONS = ("auto", "bf16", "fp32")  # how training computes: training/devices.py, training_dtype()
 MAX_SEED = 2**32 - 1  # numpy's and CUDA's generators take 32-bit seeds
 
 
@@ -96,6 +97,9 @@ class TrainConfig:
     log_interval: int = 10  # steps between progress and TensorBoard updates, the only host-device syncs
     seed: int = 1337
     compile: bool = False  # torch.compile the model
+    # bf16: forward and backward under bf16 autocast (the weights, gradients and optimisers stay in float32);
+    # fp32: float32 throughout; auto: bf16 on a GPU and on a CPU that multiplies bf16 natively, else fp32
+    precision: str = "auto"
     # an exponential moving average of the weights, updated after every step with this decay, is what evaluations
     # see and best.pt and last.pt hold (0.99 averages about the last 100 steps); null: the weights as trained
     ema_decay: float | None = None
@@ -116,6 +120,7 @@ class TrainConfig:
         _require(self, lambda v: 0 <= v <= MAX_SEED, f"an integer in [0, {MAX_SEED}]", "seed")
         _require(self, lambda v: v != "", "at least one character", "sample_prompt")
         _require(self, lambda v: v is None or 0 < v < 1, "in (0, 1), or null for no average", "ema_decay")
+        _require(self, lambda v: v in PRECISIONS, " or ".join(PRECISIONS), "precision")
 
 
 @dataclass

@@ -16,9 +16,10 @@ from tqdm import tqdm
 from data import Batches, PreparedData
 from model import GPT
 
-from .budget import BUDGET_WINDOW, MARGIN, steps_within
+from .budget import BUDGET_WINDOW, EXIT_S, MARGIN, steps_within
 from .checkpoint import build_checkpoint, save_checkpoint
 from .config import Settings
+from .devices import training_dtype
 from .distributed import gather
 from .errors import ConfigError, write_line
 from .evaluation import evaluate
@@ -48,6 +49,11 @@ class Trainer:
         time.perf_counter()'s clock (default: now). run_id: the run directory's identity, which the checkpoints
         record (a new one when None)."""
         tc = self.tc = settings.train
+        try:
+            self.dtype = training_dtype(tc.precision, device)  # bfloat16: the steps and evaluations run under autocast
+        except ValueError as e:
+            raise ConfigError(f"train.precision={e}") from None
+        self.precision = "bf16" if self.dtype == torch.bfloat16 else "fp32"  # what train.precision resolved to
         self.settings, self.data, self.device, self.run_dir = settings, data, device, run_dir
         self.rank, self.world_size, self.is_master = rank, world_size, rank == 0
         self.run_id = run_id or uuid.uuid4().hex
@@ -73,7 +79,7 @@ class Trainer:
             self.restore(resumed)
         self.start_step = self.step
         self.evaluated = self.model if self.ema is None else compile_if_asked(self.eval_model)  # what evaluations run
-        self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+        self.autocast = torch.autocast(device.type, dtype=self.dtype) if self.dtype != torch.float32 else nullcontext()
         self.tokens_per_step = tc.batch_size * model.config.block_size * tc.grad_accum_steps * world_size
         self.signals = StopSignals()  # what fit() does on SIGINT and SIGTERM
         self.evaluation_s = []  # (when it ended, seconds) of each evaluation with its saves, for a budget's plan
@@ -113,7 +119,7 @@ class Trainer:
                     self.evaluate_and_save()
                 tc = self.tc
                 if self.is_master and tc.max_iters is not None:  # else once a budget has fixed it
-                    self.summaries.start_session(self.settings.config, self.device.type)
+                    self.summaries.start_session(self.settings.config, self.device.type, self.precision)
                 bar = tqdm(total=tc.max_iters, initial=self.step, unit="step", dynamic_ncols=True,
                            disable=None if self.is_master else True)  # None: no bar when stderr is not a terminal
                 self.clock = deque([(self.step, time.perf_counter())], maxlen=BUDGET_WINDOW + 1)  # (step, when)
@@ -171,7 +177,7 @@ class Trainer:
         if self.is_master:
             write_line(f"train.max_minutes={tc.max_minutes:g} fits {steps} steps ({measured}); "
                        f"train.max_iters={steps} repeats this run")
-            self.summaries.start_session(self.settings.config, self.device.type)
+            self.summaries.start_session(self.settings.config, self.device.type, self.precision)
         return True
 
     def measured_costs(self) -> tuple[float, float]:
@@ -187,10 +193,11 @@ class Trainer:
 
     def out_of_time(self) -> bool:
         """Once a budget has fixed the length: whether one more step and the final evaluation would end past the
-        budget, the machine having slowed down since the plan. The run then ends here, evaluated and saved:
-        the first steps of the plan it printed, which train.resume trains on to its end. Rank 0's clock decides."""
+        budget less EXIT_S (for the process's exit), the machine having slowed down since the plan. The run then
+        ends here, evaluated and saved: the first steps of the plan it printed, which train.resume trains on to its
+        end. Rank 0's clock decides."""
         step_s, evaluation_s = self.measured_costs()
-        late = time.perf_counter() + step_s + evaluation_s > self.started_at + self.tc.max_minutes * 60
+        late = time.perf_counter() + step_s + evaluation_s + EXIT_S > self.started_at + self.tc.max_minutes * 60
         if not gather(late, self.world_size)[0]:
             return False
         if self.is_master:

@@ -38,9 +38,10 @@ DEVICE_TYPES = ("cpu", "cuda", "mps")
 HPARAMS = ("optim.name", "optim.lr", "optim.muon_lr", "train.max_iters", "model.n_layer", "model.n_embd",
            "model.n_head", "model.n_kv_head", "model.kv_share", "model.block_size", "model.pos_emb", "model.dropout",
            "model.bias", "optim.decay", "optim.min_lr", "optim.weight_decay", "optim.muon_weight_decay",
-           "train.batch_size", "train.grad_accum_steps", "train.seed", "device")
+           "train.batch_size", "train.grad_accum_steps", "train.seed", "device", "precision")
 # the string hparams' every possible value
-CHOICES = {"optim.name": OPTIMIZERS, "optim.decay": DECAYS, "model.pos_emb": POSITIONS, "device": DEVICE_TYPES}
+CHOICES = {"optim.name": OPTIMIZERS, "optim.decay": DECAYS, "model.pos_emb": POSITIONS, "device": DEVICE_TYPES,
+           "precision": ("bf16", "fp32")}  # precision: what train.precision resolved to
 # The scalar tags that bench/curve.py reads back, too
 TRAIN_LOSS = "loss/train"
 TRAIN_EVAL_LOSS = "loss/train_eval"  # the train split, evaluated like val
@@ -195,12 +196,13 @@ class Summaries:
                 described_image(f"sample/attention/layer{layer}", heads_in_a_grid(weights[0]), description), step)
         model.train()
 
-    def start_session(self, config: dict, device_type: str):
+    def start_session(self, config: dict, device_type: str, precision: str):
         """The HParams dashboard's row for this run: its settings now, its metrics read from loss/val_best
         and loss/val as they are logged. The table shows every number to five digits (4 as 4.0000), so integers
         go as strings; a muon_ setting is left blank under AdamW, which does not use it."""
-        flat = {"device": device_type, **{f"{section}.{key}": value for section in ("model", "optim", "train")
-                                          for key, value in config[section].items()}}
+        flat = {"device": device_type, "precision": precision,
+                **{f"{section}.{key}": value for section in ("model", "optim", "train")
+                   for key, value in config[section].items()}}
         infos, values = [], {}
         for key in HPARAMS:
             name, value = hparam_name(key), flat[key]
