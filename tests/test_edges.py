@@ -456,7 +456,9 @@ original = Trainer.{method}
 
 def removing_the_run_directory_first(self, *args, **kwargs):
     if self.step == {step} and self.run_dir.exists():
-        shutil.rmtree(self.run_dir)
+        # moved away at once, then deleted: TensorBoard's writer thread may still add a file to it meanwhile
+        gone = self.run_dir.rename(self.run_dir.with_name("removed"))
+        shutil.rmtree(gone, ignore_errors=True)
     return original(self, *args, **kwargs)
 Trainer.{method} = removing_the_run_directory_first
 sys.argv = ["train.py", *{[*TINY, *SHORT, *data_overrides(data_root), f"hydra.run.dir={run_dir}"]!r}]
