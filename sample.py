@@ -344,7 +344,7 @@ def sample(args) -> None:
 
     tokens = args.num_samples * args.max_new_tokens
     # the cache's own dtype: float32 on the CPU also at bf16 and int8 (model/attention.py: attention_dtype)
-    cache_size = f"KV cache {cache.nbytes / 2**20:.2f} MiB in {str(cache.k.dtype).removeprefix('torch.')}" \
+    cache_size = f"KV cache {cache.nbytes / 2**20:.2f} MiB in {str(cache.dtype).removeprefix('torch.')}" \
         if cache is not None else f"KV caches {speculation.cache_bytes / 2**20:.2f} MiB" if draft else "no cache"
     speculated = f", draft acceptance {speculation.acceptance_rate:.0%}, {speculation.tokens_per_pass:.2f} " \
         f"tokens per model pass" if draft else ""

@@ -1,8 +1,10 @@
 """The KV-cache designs side by side: what each costs in quality, memory and speed.
 
     python bench/kv_designs.py speed                      # classic shape, random weights: memory and decode speed
+    python bench/kv_designs.py speed --compile            # the same, with each one-token step compiled
     python bench/kv_designs.py train --seeds 1337 1 2     # each design trained with the cpu preset, then measured
     python bench/kv_designs.py train --runs-dir keep/     # keep the runs; a design already trained there is reused
+    python bench/kv_designs.py train --designs mha int8   # only these designs
 
 speed: the classic shape (conf/model/classic.yaml: 6 layers, 6 heads, 384 wide, block 256), random weights, fp32,
 for n_kv_head 6, 3, 2, 1 with kv_share 1 and 2, and the int8 cache. Decoding with the context filled to block_size:
@@ -39,27 +41,30 @@ from training.checkpoint import load_model  # noqa: E402
 STEPS = 16  # one-token steps timed after the prefill, the context growing from block_size - STEPS to block_size
 BATCHES = (1, 64)
 STREAMS = 64  # rows of the val split decoded side by side for the loss through the decoder
-# (name, model overrides, KV cache dtype): the trained designs, on the cpu preset's 4 heads and 4 layers (kv_share=2
-# needs an even number of layers, so --train-overrides pins 4 wherever the preset's depth is)
-TRAINED = [("MHA (the preset)", [], None), ("GQA, n_kv_head=2", ["model.n_kv_head=2"], None),
-           ("MQA, n_kv_head=1", ["model.n_kv_head=1"], None), ("kv_share=2", ["model.kv_share=2"], None),
-           ("kv_share=2 + MQA", ["model.kv_share=2", "model.n_kv_head=1"], None),
-           ("MHA, int8 cache", [], torch.int8)]
+# key: (name, model overrides, KV cache dtype): the trained designs, on the cpu preset's 4 heads and 4 layers
+# (kv_share=2 needs an even number of layers, so --train-overrides pins 4 wherever the preset's depth is)
+TRAINED = {"mha": ("MHA (the preset)", [], None), "gqa": ("GQA, n_kv_head=2", ["model.n_kv_head=2"], None),
+           "mqa": ("MQA, n_kv_head=1", ["model.n_kv_head=1"], None),
+           "share2": ("kv_share=2", ["model.kv_share=2"], None),
+           "share2-mqa": ("kv_share=2 + MQA", ["model.kv_share=2", "model.n_kv_head=1"], None),
+           "int8": ("MHA, int8 cache", [], torch.int8)}
 CLASSIC = [("MHA", 6, 1, None), ("GQA 3", 3, 1, None), ("GQA 2", 2, 1, None), ("MQA", 1, 1, None),
            ("MHA, int8 cache", 6, 1, torch.int8), ("MQA, int8 cache", 1, 1, torch.int8),
            ("MHA, kv_share=2", 6, 2, None), ("MQA, kv_share=2", 1, 2, None)]
 
 
 @torch.no_grad()
-def decode_seconds(model: GPT, batch_size: int, cache_dtype) -> float:
-    """Seconds for STEPS one-token steps with the context filling up to block_size."""
+def decode_seconds(model: GPT, batch_size: int, cache_dtype, step=None) -> float:
+    """Seconds for STEPS one-token steps with the context filling up to block_size; `step`: the one-token step
+    (default model.decode_step; a compiled one for --compile), after an eager prefill."""
+    step = step or model.decode_step
     block = model.config.block_size
     cache = model.new_kv_cache(batch_size, dtype=cache_dtype)
     prompt = torch.randint(0, model.config.vocab_size, (batch_size, block - STEPS))
     logits = model.decode_step(prompt, cache)
     start = time.perf_counter()
     for _ in range(STEPS):
-        logits = model.decode_step(logits.argmax(dim=-1, keepdim=True), cache)
+        logits = step(logits.argmax(dim=-1, keepdim=True), cache)
     return time.perf_counter() - start
 
 
@@ -76,20 +81,23 @@ def speed(args) -> None:
     for name, n_kv_head, kv_share, dtype in CLASSIC:
         torch.manual_seed(0)
         config = dataclasses.replace(model_config("classic"), n_kv_head=n_kv_head, kv_share=kv_share)
-        models[name] = (GPT(config).eval(), dtype)
+        model = GPT(config).eval()
+        models[name] = (model, dtype, torch.compile(model.decode_step, fullgraph=True) if args.compile else None)
     tok_s = {(name, b): [] for name in models for b in BATCHES}
-    for name, (model, dtype) in models.items():  # warm-up: allocations and kernel choice
-        decode_seconds(model, 1, dtype)
+    for name, (model, dtype, step) in models.items():  # warm-up: allocations, kernel choice, compiling
+        for b in BATCHES if args.compile else BATCHES[:1]:
+            decode_seconds(model, b, dtype, step)
     for _ in range(args.repeats):
         for b in BATCHES:
-            for name, (model, dtype) in models.items():
-                tok_s[name, b].append(b * STEPS / decode_seconds(model, b, dtype))
-    print(f"# KV-cache designs, classic shape, random weights, fp32 weights: {host()}, torch {torch.__version__}, "
+            for name, (model, dtype, step) in models.items():
+                tok_s[name, b].append(b * STEPS / decode_seconds(model, b, dtype, step))
+    print(f"# KV-cache designs, classic shape, random weights, fp32 weights, one-token steps "
+          f"{'compiled (torch.compile)' if args.compile else 'eager'}: {host()}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; context filled to block_size; median (min-max) of {args.repeats}")
     print("| design | cache bytes/token | cache MiB at batch 64 | weights MiB | tok/s batch 1 | tok/s batch 64 | "
           "x MHA batch 1 | x MHA batch 64 |")
     print("|---|---|---|---|---|---|---|---|")
-    for name, (model, dtype) in models.items():
+    for name, (model, dtype, _) in models.items():
         c = model.config
         per_token = kv_cache_bytes_per_token(c, dtype or torch.float32)
         ratios = {b: [t / m for t, m in zip(tok_s[name, b], tok_s["MHA", b])] for b in BATCHES}
@@ -126,7 +134,7 @@ def train(args) -> None:
     print("| design | parameters | cache bytes/token | best val (median, min-max) | val through the decoder | "
           "teacher-forced, same contexts | training s | tok/s batch 1 | tok/s batch 64 |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for name, overrides, cache_dtype in TRAINED:
+    for name, overrides, cache_dtype in (TRAINED[key] for key in args.designs):
         best, through, forced, seconds, models = [], [], [], [], []
         for seed in args.seeds:
             run_dir, took = train_run(overrides, seed, runs_dir, args.train_overrides)
@@ -154,10 +162,13 @@ def main() -> None:
     sub = parser.add_subparsers(dest="part", required=True)
     s = sub.add_parser("speed", help="classic shape, random weights")
     s.add_argument("--repeats", type=int, default=5)
+    s.add_argument("--compile", action="store_true", help="torch.compile each design's one-token step")
     t = sub.add_parser("train", help="each design trained with the cpu preset")
     t.add_argument("--seeds", type=int, nargs="+", default=[1337])
     t.add_argument("--runs-dir", type=Path, help="keep the runs here; reuse those already trained")
     t.add_argument("--repeats", type=int, default=5)
+    t.add_argument("--designs", nargs="+", choices=list(TRAINED), default=list(TRAINED),
+                   help="the designs to train and measure (default: all; int8 decodes the preset's runs)")
     t.add_argument("--prompt-len", type=int, default=64, help="tokens prefilled before one-token decoding")
     t.add_argument("--stream-len", type=int, default=1_000_000, help="cut each stream to this many tokens")
     t.add_argument("--train-overrides", nargs="*",

@@ -19,6 +19,7 @@ Smaller caches (the designs of Llama, Mistral and Gemma), both off by default:
 """
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -63,6 +64,25 @@ def attention_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     it decodes, 3x for a training step's backward; the cache is small beside the weights); else `dtype`. With or
     without a cache, the same rule."""
     return torch.float32 if dtype == torch.bfloat16 and device.type == "cpu" else dtype
+
+
+# how much float an int8 cache's keys become at a time, eagerly on the CPU (MultiHeadAttention.attend): small
+# enough to stay in the CPU's caches until the matmuls read it (8 MiB: 21 rows of 6 heads of 64 over 256 tokens,
+# the fastest of 2, 4, 8 and 16 MiB there, on a CPU with 2 MiB of L2 per core and a 32 MiB L3)
+FLOAT_BLOCK_BYTES = 8 * 2**20
+
+
+def rows(t, r: slice):
+    """Rows r of a (B, ...) tensor; None, a 2-d mask, or one row broadcast over all as they are."""
+    return t if t is None or t.dim() < 4 or t.size(0) == 1 else t[r]
+
+
+class Quantized(NamedTuple):
+    """Keys or values stored as int8 with one scale per token and head, x ≈ scale * values: what an int8 KV cache
+    (model/quantize.py) hands attention, which folds the scales into its sums instead of dequantizing."""
+
+    values: torch.Tensor  # (B, n_kv, T_k, hs) int8
+    scale: torch.Tensor  # (B, n_kv, T_k, 1), in the dtype attention computes in
 
 
 class MultiHeadAttention(nn.Module):
@@ -133,8 +153,13 @@ class MultiHeadAttention(nn.Module):
             q = self.qkv(x).view(B, T_q, self.n_head, -1).transpose(1, 2)  # (B, nh, T_q, hs)
             q = q if rope is None else rotate(q, *rope)
             k, v = cache.read()  # (B, n_kv, T_k, hs)
-        dtype = k.dtype if cache is not None else attention_dtype(q.dtype, q.device)
-        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        k_scale = v_scale = None
+        if isinstance(k, Quantized):  # an int8 cache's: int8 keys and values, and their scales for attend()
+            (k, k_scale), (v, v_scale) = k, v
+        dtype = attention_dtype(q.dtype, q.device) if cache is None else (k if k_scale is None else k_scale).dtype
+        q = q.to(dtype)
+        if k_scale is None:  # (int8 keys and values become float inside attend())
+            k, v = k.to(dtype), v.to(dtype)
         T_k = k.size(2)
 
         dropout_p = self.attn_dropout if self.training else 0.0
@@ -144,14 +169,14 @@ class MultiHeadAttention(nn.Module):
         # in `dtype` under autocast too, which would take float32 attention on the CPU back to bf16 (its backward
         # about 3x slower there than float32's)
         with torch.autocast(x.device.type, enabled=False):
-            if plain and not need_weights:
+            if plain and not need_weights and k_scale is None:
                 # no mask tensor at all: lets SDPA pick its fastest kernel, and builds no T x T mask
                 y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal and T_q > 1,
                                                    enable_gqa=self.grouped)
                 weights = None
             else:
                 mask = self.combined_mask(T_q, T_k, x.device, attn_mask, key_padding_mask, is_causal)
-                y, weights = self.attend(q, k, v, mask, dropout_p, need_weights)
+                y, weights = self.attend(q, k, v, mask, dropout_p, need_weights, k_scale, v_scale)
 
         y = y.transpose(1, 2).reshape(B, T_q, self.v_dim).to(x.dtype)  # re-assemble the heads side by side
         return self.out_dropout(self.out_proj(y)), weights
@@ -172,19 +197,38 @@ class MultiHeadAttention(nn.Module):
         """Whether query heads share key/value heads (grouped- or multi-query attention)."""
         return self.n_kv_head < self.n_head
 
-    def attend(self, q, k, v, mask, dropout_p, need_weights):
-        """softmax(q kᵀ / √d, masked) v, explicitly when the weights are wanted, else through SDPA.
+    def attend(self, q, k, v, mask, dropout_p, need_weights, k_scale=None, v_scale=None):
+        """softmax(q kᵀ / √d, masked) v, explicitly when the weights are wanted or keys and values come with
+        scales (B, n_kv, T_k, 1) (an int8 cache's), else through SDPA.
         Returns (y (B, nh, T_q, hs_v), weights (B, nh, T_q, T_k) or None)."""
-        if need_weights:
-            group = self.n_head // self.n_kv_head  # each key/value head, once for each query head it serves
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, nh, T_k, hs)
+        if k_scale is not None and q.device.type == "cpu" and not torch.compiler.is_compiling():
+            # eagerly, int8 keys and values become float for the matmuls: a block of rows at a time, whose float
+            # copy the CPU's cache still holds when the matmuls read it (compiled, the conversion fuses into the
+            # kernels that read the cache, and no copy is made)
+            rows_per_block = max(1, FLOAT_BLOCK_BYTES // (self.n_head * k.size(2) * k.size(3) * q.element_size()))
+            if q.size(0) > rows_per_block:
+                blocks = [self.attend(*(rows(t, slice(i, i + rows_per_block)) for t in (q, k, v, mask)), dropout_p,
+                                      need_weights, rows(k_scale, slice(i, i + rows_per_block)),
+                                      rows(v_scale, slice(i, i + rows_per_block)))
+                          for i in range(0, q.size(0), rows_per_block)]
+                return torch.cat([y for y, _ in blocks]), torch.cat([w for _, w in blocks]) if need_weights else None
+        if need_weights or k_scale is not None:
+            if self.grouped:  # each key/value head, once for each query head it serves: (B, nh, T_k, ...)
+                group = self.n_head // self.n_kv_head
+                k, v, k_scale, v_scale = (t if t is None else t.repeat_interleave(group, dim=1)
+                                          for t in (k, v, k_scale, v_scale))
+            k, v = k.to(q.dtype), v.to(q.dtype)  # from int8 (a cache's), exactly
             scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))  # (B, nh, T_q, T_k)
+            if k_scale is not None:  # q·(s k) = s (q·k), and Σ w (s v) = Σ (w s) v: the scales never touch k or v
+                k_scale, v_scale = k_scale.transpose(-2, -1), v_scale.transpose(-2, -1)  # (B, nh, 1, T_k)
+                scores = scores * k_scale  # scales each key's column
             if mask is not None:
                 scores = scores.masked_fill(~mask, float("-inf"))
             weights = scores.softmax(dim=-1)
             if mask is not None:  # a row with every key masked is all NaN after softmax
                 weights = weights.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
-            return F.dropout(weights, dropout_p, self.training) @ v, weights
+            dropped = F.dropout(weights, dropout_p, self.training)
+            return (dropped if v_scale is None else dropped * v_scale) @ v, weights if need_weights else None
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=self.grouped)
         # kernels differ on rows with every key masked (zeros on some, NaN on others): make them zeros
         return y.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0), None

@@ -70,4 +70,4 @@ class CachedText:
             self.cache.reset()
 
     def _ids(self, begin: int, end: int) -> torch.Tensor:
-        return torch.tensor([self.tokens[begin:end]], device=self.cache.k.device)
+        return torch.tensor([self.tokens[begin:end]], device=self.cache.device)

@@ -42,7 +42,7 @@ class Conversation:
         text, model = self.text, self.text.model
         if not text.tokens and not new_tokens:
             raise ValueError("a conversation starts from at least one token: new_tokens is empty")
-        ids = torch.tensor([[*text.tokens[-1:], *new_tokens]], device=text.cache.k.device)
+        ids = torch.tensor([[*text.tokens[-1:], *new_tokens]], device=text.cache.device)
         check_arguments(model, ids, max_new_tokens, self.window)
         text.tokens += new_tokens
         text.prepare(len(text.tokens), fresh=True)

@@ -204,7 +204,7 @@ def _same_rows(idx: torch.Tensor) -> bool:
 def _prefill_once(model: GPT, prompt: torch.Tensor, cache: KVCache) -> torch.Tensor:
     """Prefill prompt (1, T) into a one-row cache like `cache`, copy it to all of cache's rows; the last logits,
     (B, vocab_size)."""
-    one = model.new_kv_cache(1, cache.max_len, cache.k.dtype, read_all_slots=cache.read_all_slots)
+    one = model.new_kv_cache(1, cache.max_len, cache.dtype, read_all_slots=cache.read_all_slots)
     logits = model.decode_step(prompt, one)
     cache.fill_from(one)
     return logits.expand(cache.batch_size, -1)
@@ -254,7 +254,7 @@ def check_cache(model: GPT, cache, batch_size: int) -> None:
     c = model.config
     if not isinstance(cache, KVCache):
         raise ValueError(f"cache must be a KVCache from model.new_kv_cache, got {type(cache).__name__}")
-    layers, _, heads, _, head_dim = cache.k.shape
+    layers, (_, heads, _, head_dim) = len(cache.k), cache.k[0].shape
     if (layers, heads, head_dim, cache.window) != (c.n_kv_layer, c.n_kv_head, c.head_dim, c.block_size):
         raise ValueError(f"cache was made for another model shape ({layers} layers of {heads} key/value heads of "
                          f"{head_dim}, window {cache.window}); use model.new_kv_cache({batch_size})")
@@ -262,6 +262,6 @@ def check_cache(model: GPT, cache, batch_size: int) -> None:
         raise ValueError(f"cache holds {cache.batch_size} rows of {cache.max_len} tokens; this generation "
                          f"needs {batch_size} rows of at least block_size={c.block_size}: use "
                          f"model.new_kv_cache({batch_size})")
-    if not (cache.k.is_floating_point() or isinstance(cache, Int8KVCache)):
-        raise ValueError(f"cache holds {cache.k.dtype}: keys and values are floating point, or int8 through "
+    if not (cache.dtype.is_floating_point or isinstance(cache, Int8KVCache)):
+        raise ValueError(f"cache holds {cache.dtype}: keys and values are floating point, or int8 through "
                          f"model.new_kv_cache({batch_size}, dtype=torch.int8)")

@@ -255,7 +255,7 @@ class SharedKV:
 
 
 class KVCache(nn.Module):
-    """Keys and values of all layers, (n_layer, B, n_kv_head, max_len, head_dim), written in place, and which of
+    """Keys and values of every layer, each (B, n_kv_head, max_len, head_dim), written in place, and which of
     them each new token may attend.
 
     The slots are a ring: token t (counted since reset(), left padding included) goes to slot t % max_len, so
@@ -283,10 +283,11 @@ class KVCache(nn.Module):
     def __init__(self, n_layer: int, batch_size: int, n_kv_head: int, max_len: int, head_dim: int,
                  dtype=torch.float32, device=None, window: int | None = None, read_all_slots: bool = False):
         super().__init__()
-        shape = (n_layer, batch_size, n_kv_head, max_len, head_dim)
+        self.n_layer = n_layer
+        # a buffer per layer (k0, v0, k1, ...), never views of one large buffer: a compiled step writes a buffer
+        # in place, but to write into a view it would copy the whole large buffer, at every step.
         # persistent=False: a cache is scratch space, never part of a checkpoint
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.add_layer_buffers(("k", "v"), (batch_size, n_kv_head, max_len, head_dim), dtype, device)
         self.register_buffer("pos", torch.zeros((), dtype=torch.long, device=device), persistent=False)
         self.register_buffer("n_pad", torch.zeros(batch_size, dtype=torch.long, device=device), persistent=False)
         self.register_buffer("slot_ids", torch.arange(max_len, device=device), persistent=False)
@@ -297,18 +298,43 @@ class KVCache(nn.Module):
         self.read_all_slots = read_all_slots
         self.padded = False  # whether reset() was given left padding
 
+    def add_layer_buffers(self, names, shape, dtype, device) -> None:
+        """A buffer of `shape` for each name and layer: name0, name1, ..., read as the list self.<name>."""
+        for name in names:
+            for i in range(self.n_layer):
+                self.register_buffer(f"{name}{i}", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    @property
+    def k(self) -> list[torch.Tensor]:
+        """Each layer's keys, (B, n_kv_head, max_len, head_dim)."""
+        return [getattr(self, f"k{i}") for i in range(self.n_layer)]
+
+    @property
+    def v(self) -> list[torch.Tensor]:
+        """Each layer's values, (B, n_kv_head, max_len, head_dim)."""
+        return [getattr(self, f"v{i}") for i in range(self.n_layer)]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """What keys and values are stored in."""
+        return self.k0.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.k0.device
+
     @property
     def max_len(self) -> int:
-        return self.k.size(3)
+        return self.k0.size(2)
 
     @property
     def batch_size(self) -> int:
-        return self.k.size(1)
+        return self.k0.size(0)
 
     @property
     def nbytes(self) -> int:
         """Bytes held by keys and values: B * max_len * kv_cache_bytes_per_token(config, dtype)."""
-        return self.k.nbytes + self.v.nbytes
+        return sum(t.nbytes for t in self.k + self.v)
 
     def __len__(self) -> int:
         """Tokens fed since reset(). Reads the counter back to the host (a sync on GPU): for tests and reports."""

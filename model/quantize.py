@@ -14,8 +14,10 @@ bandwidth: bf16 halves the bytes read and int8 quarters them. A converted model 
 an int8 model refuses train() and state_dict(), so that it is never trained or saved as if it were fp32.
 
 The int8 KV cache (Int8KVCache, model.new_kv_cache(B, dtype=torch.int8)) works with a model of any precision: keys
-and values are stored as int8 with one scale per token and head, the same absmax rule as the weights, and
-dequantized as attention reads them.
+and values are stored as int8 with one scale per token and head, the same absmax rule as the weights. Attention
+reads them as they are stored and folds the scales into its sums (MultiHeadAttention.attend): eagerly each layer's
+int8 keys and values still become a float copy for the matmuls, but compiled (torch.compile) the conversion fuses
+into the kernels that read the cache, which then reads a quarter of a float32 cache's bytes.
 """
 
 from typing import NamedTuple
@@ -24,6 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .attention import Quantized
 from .gpt import KV_SCALE_DTYPE, KVCache
 
 PRECISIONS = ("fp32", "bf16", "int8")
@@ -128,10 +131,12 @@ class Int8LayerKV(NamedTuple):
         return self.read()
 
     def read(self):
-        """The keys and values attention reads, dequantized: (B, n_kv, n_read or max_len, hs) in `dtype`."""
+        """The keys and values attention reads, (B, n_kv, n_read or max_len, hs), as they are stored: int8, each
+        with its scales in `dtype`. Attention applies the scales to its scores and weights, never to a float copy
+        of the cache (MultiHeadAttention.attend)."""
         n = self.n_read
-        return (self.k[:, :, :n].to(self.dtype).mul_(self.k_scale[:, :, :n]),
-                self.v[:, :, :n].to(self.dtype).mul_(self.v_scale[:, :, :n]))
+        return (Quantized(self.k[:, :, :n], self.k_scale[:, :, :n].to(self.dtype)),
+                Quantized(self.v[:, :, :n], self.v_scale[:, :, :n].to(self.dtype)))
 
 
 class Int8KVCache(KVCache):
@@ -144,13 +149,19 @@ class Int8KVCache(KVCache):
         super().__init__(n_layer, batch_size, n_kv_head, max_len, head_dim, dtype=torch.int8, device=device,
                          **kwargs)
         self.compute_dtype = dtype
-        scale_shape = (n_layer, batch_size, n_kv_head, max_len, 1)
-        self.register_buffer("k_scale", torch.zeros(scale_shape, dtype=KV_SCALE_DTYPE, device=device), persistent=False)
-        self.register_buffer("v_scale", torch.zeros(scale_shape, dtype=KV_SCALE_DTYPE, device=device), persistent=False)
+        self.add_layer_buffers(("k_scale", "v_scale"), (batch_size, n_kv_head, max_len, 1), KV_SCALE_DTYPE, device)
 
     @property
     def nbytes(self) -> int:
-        return super().nbytes + self.k_scale.nbytes + self.v_scale.nbytes
+        return super().nbytes + sum(t.nbytes for t in self.k_scale + self.v_scale)
+
+    @property
+    def k_scale(self) -> list[torch.Tensor]:
+        return [getattr(self, f"k_scale{i}") for i in range(self.n_layer)]
+
+    @property
+    def v_scale(self) -> list[torch.Tensor]:
+        return [getattr(self, f"v_scale{i}") for i in range(self.n_layer)]
 
     def layer(self, i: int, slots: torch.Tensor, n_read: int | None) -> Int8LayerKV:
         return Int8LayerKV(self.k[i], self.v[i], self.k_scale[i], self.v_scale[i], slots, n_read, self.compute_dtype)

@@ -954,7 +954,7 @@ def test_a_bf16_kv_cache_beside_fp32_weights_decodes_the_same_tokens(model, auto
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         cache = model.new_kv_cache(2, dtype=torch.bfloat16)
         cached = generate(model, prompt, 40, sampling=GREEDY, cache=cache)
-    assert cache.k.dtype == torch.bfloat16 and model.wte.weight.dtype == torch.float32
+    assert cache.dtype == torch.bfloat16 and model.wte.weight.dtype == torch.float32
     assert torch.equal(cached, uncached)  # bf16's rounding does not change this model's argmax
 
 
@@ -1041,7 +1041,7 @@ def test_the_memory_check_counts_the_cache_the_decoder_really_builds(monkeypatch
     model = to_precision(random_model(), "bf16")
     cache = model.new_kv_cache(1, dtype=torch.int8 if kv_cache else None)
     need = cache.nbytes + (1 + 10) * 8  # a one-token prompt, 10 more
-    assert cache.k.dtype == (torch.int8 if kv_cache else torch.float32)  # float32 on the CPU, even at bf16
+    assert cache.dtype == (torch.int8 if kv_cache else torch.float32)  # float32 on the CPU, even at bf16
     args = argparse.Namespace(num_samples=1, max_new_tokens=10, kv_cache=kv_cache)
     for memory, fits in ((2 * need, True), (2 * need - 2, False)):  # sample.py may use half of it
         monkeypatch.setattr(os, "sysconf", lambda name: memory if name == "SC_PHYS_PAGES" else 1)

@@ -140,8 +140,8 @@ def prefill_in_chunks(model, tokens, chunks):
 
 def assert_same_cache(cache, expected, n_filled):
     assert len(cache) == len(expected) == n_filled
-    torch.testing.assert_close(cache.k[:, :, :, :n_filled], expected.k[:, :, :, :n_filled], atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(cache.v[:, :, :, :n_filled], expected.v[:, :, :, :n_filled], atol=1e-6, rtol=1e-5)
+    for mine, theirs in zip(cache.k + cache.v, expected.k + expected.v, strict=True):
+        torch.testing.assert_close(mine[:, :, :n_filled], theirs[:, :, :n_filled], atol=1e-6, rtol=1e-5)
 
 
 def test_prefill_then_continue_equals_one_shot_prefill():
@@ -228,9 +228,12 @@ def test_cache_buffers_have_shape_b_heads_max_len_head_dim_per_layer(config_name
     cache = model.new_kv_cache(3, max_len)
     length = max_len or c.block_size
     assert cache.max_len == length and len(cache) == 0
+    assert len(cache.k) == len(cache.v) == c.n_layer
     for i in range(c.n_layer):
         assert cache.k[i].shape == cache.v[i].shape == (3, c.n_head, length, c.n_embd // c.n_head)
-    assert cache.k.dtype == cache.v.dtype == model.wte.weight.dtype
+        assert cache.k[i].dtype == cache.v[i].dtype == cache.dtype == model.wte.weight.dtype
+    # each layer a buffer of its own, not a view of a larger one (which a compiled step would copy whole to write)
+    assert len({t.untyped_storage().data_ptr() for t in cache.k + cache.v}) == 2 * c.n_layer
 
 
 def test_layer_view_writes_in_place_into_the_cache_buffers():
@@ -238,8 +241,8 @@ def test_layer_view_writes_in_place_into_the_cache_buffers():
     k_new, v_new = torch.randn(1, 2, 2, 3), torch.randn(1, 2, 2, 3)
     k, v = cache.layer(1, torch.arange(2), n_read=None).update(k_new, v_new)
     assert k.data_ptr() == cache.k[1].data_ptr()  # the whole layer buffer, not a copy
-    assert torch.equal(cache.k[1, :, :, :2], k_new) and torch.equal(cache.v[1, :, :, :2], v_new)
-    assert (cache.k[0] == 0).all() and (cache.k[1, :, :, 2:] == 0).all()
+    assert torch.equal(cache.k[1][:, :, :2], k_new) and torch.equal(cache.v[1][:, :, :2], v_new)
+    assert (cache.k[0] == 0).all() and (cache.k[1][:, :, 2:] == 0).all()
 
 
 def test_reset_empties_the_cache_and_a_fresh_prefill_equals_a_brand_new_cache():
@@ -261,7 +264,7 @@ def test_size_in_bytes_is_two_layers_batch_max_len_width_itemsize(dtype):
     model = random_model(n_head=4).to(dtype)
     c = model.config
     cache = model.new_kv_cache(3, max_len=20, dtype=dtype)  # by default bf16 gets float32 on the CPU
-    assert cache.k.dtype == dtype
+    assert cache.dtype == dtype
     itemsize = torch.empty((), dtype=dtype).element_size()
     assert cache.nbytes == 2 * c.n_layer * 3 * 20 * c.n_embd * itemsize
 

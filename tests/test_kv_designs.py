@@ -4,12 +4,14 @@ written out here from the weights, against torch's own grouped-query attention, 
 step, past block_size and with left padding, on both ways a step reads the cache."""
 
 import math
+import re
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from model import GPT, GREEDY, MultiHeadAttention, Sampling, generate, generate_tokens, kv_cache_bytes_per_token
+from model import attention
 from model.attention import rotary, rotate
 from model.decoder_loss import decoder_loss, teacher_forced_loss
 from model.quantize import Int8KVCache, quantize_int8
@@ -237,7 +239,7 @@ def test_int8_cache_logits_stay_within_tolerance_of_fp32_and_greedy_agrees_where
     n_pad = torch.tensor([0, 2, 4])
     seq, fp32_logits = cached_steps(model, random_tokens(3, 7, seed=4), n_pad, n_new, read_all_slots=False)
     int8 = model.new_kv_cache(3, dtype=torch.int8)
-    assert isinstance(int8, Int8KVCache) and int8.k.dtype == torch.int8
+    assert isinstance(int8, Int8KVCache) and int8.dtype == torch.int8 and int8.k[0].dtype == torch.int8
     int8.reset(n_pad)
     int8_logits = [model.decode_step(seq[:, :7], int8)] + [model.decode_step(seq[:, t:t + 1], int8)
                                                            for t in range(7, seq.size(1) - 1)]
@@ -250,6 +252,69 @@ def test_int8_cache_logits_stay_within_tolerance_of_fp32_and_greedy_agrees_where
         assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
         decisive += int(clear.sum())
     assert decisive > 0
+
+
+@pytest.mark.parametrize("rows_at_a_time", [False, True], ids=["all rows", "a row at a time"])
+@pytest.mark.parametrize("need_weights", [False, True], ids=["output", "weights"])
+@pytest.mark.parametrize("n_kv_head", [4, 2, 1])
+def test_int8_attention_folds_the_scales_and_equals_sdpa_on_the_dequantized_keys_and_values(
+        n_kv_head, need_weights, rows_at_a_time, monkeypatch):
+    """Attention over int8 keys and values with their scales (an int8 cache's) equals torch's SDPA over the keys and
+    values dequantized beforehand, with a padding mask that leaves one row no key at all (zeros, never NaN), eagerly
+    in blocks of rows or all at once."""
+    monkeypatch.setattr(attention, "FLOAT_BLOCK_BYTES", 1 if rows_at_a_time else 2**30)
+    B, T_q, T_k, hs = 3, 2, 9, 6
+    attn = MultiHeadAttention(4 * hs, 4, n_kv_head=n_kv_head).eval()
+    torch.manual_seed(0)
+    q = torch.randn(B, 4, T_q, hs)
+    (k, k_scale), (v, v_scale) = (quantize_int8(torch.randn(B, n_kv_head, T_k, hs), torch.float32) for _ in "kv")
+    mask = torch.rand(B, 1, T_q, T_k) > 0.3
+    mask[1] = False  # a row that may see no key
+    y, weights = attn.attend(q, k, v, mask, 0.0, need_weights, k_scale, v_scale)
+    expected = F.scaled_dot_product_attention(q, k * k_scale, v * v_scale, attn_mask=mask, enable_gqa=n_kv_head < 4)
+    expected[1] = 0
+    torch.testing.assert_close(y, expected, atol=1e-6, rtol=1e-5)
+    if need_weights:
+        group = 4 // n_kv_head
+        scores = q @ (k * k_scale).repeat_interleave(group, dim=1).transpose(-2, -1) / math.sqrt(hs)
+        expected_weights = scores.masked_fill(~mask, float("-inf")).softmax(-1).nan_to_num(0.0)
+        torch.testing.assert_close(weights, expected_weights, atol=1e-6, rtol=1e-5)
+    else:
+        assert weights is None
+
+
+def test_int8_cache_decodes_a_batch_in_blocks_of_rows_as_it_does_all_at_once(monkeypatch):
+    """Eagerly on the CPU an int8 cache is read a block of rows at a time; one row per block gives the logits of
+    all rows at once, ragged rows included."""
+    model = design_model("gqa", "rope")
+    prompt, n_pad = random_tokens(3, 7, seed=5), torch.tensor([0, 2, 4])
+    logits = {}
+    for rows_at_a_time in (False, True):
+        monkeypatch.setattr(attention, "FLOAT_BLOCK_BYTES", 1 if rows_at_a_time else 2**30)
+        cache = model.new_kv_cache(3, dtype=torch.int8)
+        cache.reset(n_pad)
+        steps = [model.decode_step(prompt, cache)]
+        steps += [model.decode_step(steps[-1].argmax(-1, keepdim=True), cache) for _ in range(BLOCK_SIZE + 3)]
+        logits[rows_at_a_time] = torch.stack(steps)
+    torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=0)
+
+
+def test_compiled_step_through_an_int8_cache_equals_the_eager_one():
+    """torch.compile fuses the int8 keys' conversion into attention's kernels: the same logits at every step, past
+    block_size, with ragged rows, grouped-query attention and layers that share keys and values."""
+    model = design_model("gqa-share2", "rope")
+    prompt, n_pad = random_tokens(2, 7, seed=6), torch.tensor([0, 3])
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    logits = {}
+    for name, step in (("eager", model.decode_step), ("compiled", torch.compile(model.decode_step, fullgraph=True))):
+        cache = model.new_kv_cache(2, dtype=torch.int8)
+        cache.reset(n_pad)
+        out = [model.decode_step(prompt, cache)]
+        out += [step(out[-1].argmax(-1, keepdim=True), cache) for _ in range(BLOCK_SIZE + 3)]
+        logits[name] = torch.stack(out)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # the step did go through the compiler
+    torch.testing.assert_close(logits["compiled"], logits["eager"], atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("read_all_slots", [False, True], ids=["filled slots", "all slots, masked"])
@@ -272,7 +337,9 @@ def test_cache_bytes_follow_the_formula_and_shrink_as_the_design_says(design, dt
     c = model.config
     cache = model.new_kv_cache(3, dtype=dtype)
     assert cache.nbytes == 3 * BLOCK_SIZE * kv_cache_bytes_per_token(c, dtype)
-    assert cache.nbytes == sum(b.nbytes for name, b in cache.named_buffers() if name in ("k", "v", "k_scale", "v_scale"))
+    held = [b for name, b in cache.named_buffers() if re.fullmatch(r"(k|v|k_scale|v_scale)\d+", name)]
+    assert len(held) == c.n_kv_layer * (4 if dtype == torch.int8 else 2)
+    assert cache.nbytes == sum(b.nbytes for b in held)
     mha_fp32 = 2 * c.n_layer * 3 * BLOCK_SIZE * c.n_embd * 4  # today's: every layer, every head, float32
     if dtype == torch.int8:  # a byte per value, and a float32 scale per token, head and layer, for keys and values
         expected = 2 * (c.n_layer // c.kv_share) * 3 * BLOCK_SIZE * c.n_kv_head * (6 + 4)

@@ -198,8 +198,9 @@ def assert_holds_a_fresh_prefill(text: CachedText, accepted: list[int], model: G
     cache = text.cache
     for i in range(max(start, fed - cache.window + 1), fed):
         mine, theirs = (i - start) % cache.max_len, slot_of(i)
-        torch.testing.assert_close(cache.k[:, :, :, mine], reference.k[:, :, :, theirs], msg=f"key of token {i}")
-        torch.testing.assert_close(cache.v[:, :, :, mine], reference.v[:, :, :, theirs], msg=f"value of token {i}")
+        for layer, (k, v) in enumerate(zip(cache.k, cache.v, strict=True)):
+            torch.testing.assert_close(k[:, :, mine], reference.k[layer][:, :, theirs], msg=f"key of token {i}")
+            torch.testing.assert_close(v[:, :, mine], reference.v[layer][:, :, theirs], msg=f"value of token {i}")
 
 
 @pytest.mark.parametrize("pos_emb", POSITIONS)
