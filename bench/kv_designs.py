@@ -77,12 +77,16 @@ def rate(values) -> str:
 
 
 def speed(args) -> None:
+    # every design's decode_step is one function to torch.compile: allow a compiled version per design and batch
+    torch._dynamo.config.recompile_limit = 4 * len(CLASSIC) * len(BATCHES)
     models = {}
     for name, n_kv_head, kv_share, dtype in CLASSIC:
         torch.manual_seed(0)
         config = dataclasses.replace(model_config("classic"), n_kv_head=n_kv_head, kv_share=kv_share)
         model = GPT(config).eval()
-        models[name] = (model, dtype, torch.compile(model.decode_step, fullgraph=True) if args.compile else None)
+        # static shapes: a step compiled for each batch size, as sample.py --compile compiles one for its batch
+        step = torch.compile(model.decode_step, fullgraph=True, dynamic=False) if args.compile else None
+        models[name] = (model, dtype, step)
     tok_s = {(name, b): [] for name in models for b in BATCHES}
     for name, (model, dtype, step) in models.items():  # warm-up: allocations, kernel choice, compiling
         for b in BATCHES if args.compile else BATCHES[:1]:

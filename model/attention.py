@@ -16,6 +16,8 @@ Smaller caches (the designs of Llama, Mistral and Gemma), both off by default:
   query heads reads one of them (n_kv_head = 1 is multi-query attention). Fewer keys and values to cache.
 - A block built with project_kv=False projects queries only and reads the keys and values of an earlier layer,
   handed to it as `cache` (layers that share keys and values; model/gpt.py groups them).
+- An int8 cache (model/quantize.py) hands attention its int8 keys and values with their scales (Quantized), and
+  attend() folds the scales into its sums rather than dequantizing.
 """
 
 import math
@@ -175,7 +177,9 @@ class MultiHeadAttention(nn.Module):
                                                    enable_gqa=self.grouped)
                 weights = None
             else:
-                mask = self.combined_mask(T_q, T_k, x.device, attn_mask, key_padding_mask, is_causal)
+                # one query that comes last, unmasked, sees every key: no mask to build
+                mask = None if plain and T_q == 1 else self.combined_mask(T_q, T_k, x.device, attn_mask,
+                                                                           key_padding_mask, is_causal)
                 y, weights = self.attend(q, k, v, mask, dropout_p, need_weights, k_scale, v_scale)
 
         y = y.transpose(1, 2).reshape(B, T_q, self.v_dim).to(x.dtype)  # re-assemble the heads side by side
@@ -205,7 +209,7 @@ class MultiHeadAttention(nn.Module):
             # eagerly, int8 keys and values become float for the matmuls: a block of rows at a time, whose float
             # copy the CPU's cache still holds when the matmuls read it (compiled, the conversion fuses into the
             # kernels that read the cache, and no copy is made)
-            rows_per_block = max(1, FLOAT_BLOCK_BYTES // (self.n_head * k.size(2) * k.size(3) * q.element_size()))
+            rows_per_block = max(1, FLOAT_BLOCK_BYTES // (k[0].numel() * q.element_size()))
             if q.size(0) > rows_per_block:
                 blocks = [self.attend(*(rows(t, slice(i, i + rows_per_block)) for t in (q, k, v, mask)), dropout_p,
                                       need_weights, rows(k_scale, slice(i, i + rows_per_block)),
@@ -213,14 +217,17 @@ class MultiHeadAttention(nn.Module):
                           for i in range(0, q.size(0), rows_per_block)]
                 return torch.cat([y for y, _ in blocks]), torch.cat([w for _, w in blocks]) if need_weights else None
         if need_weights or k_scale is not None:
-            if self.grouped:  # each key/value head, once for each query head it serves: (B, nh, T_k, ...)
-                group = self.n_head // self.n_kv_head
-                k, v, k_scale, v_scale = (t if t is None else t.repeat_interleave(group, dim=1)
-                                          for t in (k, v, k_scale, v_scale))
+            B, nh, T_q, hs = q.shape
+            T_k, n_kv = k.size(2), self.n_kv_head
+            # the query heads that read one key/value head go side by side, as g * T_q rows of queries
+            q = q.reshape(B, n_kv, nh // n_kv * T_q, hs)  # (B, n_kv, g * T_q, hs)
+            if mask is not None:
+                rows_of_mask = mask.size(0) if mask.dim() == 4 else 1
+                mask = mask.expand(rows_of_mask, nh, T_q, T_k).reshape(rows_of_mask, n_kv, q.size(2), T_k)
             k, v = k.to(q.dtype), v.to(q.dtype)  # from int8 (a cache's), exactly
-            scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))  # (B, nh, T_q, T_k)
+            scores = (q @ k.transpose(-2, -1)) / math.sqrt(hs)  # (B, n_kv, g * T_q, T_k)
             if k_scale is not None:  # q·(s k) = s (q·k), and Σ w (s v) = Σ (w s) v: the scales never touch k or v
-                k_scale, v_scale = k_scale.transpose(-2, -1), v_scale.transpose(-2, -1)  # (B, nh, 1, T_k)
+                k_scale, v_scale = k_scale.transpose(-2, -1), v_scale.transpose(-2, -1)  # (B, n_kv, 1, T_k)
                 scores = scores * k_scale  # scales each key's column
             if mask is not None:
                 scores = scores.masked_fill(~mask, float("-inf"))
@@ -228,7 +235,8 @@ class MultiHeadAttention(nn.Module):
             if mask is not None:  # a row with every key masked is all NaN after softmax
                 weights = weights.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
             dropped = F.dropout(weights, dropout_p, self.training)
-            return (dropped if v_scale is None else dropped * v_scale) @ v, weights if need_weights else None
+            y = (dropped if v_scale is None else dropped * v_scale) @ v  # (B, n_kv, g * T_q, hs_v)
+            return y.view(B, nh, T_q, -1), weights.view(B, nh, T_q, T_k) if need_weights else None
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=self.grouped)
         # kernels differ on rows with every key masked (zeros on some, NaN on others): make them zeros
         return y.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0), None

@@ -299,20 +299,22 @@ class KVCache(nn.Module):
         self.padded = False  # whether reset() was given left padding
 
     def add_layer_buffers(self, names, shape, dtype, device) -> None:
-        """A buffer of `shape` for each name and layer: name0, name1, ..., read as the list self.<name>."""
+        """A buffer of `shape` for each name and layer: name0, name1, ..., read by layer_buffers(name)."""
         for name in names:
             for i in range(self.n_layer):
                 self.register_buffer(f"{name}{i}", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
+    def layer_buffers(self, name: str) -> list[torch.Tensor]:
+        return [getattr(self, f"{name}{i}") for i in range(self.n_layer)]
+
     @property
     def k(self) -> list[torch.Tensor]:
-        """Each layer's keys, (B, n_kv_head, max_len, head_dim)."""
-        return [getattr(self, f"k{i}") for i in range(self.n_layer)]
+        """Each layer's keys, (B, n_kv_head, max_len, head_dim); v: its values."""
+        return self.layer_buffers("k")
 
     @property
     def v(self) -> list[torch.Tensor]:
-        """Each layer's values, (B, n_kv_head, max_len, head_dim)."""
-        return [getattr(self, f"v{i}") for i in range(self.n_layer)]
+        return self.layer_buffers("v")
 
     @property
     def dtype(self) -> torch.dtype:

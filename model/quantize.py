@@ -153,15 +153,8 @@ class Int8KVCache(KVCache):
 
     @property
     def nbytes(self) -> int:
-        return super().nbytes + sum(t.nbytes for t in self.k_scale + self.v_scale)
-
-    @property
-    def k_scale(self) -> list[torch.Tensor]:
-        return [getattr(self, f"k_scale{i}") for i in range(self.n_layer)]
-
-    @property
-    def v_scale(self) -> list[torch.Tensor]:
-        return [getattr(self, f"v_scale{i}") for i in range(self.n_layer)]
+        return super().nbytes + sum(t.nbytes for t in self.layer_buffers("k_scale") + self.layer_buffers("v_scale"))
 
     def layer(self, i: int, slots: torch.Tensor, n_read: int | None) -> Int8LayerKV:
-        return Int8LayerKV(self.k[i], self.v[i], self.k_scale[i], self.v_scale[i], slots, n_read, self.compute_dtype)
+        return Int8LayerKV(self.k[i], self.v[i], getattr(self, f"k_scale{i}"), getattr(self, f"v_scale{i}"), slots,
+                           n_read, self.compute_dtype)
