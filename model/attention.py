@@ -211,10 +211,11 @@ class MultiHeadAttention(nn.Module):
             # kernels that read the cache, and no copy is made)
             rows_per_block = max(1, FLOAT_BLOCK_BYTES // (k[0].numel() * q.element_size()))
             if q.size(0) > rows_per_block:
-                blocks = [self.attend(*(rows(t, slice(i, i + rows_per_block)) for t in (q, k, v, mask)), dropout_p,
-                                      need_weights, rows(k_scale, slice(i, i + rows_per_block)),
-                                      rows(v_scale, slice(i, i + rows_per_block)))
-                          for i in range(0, q.size(0), rows_per_block)]
+                blocks = []
+                for i in range(0, q.size(0), rows_per_block):
+                    q_, k_, v_, mask_, k_scale_, v_scale_ = (rows(t, slice(i, i + rows_per_block))
+                                                             for t in (q, k, v, mask, k_scale, v_scale))
+                    blocks.append(self.attend(q_, k_, v_, mask_, dropout_p, need_weights, k_scale_, v_scale_))
                 return torch.cat([y for y, _ in blocks]), torch.cat([w for _, w in blocks]) if need_weights else None
         if need_weights or k_scale is not None:
             B, nh, T_q, hs = q.shape

@@ -421,7 +421,7 @@ class KVCache(nn.Module):
         return self.positions(new), self.attn_mask(new)[..., :n_read], slots, n_read
 
     def layer(self, i: int, slots: torch.Tensor, n_read: int | None) -> LayerKV:
-        return LayerKV(self.k[i], self.v[i], slots, n_read)
+        return LayerKV(getattr(self, f"k{i}"), getattr(self, f"v{i}"), slots, n_read)  # self.k would list every layer
 
     def advance(self, t: int) -> None:
         self.pos += t

@@ -15,9 +15,10 @@ an int8 model refuses train() and state_dict(), so that it is never trained or s
 
 The int8 KV cache (Int8KVCache, model.new_kv_cache(B, dtype=torch.int8)) works with a model of any precision: keys
 and values are stored as int8 with one scale per token and head, the same absmax rule as the weights. Attention
-reads them as they are stored and folds the scales into its sums (MultiHeadAttention.attend): eagerly each layer's
-int8 keys and values still become a float copy for the matmuls, but compiled (torch.compile) the conversion fuses
-into the kernels that read the cache, which then reads a quarter of a float32 cache's bytes.
+reads them as they are stored and folds the scales into its sums (MultiHeadAttention.attend): eagerly on the CPU
+the int8 keys and values still become float for the matmuls, a block of rows at a time, but compiled
+(torch.compile) the conversion fuses into the kernels that read the cache, which then reads a quarter of a float32
+cache's bytes.
 """
 
 from typing import NamedTuple
