@@ -23,7 +23,7 @@ from bench.configs import host, settings, shakespeare  # noqa: E402
 from data import PreparedData  # noqa: E402
 from model import GPT  # noqa: E402
 from training.config import PRECISIONS, Settings  # noqa: E402
-from training.devices import training_dtype  # noqa: E402
+from training.devices import RESOLVED_PRECISIONS, training_dtype  # noqa: E402
 from training.loop import Trainer  # noqa: E402
 
 SHAPES = {  # name: (overrides of the cpu preset, as on train.py's command line)
@@ -74,7 +74,7 @@ def main() -> None:
         for precision in args.precisions:
             eager, compiled = (settings("preset=cpu", *SHAPES[name], f"train.compile={mode}",
                                         f"train.precision={precision}") for mode in (False, True))
-            dtype = "bf16" if training_dtype(precision, device) == torch.bfloat16 else "fp32"
+            dtype = RESOLVED_PRECISIONS[training_dtype(precision, device)]
             eager_tok_s, _ = measure(eager, data, device, args.warmup, args.steps)
             compiled_tok_s, warmup_s = measure(compiled, data, device, args.warmup, args.steps)
             print(f"| {name} | {dtype} | {eager.optim.name} | {eager.train.batch_size} | {eager_tok_s:,.0f} | "

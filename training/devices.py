@@ -22,6 +22,9 @@ def choose_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+RESOLVED_PRECISIONS = {torch.bfloat16: "bf16", torch.float32: "fp32"}  # what train.precision resolves to, by name
+
+
 def training_dtype(precision: str, device: torch.device) -> torch.dtype:
     """What train.precision (auto, bf16 or fp32) computes in on `device`: bfloat16 (autocast) or float32. auto
     takes bf16 on CUDA, and on a CPU with native bf16 products (AVX512-BF16 or AMX), where the cpu preset's step

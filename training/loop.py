@@ -19,7 +19,7 @@ from model import GPT
 from .budget import BUDGET_WINDOW, EXIT_S, MARGIN, steps_within
 from .checkpoint import build_checkpoint, save_checkpoint
 from .config import Settings
-from .devices import training_dtype
+from .devices import RESOLVED_PRECISIONS, training_dtype
 from .distributed import gather
 from .errors import ConfigError, write_line
 from .evaluation import evaluate
@@ -53,7 +53,7 @@ class Trainer:
             self.dtype = training_dtype(tc.precision, device)  # bfloat16: the steps and evaluations run under autocast
         except ValueError as e:
             raise ConfigError(f"train.precision={e}") from None
-        self.precision = "bf16" if self.dtype == torch.bfloat16 else "fp32"  # what train.precision resolved to
+        self.precision = RESOLVED_PRECISIONS[self.dtype]  # what train.precision resolved to
         self.settings, self.data, self.device, self.run_dir = settings, data, device, run_dir
         self.rank, self.world_size, self.is_master = rank, world_size, rank == 0
         self.run_id = run_id or uuid.uuid4().hex

@@ -30,6 +30,7 @@ from model import GPT, Sampling, generate
 from model.gpt import POSITIONS
 
 from .config import DECAYS, OPTIMIZERS
+from .devices import RESOLVED_PRECISIONS
 
 DEVICE_TYPES = ("cpu", "cuda", "mps")
 # The HParams table's columns, in this order; it shows the first five at first (the optimiser, its learning
@@ -41,7 +42,7 @@ HPARAMS = ("optim.name", "optim.lr", "optim.muon_lr", "train.max_iters", "model.
            "train.batch_size", "train.grad_accum_steps", "train.seed", "device", "precision")
 # the string hparams' every possible value
 CHOICES = {"optim.name": OPTIMIZERS, "optim.decay": DECAYS, "model.pos_emb": POSITIONS, "device": DEVICE_TYPES,
-           "precision": ("bf16", "fp32")}  # precision: what train.precision resolved to
+           "precision": tuple(RESOLVED_PRECISIONS.values())}  # precision: what train.precision resolved to
 # The scalar tags that bench/curve.py reads back, too
 TRAIN_LOSS = "loss/train"
 TRAIN_EVAL_LOSS = "loss/train_eval"  # the train split, evaluated like val
