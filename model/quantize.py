@@ -157,5 +157,6 @@ class Int8KVCache(KVCache):
         return super().nbytes + sum(t.nbytes for t in self.layer_buffers("k_scale") + self.layer_buffers("v_scale"))
 
     def layer(self, i: int, slots: torch.Tensor, n_read: int | None) -> Int8LayerKV:
-        return Int8LayerKV(self.k[i], self.v[i], getattr(self, f"k_scale{i}"), getattr(self, f"v_scale{i}"), slots,
-                           n_read, self.compute_dtype)
+        k, v, slots, n_read = super().layer(i, slots, n_read)
+        return Int8LayerKV(k, v, getattr(self, f"k_scale{i}"), getattr(self, f"v_scale{i}"), slots, n_read,
+                           self.compute_dtype)
