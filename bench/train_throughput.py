@@ -23,7 +23,6 @@ from bench.configs import host, settings, shakespeare  # noqa: E402
 from data import PreparedData  # noqa: E402
 from model import GPT  # noqa: E402
 from training.config import PRECISIONS, Settings  # noqa: E402
-from training.devices import RESOLVED_PRECISIONS, training_dtype  # noqa: E402
 from training.loop import Trainer  # noqa: E402
 
 SHAPES = {  # name: (overrides of the cpu preset, as on train.py's command line)
@@ -35,8 +34,8 @@ SHAPES = {  # name: (overrides of the cpu preset, as on train.py's command line)
 
 
 def measure(shape: Settings, data: PreparedData, device: torch.device, warmup: int, steps: int):
-    """tokens/s of `steps` training steps after `warmup` untimed ones (compiling, with train.compile), and the
-    seconds the warm-up took."""
+    """tokens/s of `steps` training steps after `warmup` untimed ones (compiling, with train.compile), the
+    seconds the warm-up took, and what train.precision resolved to (bf16 or fp32)."""
     torch.manual_seed(0)
     model = GPT(dataclasses.replace(shape.model, vocab_size=len(data.vocab))).to(device)
     trainer = Trainer(shape, model, data, device, run_dir=None, summaries=None)  # nothing is saved
@@ -50,7 +49,7 @@ def measure(shape: Settings, data: PreparedData, device: torch.device, warmup: i
     for _ in range(steps):
         trainer.train_step()
     sync()
-    return steps * trainer.tokens_per_step / (time.perf_counter() - start), warmup_s
+    return steps * trainer.tokens_per_step / (time.perf_counter() - start), warmup_s, trainer.precision
 
 
 def main() -> None:
@@ -74,10 +73,9 @@ def main() -> None:
         for precision in args.precisions:
             eager, compiled = (settings("preset=cpu", *SHAPES[name], f"train.compile={mode}",
                                         f"train.precision={precision}") for mode in (False, True))
-            dtype = RESOLVED_PRECISIONS[training_dtype(precision, device)]
-            eager_tok_s, _ = measure(eager, data, device, args.warmup, args.steps)
-            compiled_tok_s, warmup_s = measure(compiled, data, device, args.warmup, args.steps)
-            print(f"| {name} | {dtype} | {eager.optim.name} | {eager.train.batch_size} | {eager_tok_s:,.0f} | "
+            eager_tok_s, _, resolved = measure(eager, data, device, args.warmup, args.steps)
+            compiled_tok_s, warmup_s, _ = measure(compiled, data, device, args.warmup, args.steps)
+            print(f"| {name} | {resolved} | {eager.optim.name} | {eager.train.batch_size} | {eager_tok_s:,.0f} | "
                   f"{compiled_tok_s:,.0f} | {compiled_tok_s / eager_tok_s:.2f}x | {warmup_s:.0f} |", flush=True)
 
 

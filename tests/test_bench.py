@@ -36,9 +36,9 @@ def test_train_throughput_times_train_pys_own_step(monkeypatch, tmp_path: Path):
     taken = []
     train_step = Trainer.train_step
     monkeypatch.setattr(Trainer, "train_step", lambda self: taken.append(self.step) or train_step(self))
-    shape = settings(*TINY, *data_overrides(tmp_path / "data"))
-    tokens_per_s, _ = measure(shape, train.prepare_data(shape), torch.device("cpu"), warmup=1, steps=2)
-    assert taken == [0, 1, 2] and tokens_per_s > 0
+    shape = settings(*TINY, "train.precision=bf16", *data_overrides(tmp_path / "data"))
+    tokens_per_s, _, precision = measure(shape, train.prepare_data(shape), torch.device("cpu"), warmup=1, steps=2)
+    assert taken == [0, 1, 2] and tokens_per_s > 0 and precision == "bf16"
 
 
 def test_a_candidate_may_be_named_with_commas_and_spaces(tmp_path: Path):
