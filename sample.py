@@ -38,7 +38,8 @@ from model.conversation import Conversation
 from model.speculative import PromptLookup, SpeculativeStats, speculative_generate
 from model.quantize import PRECISIONS
 from training.checkpoint import load_model, resolve_checkpoint, trained_on
-from training.devices import choose_device, memory_of
+from training.devices import (DEFAULT_THREADS, choose_device, environment_threads, fastest_threads, memory_of,
+                              thread_counts, timed)
 from training.errors import MISTAKES, CheckpointError, UsageError, check_standard_streams, fail, one_line, silence
 from training.runs import find_latest_checkpoint
 
@@ -47,6 +48,7 @@ MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
 MEMORY_SHARE = 0.5  # the largest share of the device's memory that the samples' KV cache and tokens may take
 CHUNK = 64  # tokens read back from the device at once when the output is no terminal: each read is a sync
 SPECULATE_K = 4  # --speculate-k's default
+DECODE_TIMED = 16  # tokens decoded at each thread count to choose the fastest
 REPLY_STOP = "\n\n"  # --interactive: a reply ends with a blank line (a speech's end, in a play)
 
 
@@ -81,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--window", metavar="N", type=int,
                         help="context tokens kept when it grows past block_size, 1..block_size "
                              "(default: the model's, block_size // 2; block_size is the classic crop)")
+    parser.add_argument("--threads", metavar="N", type=int,
+                        help="CPU threads (default: the count whose decoding is fastest now, timed at start)")
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
                         help="decode with the weights as trained (fp32), in bf16, or with int8 weights "
                              "quantized when loaded (default: %(default)s)")
@@ -179,6 +183,22 @@ def load_draft(args, model: GPT, vocab: CharVocab, device: torch.device) -> GPT 
         raise UsageError(f"--draft {args.draft} has another vocabulary ({len(draft_vocab)} characters) than the "
                          f"checkpoint ({len(vocab)}): draft with a checkpoint trained on the same text")
     return draft
+
+
+def choose_threads(args, model: GPT, prompt_ids: list[int], device: torch.device) -> int:
+    """Set torch's CPU threads to --threads, or to the count whose cached decoding is fastest now: on a busy
+    machine one thread can be several times faster than two (training/devices.py)."""
+    fixed = args.threads or environment_threads()
+    if fixed or device.type != "cpu" or len(thread_counts()) == 1:
+        torch.set_num_threads(fixed or DEFAULT_THREADS)
+        return fixed or DEFAULT_THREADS
+    idx = torch.tensor([prompt_ids[-DECODE_TIMED:]] * args.num_samples, device=device)
+
+    def decode_seconds() -> float:  # greedy: the timing draws nothing from the samples' generator
+        return min(timed(lambda: list(generate_tokens(model, idx, DECODE_TIMED, sampling=Sampling(temperature=0))))
+                   for _ in range(2))
+
+    return fastest_threads(decode_seconds)[0]
 
 
 @contextlib.contextmanager
@@ -283,6 +303,8 @@ def sample(args) -> None:
         device = choose_device(args.device)
     except ValueError as e:
         raise UsageError(f"--device {e}") from None
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads must be >= 1, got {args.threads}")
     prompt = read_prompt(args)
     # without --checkpoint: the newest under the working directory, where train.py writes
     path = resolve_checkpoint(args.checkpoint) if args.checkpoint else find_latest_checkpoint("runs")
@@ -290,6 +312,7 @@ def sample(args) -> None:
     prompt_ids = encode_prompt(vocab, prompt)
     check_memory(args, len(prompt_ids), model, device)
     draft = load_draft(args, model, vocab, device) if args.draft else None
+    threads = choose_threads(args, model, prompt_ids, device)  # before anything is timed or sampled
 
     generator = torch.Generator(device)
     if args.seed is None:
@@ -348,8 +371,9 @@ def sample(args) -> None:
         if cache is not None else f"KV caches {speculation.cache_bytes / 2**20:.2f} MiB" if draft else "no cache"
     speculated = f", draft acceptance {speculation.acceptance_rate:.0%}, {speculation.tokens_per_pass:.2f} " \
         f"tokens per model pass" if draft else ""
+    on = f"{device.type}, {threads} thread{'s' if threads > 1 else ''}" if device.type == "cpu" else device.type
     print(f"{tokens} tokens in {seconds:.2f} s, {tokens / max(seconds, 1e-9):.1f} tokens/s at {args.precision}, "
-          f"{cache_size} ({device.type}){speculated}", file=sys.stderr)
+          f"{cache_size} ({on}){speculated}", file=sys.stderr)
 
 
 def main(argv=None) -> None:

@@ -42,7 +42,7 @@ from model import GPT
 from training.budget import process_started
 from training.checkpoint import resolve_checkpoint, trained_on
 from training.config import TrainConfig, explained, register, validate
-from training.devices import choose_device, memory_needed, memory_of
+from training.devices import choose_device, keep_freed_memory, memory_needed, memory_of
 from training.distributed import init_distributed, is_rank_zero
 from training.errors import (ConfigError, OutputError, UsageError, check_standard_streams, exit_status, fail,
                              one_line, silence, write_line)
@@ -51,6 +51,7 @@ from training.loop import Stopped, Trainer
 from training.resume import load_resume_checkpoint
 from training.runs import continues_in_place, take_run_dir
 from training.signals import StopSignals, interrupt_on_signals
+from training.sizing import kept_on_resume, size_to_host
 from training.summaries import Summaries, report_thread_error
 
 register()
@@ -64,14 +65,16 @@ def main(cfg: DictConfig, run_dir, preset: str | None = None, named: set[str] | 
     names (None: all of cfg's); started_at: when train.max_minutes began to count, on time.perf_counter()'s clock
     (None: now)."""
     run_dir = Path(run_dir)
+    started_at = time.perf_counter() if started_at is None else started_at
     earlier_events = set(run_dir.glob("events.out.tfevents.*"))
     settings = validate(cfg, named)
     resumed, in_place = None, False
     if settings.train.resume is not None:
         length_named = named is None or not named.isdisjoint({"train.max_iters", "train.max_minutes"})
-        resumed, length = load_resume_checkpoint(settings.train.resume, settings.config, settings.optim,
-                                                 length_named)
-        settings = settings.planned(*length)
+        kept = kept_on_resume(settings, named)
+        resumed, length, kept_values = load_resume_checkpoint(settings.train.resume, settings.config,
+                                                              settings.optim, length_named, kept)
+        settings = settings.replaced(kept_values).planned(*length)
         in_place = continues_in_place(resolve_checkpoint(settings.train.resume, prefer="last.pt"), run_dir)
         if in_place and is_rank_zero():  # what a run killed mid-save left beside its checkpoints
             remove_stale_temporaries(run_dir)
@@ -80,7 +83,6 @@ def main(cfg: DictConfig, run_dir, preset: str | None = None, named: set[str] | 
     run_id = resumed["training"].get("run_id") if in_place else uuid.uuid4().hex
     rank, world_size, device = init_distributed(device_for(cfg.device))
     try:
-        torch.manual_seed(tc.seed + rank)  # dropout differs between processes, like their batches
         if device.type == "cuda":
             torch.set_float32_matmul_precision("high")  # TF32 matmuls where bf16 autocast does not reach
         data = prepare_data(settings)
@@ -93,6 +95,10 @@ def main(cfg: DictConfig, run_dir, preset: str | None = None, named: set[str] | 
             raise ConfigError(f"the model and train.batch_size={tc.batch_size} need at least {needed / 2**30:,.1f} "
                               f"GiB, and the {device.type} device has {available / 2**30:,.1f} GiB; choose a "
                               f"smaller model or batch")
+        settings, chosen, why = size_to_host(settings, named, data, device, world_size, started_at)
+        tc = settings.train
+        model_config = dataclasses.replace(settings.model, vocab_size=len(data.vocab))
+        torch.manual_seed(tc.seed + rank)  # dropout differs between processes, like their batches
         model = GPT(model_config).to(device)
         used = {**settings.config, "model": dataclasses.asdict(model_config)}  # vocab_size filled in from the data
         summaries = Summaries(run_dir, OmegaConf.to_yaml(used),
@@ -105,9 +111,10 @@ def main(cfg: DictConfig, run_dir, preset: str | None = None, named: set[str] | 
                 picked = f"{preset}; " if preset else ""
                 to = tc.max_iters or \
                     f"the steps that fit in train.max_minutes={tc.max_minutes:g} (measured as it trains)"
-                write_line(f"training {model.num_params() / 1e6:.2f}M parameters on {device} in {trainer.precision} "
-                           f"({picked}{world_size} process(es), {trainer.tokens_per_step} tokens per step) from step "
-                           f"{trainer.step} to {to}; run directory {run_dir}")
+                write_line(f"training {model.num_params() / 1e6:.2f}M parameters ({chosen}) on {device} in "
+                           f"{trainer.precision} ({picked}{world_size} process(es), {trainer.tokens_per_step} tokens "
+                           f"per step) from step {trainer.step} to {to}; run directory {run_dir}")
+                write_line(why)
             started = True
             last_val_loss = trainer.fit()
         finally:
@@ -212,6 +219,7 @@ def check_flags(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises its errors as they are, for fail() to report in one line
+    keep_freed_memory()
     interrupt_on_signals()
     threading.excepthook = report_thread_error
     try:

@@ -6,9 +6,11 @@
 
 Each candidate is the real command (`python train.py preset=cpu <overrides>`) in a subprocess, timed by the
 wall clock from its start, start-up and data preparation included. The val curve is read back from the run's
-TensorBoard events: the table gives the best and final val loss, the final train loss, the wall time, and
-the seconds until val loss first reached --target (an evaluation at or below it; every run evaluates every
---eval-interval steps, so that the crossing is seen the same way in each).
+TensorBoard events: the table gives the shape and threads it trained with (chosen by the cpu preset's sizing
+or named), the best and final val loss, the final train loss, the wall time, and the seconds until val loss
+first reached --target (an evaluation at or below it; every run evaluates every --eval-interval steps, so
+that the crossing is seen the same way in each). --log keeps each run's output, whose first lines say why
+it trained what it did.
 """
 
 import argparse
@@ -19,6 +21,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.configs import REPO, host  # noqa: E402
@@ -31,7 +35,7 @@ CANDIDATES = {"cpu preset": [], "AdamW recipe": ADAMW_RECIPE}
 
 
 def run(name: str, overrides: list[str], seed: int, eval_interval: int | None, workdir: Path,
-        threads: int | None) -> dict:
+        threads: int | None, log: Path | None = None) -> dict:
     plain_name = re.sub(r"[^\w.-]+", "_", name)  # a name that Hydra reads as one value in hydra.run.dir
     run_dir = workdir / f"{plain_name}-{seed}"
     command = [sys.executable, str(REPO / "train.py"), "preset=cpu", *overrides, f"train.seed={seed}",
@@ -40,10 +44,16 @@ def run(name: str, overrides: list[str], seed: int, eval_interval: int | None, w
     env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}  # torch's threads
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env)
     seconds = time.time() - start
+    if log is not None:
+        log.mkdir(parents=True, exist_ok=True)
+        (log / f"{plain_name}-{seed}.log").write_text(result.stdout + result.stderr)
     if result.returncode != 0:
         raise SystemExit(f"train_quality.py: {name} failed: {result.stderr.strip().splitlines()[-1]}")
     curve = read_curve(run_dir)
-    return {"name": name, "seed": seed, "seconds": seconds, "curve": curve, "start": start}
+    recorded = torch.load(run_dir / "last.pt", weights_only=True)["training"]["config"]
+    trained = f"{recorded['model']['n_layer']}L, batch {recorded['train']['batch_size']}, " \
+              f"{recorded['train'].get('threads')} thr"  # the shape and threads it trained with (sized or named)
+    return {"name": name, "seed": seed, "seconds": seconds, "curve": curve, "start": start, "trained": trained}
 
 
 def seconds_to(target: float, outcome: dict) -> float | None:
@@ -70,6 +80,7 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=1.70)
     parser.add_argument("--eval-interval", type=int, help="override every candidate's train.eval_interval")
     parser.add_argument("--curves", action="store_true", help="also print each run's val loss against seconds")
+    parser.add_argument("--log", type=Path, help="keep each run's output in this folder, as NAME-SEED.log")
     parser.add_argument("--threads", type=int, help="torch's threads in each run (OMP_NUM_THREADS); 1 stands in "
                                                      "for a machine half as fast as a 2-core one")
     args = parser.parse_args()
@@ -77,18 +88,18 @@ def main() -> None:
 
     print(f"# train.py quality: {host()}, {os.cpu_count()} cores, {args.threads or 'all'} thread(s) a run, seeds "
           f"{args.seeds}, time to val loss {args.target}")
-    print("| candidate | seed | steps | wall s | best val | final val | final train | "
+    print("| candidate | trained | seed | steps | wall s | best val | final val | final train | "
           f"s to val {args.target} |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds:
             outcomes = []
             for name, overrides in candidates.items():
-                outcome = run(name, overrides, seed, args.eval_interval, Path(tmp), args.threads)
+                outcome = run(name, overrides, seed, args.eval_interval, Path(tmp), args.threads, args.log)
                 outcomes.append(outcome)
                 last = outcome["curve"][-1]
                 reached = seconds_to(args.target, outcome)
-                print(f"| {name} | {seed} | {last['step']} | {outcome['seconds']:.1f} | "
+                print(f"| {name} | {outcome['trained']} | {seed} | {last['step']} | {outcome['seconds']:.1f} | "
                       f"{min(r['val'] for r in outcome['curve']):.4f} | {last['val']:.4f} | {last['train']:.4f} | "
                       f"{'-' if reached is None else f'{reached:.0f}'} |", flush=True)
             if args.curves:

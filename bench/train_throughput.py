@@ -23,6 +23,7 @@ from bench.configs import host, settings, shakespeare  # noqa: E402
 from data import PreparedData  # noqa: E402
 from model import GPT  # noqa: E402
 from training.config import PRECISIONS, Settings  # noqa: E402
+from training.devices import keep_freed_memory  # noqa: E402
 from training.loop import Trainer  # noqa: E402
 
 SHAPES = {  # name: (overrides of the cpu preset, as on train.py's command line)
@@ -62,6 +63,7 @@ def main() -> None:
                         help="train.precision for each shape (auto: what train.py picks on this machine)")
     args = parser.parse_args()
 
+    keep_freed_memory()  # as train.py does
     device = torch.device(args.device)
     data = shakespeare()
     print(f"# training throughput: {host()}, torch {torch.__version__}, device {device}, "

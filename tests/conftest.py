@@ -1,5 +1,11 @@
-import pytest
-import torch
+import os
+
+# The runs the tests start, in this process and in subprocesses, train with one thread rather than timing
+# thread counts first (training/sizing.py); the tests of that choice unset it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="session")

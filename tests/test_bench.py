@@ -48,3 +48,4 @@ def test_a_candidate_may_be_named_with_commas_and_spaces(tmp_path: Path):
         ["train.max_iters=4", "train.eval_interval=2", "optim.warmup_iters=1", *data_overrides(tmp_path / "data")]
     outcome = run("4 layers, batch 8", overrides, seed=1, eval_interval=None, workdir=tmp_path, threads=1)
     assert [row["step"] for row in outcome["curve"]] == [0, 2, 4]
+    assert outcome["trained"] == "2L, batch 8, 1 thr"  # as the checkpoint records them

@@ -204,5 +204,5 @@ def test_load_model_converts_an_fp32_checkpoint_and_sample_py_decodes_it(tmp_pat
     assert result.returncode == 0, result.stderr
     assert result.stdout == expected + "\n"
     # the precision decoded at, and the cache's dtype, which attention computes in on the CPU
-    assert re.fullmatch(r"20 tokens in [\d.]+ s, [\d.]+ tokens/s at int8, KV cache [\d.]+ MiB in float32 \(cpu\)",
-                        result.stderr.splitlines()[-1])
+    assert re.fullmatch(r"20 tokens in [\d.]+ s, [\d.]+ tokens/s at int8, KV cache [\d.]+ MiB in float32 "
+                        r"\(cpu, 1 thread\)", result.stderr.splitlines()[-1])

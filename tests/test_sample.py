@@ -13,6 +13,7 @@ import torch
 
 from data import CharVocab
 from model import GPT, GPTConfig
+import training.devices
 from training.checkpoint import FORMAT, VERSION, build_checkpoint, save_checkpoint
 from corpus import CITIZENS
 from tiny_models import train_briefly
@@ -75,14 +76,40 @@ def test_greedy_output_and_summary(checkpoint, greedy):
     info, summary = greedy.stderr.splitlines()
     assert info == f"sampling {checkpoint} (weights only), trained on an unrecorded text"
     assert re.fullmatch(rf"{NEW_TOKENS} tokens in [\d.]+ s, [\d.]+ tokens/s at fp32, KV cache [\d.]+ MiB in float32 "
-                        rf"\(cpu\)", summary)
+                        rf"\(cpu, 1 thread\)", summary)  # the suite's environment names 1 (OMP_NUM_THREADS)
 
 
 def test_greedy_without_cache_is_identical(checkpoint, greedy):
     result = sample_ok("--checkpoint", checkpoint, "--prompt", PROMPT, "--temperature", 0,
                        "--max-new-tokens", NEW_TOKENS, "--no-kv-cache")
     assert result.stdout == greedy.stdout
-    assert result.stderr.splitlines()[-1].endswith(" tokens/s at fp32, no cache (cpu)")
+    assert result.stderr.splitlines()[-1].endswith(" tokens/s at fp32, no cache (cpu, 1 thread)")
+
+
+def test_the_threads_are_timed_or_named_and_leave_the_text_as_it_is(checkpoint, greedy):
+    """Without OMP_NUM_THREADS or --threads, sample.py decodes with the count it timed fastest."""
+    common = ("--checkpoint", checkpoint, "--prompt", PROMPT, "--temperature", 0, "--max-new-tokens", NEW_TOKENS)
+    unnamed = {key: value for key, value in ENV.items() if key != "OMP_NUM_THREADS"}
+    timed = subprocess.run([sys.executable, str(SAMPLE), *map(str, common)], cwd=REPO, env=unnamed,
+                           capture_output=True, text=True, timeout=300)
+    assert timed.returncode == 0 and timed.stdout == greedy.stdout, timed.stderr
+    counts = training.devices.thread_counts()  # this process's view of the machine, as the child's
+    assert re.search(r"\(cpu, (\d+) threads?\)$", timed.stderr)[1] in {str(n) for n in counts}
+    named = subprocess.run([sys.executable, str(SAMPLE), *map(str, common), "--threads", "2"], cwd=REPO, env=unnamed,
+                           capture_output=True, text=True, timeout=300)
+    assert named.stdout == greedy.stdout and named.stderr.endswith("(cpu, 2 threads)\n")
+    refused = run_sample(*common, "--threads", 0)
+    assert (refused.returncode, refused.stderr) == (2, "sample.py: error: --threads must be >= 1, got 0\n")
+
+
+def test_fastest_threads_keeps_the_count_whose_work_took_least(monkeypatch):
+    monkeypatch.setattr(training.devices, "DEFAULT_THREADS", 4)
+    try:
+        for cost, fastest in (({1: 3.0, 2: 2.0, 4: 1.0}, 4), ({1: 1.0, 2: 5.0, 4: 9.0}, 1)):
+            threads, seconds = training.devices.fastest_threads(lambda: cost[torch.get_num_threads()])
+            assert (threads, torch.get_num_threads(), seconds) == (fastest, fastest, cost)
+    finally:
+        torch.set_num_threads(1)  # the suite's count
 
 
 def test_classic_window_and_long_prompt_identical_without_cache(checkpoint, greedy):

@@ -48,10 +48,10 @@ ATTENTION = {f"sample/attention/layer{layer}" for layer in range(2)}  # each lay
 HPARAMS = ["optim.name", "optim.lr", "optim.muon_lr", "train.max_iters", "model.n_layer", "model.n_embd",
            "model.n_head", "model.n_kv_head", "model.kv_share", "model.block_size", "model.pos_emb", "model.dropout", "model.bias", "optim.decay",
            "optim.min_lr", "optim.weight_decay", "optim.muon_weight_decay", "train.batch_size",
-           "train.grad_accum_steps", "train.seed", "device", "precision"]
+           "train.grad_accum_steps", "train.threads", "train.seed", "device", "precision"]
 HPARAMS_SHOWN = 5  # the HParams dashboard shows the first five columns until a reader picks others
 INTEGERS = ["model.n_layer", "model.n_embd", "model.n_head", "model.n_kv_head", "model.kv_share", "model.block_size", "train.batch_size",
-            "train.grad_accum_steps", "train.max_iters", "train.seed"]
+            "train.grad_accum_steps", "train.max_iters", "train.threads", "train.seed"]
 TRIAL_ID_SHOWN = 14  # characters of the HParams table's Trial ID column (10em wide) that a browser shows
 
 
@@ -322,6 +322,7 @@ def test_hparams_integers_shown_as_integers(server):
         # an extended run's row keeps the plan of its first life: TensorBoard keeps the first settings logged
         steps = 8 if group["sessions"][0]["name"] == RESUMED else STEPS
         assert hparams[names["train.max_iters"]] == str(steps) and hparams[names["train.seed"]] == "1337"
+        assert hparams[names["train.threads"]] == "1"  # the count the run trained with (the suite's one thread)
 
 
 def test_hparams_show_the_optimiser_and_only_the_learning_rates_it_uses(server):

@@ -100,6 +100,8 @@ class TrainConfig:
     # bf16: forward and backward under bf16 autocast (the weights, gradients and optimisers stay in float32);
     # fp32: float32 throughout; auto: bf16 on a GPU and on a CPU that multiplies bf16 natively, else fp32
     precision: str = "auto"
+    threads: int | None = None  # torch's CPU threads; null: the count whose step is fastest now (training/sizing.py)
+    size_to_host: bool = False  # choose model.n_layer and train.batch_size for the budget here (training/sizing.py)
     # an exponential moving average of the weights, updated after every step with this decay, is what evaluations
     # see and best.pt and last.pt hold (0.99 averages about the last 100 steps); null: the weights as trained
     ema_decay: float | None = None
@@ -121,6 +123,7 @@ class TrainConfig:
         _require(self, lambda v: v != "", "at least one character", "sample_prompt")
         _require(self, lambda v: v is None or 0 < v < 1, "in (0, 1), or null for no average", "ema_decay")
         _require(self, lambda v: v in PRECISIONS, " or ".join(PRECISIONS), "precision")
+        _require(self, lambda v: v is None or v >= 1, "a positive integer, or null for the fastest now", "threads")
 
 
 @dataclass
@@ -146,9 +149,17 @@ class Settings:
     def planned(self, max_iters: int, max_minutes: float | None) -> "Settings":
         """These settings with the run's length fixed at max_iters steps, sized by a budget of max_minutes (or
         by none), as a budget or a resume fixes it."""
-        length = {"max_iters": max_iters, "max_minutes": max_minutes}
-        return dataclasses.replace(self, train=dataclasses.replace(self.train, **length),
-                                   config={**self.config, "train": {**self.config["train"], **length}})
+        return self.replaced({"train.max_iters": max_iters, "train.max_minutes": max_minutes})
+
+    def replaced(self, values: dict) -> "Settings":
+        """These settings with values ({"model.n_layer": 3, ...}) in place of their own, checked again."""
+        sections, config = {}, {**self.config}
+        for key, value in values.items():
+            section, name = key.split(".")
+            sections.setdefault(section, {})[name] = value
+            config[section] = {**config[section], name: value}
+        return dataclasses.replace(self, **{section: dataclasses.replace(getattr(self, section), **changes)
+                                            for section, changes in sections.items()}, config=config)
 
 
 def register() -> None:

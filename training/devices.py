@@ -1,7 +1,10 @@
-"""Which torch device to run on (the one named, or with "auto" the best one present), and whether a training fits
-in its memory."""
+"""Which torch device to run on (the one named, or with "auto" the best one present), how many CPU threads, and
+whether a training fits in its memory."""
 
+import ctypes
 import os
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -53,3 +56,51 @@ def memory_of(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[1]
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+# torch's thread count for this machine, before anything changes it. On a busy machine fewer threads can be
+# faster: a small operation waits for the thread whose core another process holds.
+DEFAULT_THREADS = torch.get_num_threads()
+
+
+def environment_threads() -> int | None:
+    """The thread count OMP_NUM_THREADS names, which torch obeys, or None."""
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+def thread_counts() -> list[int]:
+    """The thread counts worth timing on this machine: 1, 2, 4, ... up to torch's default."""
+    return sorted({min(2 ** k, DEFAULT_THREADS) for k in range(DEFAULT_THREADS.bit_length() + 1)})
+
+
+def fastest_threads(seconds: Callable[[], float]) -> tuple[int, dict[int, float]]:
+    """Set torch's thread count to the one for which seconds() (the cost of some work, timed) is least now;
+    return it and every count's seconds."""
+    timed = {}
+    for threads in thread_counts():
+        torch.set_num_threads(threads)
+        timed[threads] = seconds()
+    threads = min(timed, key=timed.get)
+    torch.set_num_threads(threads)
+    return threads, timed
+
+
+def timed(work: Callable[[], object]) -> float:
+    """Seconds work() takes, once."""
+    start = time.perf_counter()
+    work()
+    return time.perf_counter() - start
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc keep freed memory for the next allocation rather than hand it back to the system. By default a
+    tensor over about 128 KiB gets fresh pages, which the kernel faults in and zeroes page by page: a CPU
+    training step, which frees and allocates its activations at every step, spends a large share of its time
+    there. Whether it took effect (not on other C libraries)."""
+    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(m_mmap_threshold, 32 << 20) and libc.mallopt(m_trim_threshold, 1 << 30))
+    except (OSError, AttributeError):
+        return False

@@ -17,13 +17,15 @@ MUST_MATCH = ("model.", "optim.", "train.batch_size", "train.grad_accum_steps", 
               "data.val_fraction")
 
 
-def load_resume_checkpoint(path, config: dict, optim: OptimConfig,
-                           length_named: bool = True) -> tuple[dict, tuple[int | None, float | None]]:
+def load_resume_checkpoint(path, config: dict, optim: OptimConfig, length_named: bool = True,
+                           kept: tuple[str, ...] = ()) -> tuple[dict, tuple[int | None, float | None], dict]:
     """The checkpoint at path (a run directory means its last.pt), checked to fit config (the resolved,
     composed config as a dict) and to be whole: a damaged one is a ConfigError, not a crash mid-restore. With
     it, the length of the resumed run, (train.max_iters, train.max_minutes): config's steps where the command
     names the run's length (length_named), else the checkpoint's. A budget fixes a run's length once: a resume
-    keeps it, or lets the budget fix it if the run stopped before then."""
+    keeps it, or lets the budget fix it if the run stopped before then. kept: settings the resumed run takes
+    from the checkpoint, whatever config says (what sizing chose for the machine: training/sizing.py),
+    returned last as {key: value}."""
     try:
         contents = load_checkpoint(path, prefer="last.pt")
     except CheckpointError as e:
@@ -33,7 +35,8 @@ def load_resume_checkpoint(path, config: dict, optim: OptimConfig,
         raise ConfigError(f"train.resume: {path} holds weights only, no training state to continue")
     ours = flatten(config)
     theirs = {"train.ema_decay": None, **flatten(state["config"])}  # one saved before the setting existed: no average
-    differ = [key for key in theirs if key.startswith(MUST_MATCH) and ours.get(key) != theirs[key]]
+    differ = [key for key in theirs
+              if key.startswith(MUST_MATCH) and key not in kept and ours.get(key) != theirs[key]]
     if differ:
         raise ConfigError("train.resume continues a run with other settings; add them to the command: "
                           + " ".join(f"{key}={as_override(theirs[key])}" for key in differ))
@@ -61,7 +64,7 @@ def load_resume_checkpoint(path, config: dict, optim: OptimConfig,
         check_restorable(contents, optim, planned)
     except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, IndexError) as e:
         raise ConfigError(f"train.resume: {path} is damaged ({one_line(e)[:200]}); resume from another checkpoint") from None
-    return contents, (max_iters, max_minutes)
+    return contents, (max_iters, max_minutes), {key: theirs[key] for key in kept if key in theirs}
 
 
 def check_restorable(contents: dict, optim: OptimConfig, max_iters: int | None) -> None:

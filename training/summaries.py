@@ -39,7 +39,7 @@ DEVICE_TYPES = ("cpu", "cuda", "mps")
 HPARAMS = ("optim.name", "optim.lr", "optim.muon_lr", "train.max_iters", "model.n_layer", "model.n_embd",
            "model.n_head", "model.n_kv_head", "model.kv_share", "model.block_size", "model.pos_emb", "model.dropout",
            "model.bias", "optim.decay", "optim.min_lr", "optim.weight_decay", "optim.muon_weight_decay",
-           "train.batch_size", "train.grad_accum_steps", "train.seed", "device", "precision")
+           "train.batch_size", "train.grad_accum_steps", "train.threads", "train.seed", "device", "precision")
 # the string hparams' every possible value
 CHOICES = {"optim.name": OPTIMIZERS, "optim.decay": DECAYS, "model.pos_emb": POSITIONS, "device": DEVICE_TYPES,
            "precision": tuple(RESOLVED_PRECISIONS.values())}  # precision: what train.precision resolved to

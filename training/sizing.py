@@ -1,0 +1,159 @@
+"""Sizing a budget run to the machine: the threads and the model shape that learn the most here.
+
+A budget (train.max_minutes) buys a number of steps, and that number depends on the machine. A deeper model
+learns more per step but takes fewer steps. SHAPES records, for each shape the cpu preset may train, the best
+val loss that a run of so many steps reached (docs/training.md says how they were measured). At start-up the
+run times a few steps of each shape here, counts the steps its budget then buys, and trains the shape whose
+record predicts the lowest val loss at that count.
+
+Threads are timed the same way. On an idle 2-core machine two threads beat one; when another process keeps a
+core busy, each small operation waits for the thread whose core is taken, and one thread is several times
+faster. So the run times its step with each thread count and keeps the fastest.
+"""
+
+import dataclasses
+import math
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from data import PreparedData
+from model import GPT
+
+from .budget import MARGIN
+from .config import Settings
+from .devices import DEFAULT_THREADS, environment_threads, fastest_threads, thread_counts
+from .loop import Trainer
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A model depth and batch, and the best val loss that runs of so many steps reached with them."""
+
+    n_layer: int
+    batch_size: int
+    record: tuple[tuple[int, float], ...]  # (steps, best val loss), by steps
+
+    def predicted_loss(self, steps: int) -> float:
+        """The val loss `steps` steps should reach: the record interpolated linearly in 1/sqrt(steps), extended
+        below its fewest steps along its first segment, and held at its last loss past its most steps (what
+        was never measured is not promised)."""
+        x = [n ** -0.5 for n, _ in self.record]  # falls as steps grow
+        y = [loss for _, loss in self.record]
+        target = max(steps, 1) ** -0.5
+        if target <= x[-1]:
+            return y[-1]
+        i = next(i for i in range(1, len(x)) if target >= x[i])
+        return y[i - 1] + (y[i] - y[i - 1]) * (target - x[i - 1]) / (x[i] - x[i - 1])
+
+    def __str__(self) -> str:
+        return f"{self.n_layer} layers at batch {self.batch_size}"
+
+
+# The cpu preset's shapes (conf/model/small.yaml's 128-wide model at these depths and batches), each with the
+# best val loss that runs of so many steps reached: docs/training.md lists the runs and how to repeat them.
+SHAPES = (
+    Shape(2, 32, ((700, 1.6135), (1200, 1.5561), (2000, 1.5141))),
+    Shape(3, 32, ((500, 1.6499), (696, 1.5781), (1150, 1.5164), (2001, 1.4871))),
+    Shape(4, 32, ((600, 1.5926), (872, 1.5366), (981, 1.5214), (1650, 1.4768), (3234, 1.4649))),
+    Shape(6, 24, ((600, 1.6132), (1000, 1.5319), (1549, 1.4834), (2843, 1.4553))),
+)
+SIZED = ("model.n_layer", "train.batch_size")  # what sizing chooses; naming either chooses it instead
+TIMED_STEPS = 3  # timed after one untimed step; their median is a step's cost
+
+
+def sizing(settings: Settings, named: set[str] | None, world_size: int) -> str | None:
+    """Why the run is not sized to the machine, or None if it is: the preset asks for it (train.size_to_host),
+    the run has a budget, a single process, and no model field or batch named on the command line."""
+    tc = settings.train
+    if not tc.size_to_host:
+        return "not asked"
+    if tc.resume is not None:
+        return "a resumed run keeps its shape"
+    if tc.max_iters is not None:
+        return "train.max_iters names the steps"
+    if world_size > 1:
+        return f"{world_size} processes"
+    if named is None:
+        return "every setting as given"
+    fixed = sorted(key for key in named if key in SIZED or key.startswith("model"))
+    return f"{', '.join(fixed)} named" if fixed else None
+
+
+def step_seconds(settings: Settings, data: PreparedData, device: torch.device) -> float:
+    """What one training step of these settings costs here now: the median of TIMED_STEPS steps of a throwaway
+    model, after one untimed step."""
+    model = GPT(dataclasses.replace(settings.model, vocab_size=len(data.vocab))).to(device)
+    trainer = Trainer(settings, model, data, device, run_dir=None, summaries=None)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    seconds = []
+    for i in range(TIMED_STEPS + 1):
+        start = time.perf_counter()
+        trainer.train_step()
+        sync()
+        if i:
+            seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
+
+
+def steps_affordable(settings: Settings, step_s: float, spent_s: float) -> int:
+    """About how many steps the budget buys at step_s a step, once spent_s are gone: evaluations counted at a
+    third of a step per batch (a forward pass), every eval_interval steps and at the end."""
+    tc = settings.train
+    seconds = tc.max_minutes * 60 * (1 - MARGIN) - spent_s
+    evaluation_s = 2 * tc.eval_iters * step_s / 3
+    per_step = step_s + evaluation_s / tc.eval_interval
+    return max(0, math.floor((seconds - 2 * evaluation_s) / per_step))
+
+
+def choose_threads(settings: Settings, data: PreparedData, device: torch.device) -> tuple[int, str, float | None]:
+    """Set torch's thread count to train.threads, or to the count whose step of these settings is fastest now;
+    return the count, why it was chosen, and that step's seconds (None where nothing was timed)."""
+    tc = settings.train
+    fixed = tc.threads or environment_threads()
+    if fixed or device.type != "cpu" or tc.compile or len(thread_counts()) == 1:
+        torch.set_num_threads(fixed or DEFAULT_THREADS)
+        return fixed or DEFAULT_THREADS, ("as train.threads names" if tc.threads else
+                                          "as OMP_NUM_THREADS names" if fixed else
+                                          "a compiled step is not timed" if tc.compile and device.type == "cpu"
+                                          else "torch's default"), None
+    threads, seconds = fastest_threads(lambda: step_seconds(settings, data, device))
+    return threads, "the fastest now: " + ", ".join(f"{n} took {s:.3g} s a step" for n, s in seconds.items()), \
+        seconds[threads]
+
+
+def kept_on_resume(settings: Settings, named: set[str] | None) -> tuple[str, ...]:
+    """What a resumed run takes from its checkpoint rather than from the preset: the shape sizing chose."""
+    return tuple(key for key in SIZED if named is not None and key not in named) if settings.train.size_to_host \
+        else ()
+
+
+def size_to_host(settings: Settings, named: set[str] | None, data: PreparedData, device: torch.device,
+                 world_size: int, started_at: float) -> tuple[Settings, str, str]:
+    """The settings with train.threads, and where the run is sized, model.n_layer and train.batch_size, chosen
+    for this machine now (see the module's docstring); with what was chosen, in a few words, and why."""
+    not_sized = sizing(settings, named, world_size)
+    shapes = {shape: settings.replaced({"model.n_layer": shape.n_layer, "train.batch_size": shape.batch_size})
+              for shape in (SHAPES if not_sized is None else ())}
+    # the threads are timed on the smallest shape, the cheapest to time, when the run is sized
+    threads, why_threads, step_s = choose_threads(next(iter(shapes.values()), settings), data, device)
+    settings = settings.replaced({"train.threads": threads})
+    chosen = f"{threads} thread{'s' if threads > 1 else ''}"
+    if not_sized is not None:
+        why_shape = f"; the model as configured ({not_sized})" if settings.train.size_to_host else ""
+        return settings, chosen, f"threads: {threads}, {why_threads}{why_shape}"
+    predictions = []
+    for shape, candidate in shapes.items():
+        candidate = candidate.replaced({"train.threads": threads})
+        if step_s is None or shape is not SHAPES[0]:
+            step_s = step_seconds(candidate, data, device)
+        steps = steps_affordable(candidate, step_s, time.perf_counter() - started_at)
+        predictions.append((shape.predicted_loss(steps), shape, step_s, steps, candidate))
+    loss, shape, _, steps, settings = min(predictions, key=lambda p: p[0])
+    timed = ", ".join(f"{s.n_layer} layers {step_s:.3g} s a step, {n} steps, {p:.3f}"
+                      for p, s, step_s, n, _ in predictions)
+    return settings, f"{shape} with {chosen}, sized to this machine", (
+        f"sized: {shape} predict the lowest best val loss ({loss:.3f}) for the {steps} steps that fit here "
+        f"({timed}); threads: {threads}, {why_threads}")
