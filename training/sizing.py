@@ -108,9 +108,9 @@ def steps_affordable(settings: Settings, step_s: float, spent_s: float) -> int:
     return max(0, math.floor((seconds - 2 * evaluation_s) / per_step))
 
 
-def choose_threads(settings: Settings, data: PreparedData, device: torch.device) -> tuple[int, str, float | None]:
+def choose_threads(settings: Settings, data: PreparedData, device: torch.device) -> tuple[int, str]:
     """Set torch's thread count to train.threads, or to the count whose step of these settings is fastest now;
-    return the count, why it was chosen, and that step's seconds (None where nothing was timed)."""
+    return the count and why it was chosen."""
     tc = settings.train
     fixed = tc.threads or environment_threads()
     if fixed or device.type != "cpu" or tc.compile or len(thread_counts()) == 1:
@@ -118,10 +118,9 @@ def choose_threads(settings: Settings, data: PreparedData, device: torch.device)
         return fixed or DEFAULT_THREADS, ("as train.threads names" if tc.threads else
                                           "as OMP_NUM_THREADS names" if fixed else
                                           "a compiled step is not timed" if tc.compile and device.type == "cpu"
-                                          else "torch's default"), None
+                                          else "torch's default")
     threads, seconds = fastest_threads(lambda: step_seconds(settings, data, device))
-    return threads, "the fastest now: " + ", ".join(f"{n} took {s:.3g} s a step" for n, s in seconds.items()), \
-        seconds[threads]
+    return threads, "the fastest now: " + ", ".join(f"{n} took {s:.3g} s a step" for n, s in seconds.items())
 
 
 def kept_on_resume(settings: Settings, named: set[str] | None) -> tuple[str, ...]:
@@ -137,8 +136,9 @@ def size_to_host(settings: Settings, named: set[str] | None, data: PreparedData,
     not_sized = sizing(settings, named, world_size)
     shapes = {shape: settings.replaced({"model.n_layer": shape.n_layer, "train.batch_size": shape.batch_size})
               for shape in (SHAPES if not_sized is None else ())}
-    # the threads are timed on the smallest shape, the cheapest to time, when the run is sized
-    threads, why_threads, step_s = choose_threads(next(iter(shapes.values()), settings), data, device)
+    # the threads are timed on the smallest shape, the cheapest to time, when the run is sized; every shape
+    # is then timed afresh, once the process's memory has grown to what a step needs
+    threads, why_threads = choose_threads(next(iter(shapes.values()), settings), data, device)
     settings = settings.replaced({"train.threads": threads})
     chosen = f"{threads} thread{'s' if threads > 1 else ''}"
     if not_sized is not None:
@@ -147,8 +147,7 @@ def size_to_host(settings: Settings, named: set[str] | None, data: PreparedData,
     predictions = []
     for shape, candidate in shapes.items():
         candidate = candidate.replaced({"train.threads": threads})
-        if step_s is None or shape is not SHAPES[0]:
-            step_s = step_seconds(candidate, data, device)
+        step_s = step_seconds(candidate, data, device)
         steps = steps_affordable(candidate, step_s, time.perf_counter() - started_at)
         predictions.append((shape.predicted_loss(steps), shape, step_s, steps, candidate))
     loss, shape, _, steps, settings = min(predictions, key=lambda p: p[0])
