@@ -39,7 +39,7 @@ from model.speculative import PromptLookup, SpeculativeStats, speculative_genera
 from model.quantize import PRECISIONS
 from training.checkpoint import load_model, resolve_checkpoint, trained_on
 from training.devices import (DEFAULT_THREADS, choose_device, environment_threads, fastest_threads, memory_of,
-                              thread_counts, timed)
+                              thread_counts)
 from training.errors import MISTAKES, CheckpointError, UsageError, check_standard_streams, fail, one_line, silence
 from training.runs import find_latest_checkpoint
 
@@ -194,11 +194,10 @@ def choose_threads(args, model: GPT, prompt_ids: list[int], device: torch.device
         return fixed or DEFAULT_THREADS
     idx = torch.tensor([prompt_ids[-DECODE_TIMED:]] * args.num_samples, device=device)
 
-    def decode_seconds() -> float:  # greedy: the timing draws nothing from the samples' generator
-        return min(timed(lambda: list(generate_tokens(model, idx, DECODE_TIMED, sampling=Sampling(temperature=0))))
-                   for _ in range(2))
+    def decode():  # greedy: the timing draws nothing from the samples' generator
+        list(generate_tokens(model, idx, DECODE_TIMED, sampling=Sampling(temperature=0)))
 
-    return fastest_threads(decode_seconds)[0]
+    return fastest_threads(decode, rounds=3)[0]
 
 
 @contextlib.contextmanager

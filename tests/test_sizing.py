@@ -43,19 +43,26 @@ def test_every_recorded_shape_predicts_less_loss_from_more_steps():
 
 @pytest.fixture
 def timed(monkeypatch):
-    """step_seconds runs its real steps, then reports the seconds that `table` gives a shape's depth at the
-    thread count in force: the choice is then the test's, the steps as real as the run's."""
-    table = {}
-    real = sizing.step_seconds
+    """Each training step that sizing times runs for real (with one thread, whatever count it is timed at: two
+    threads' steps stall on a busy machine), and takes on the clock that time_in_turns reads the seconds that
+    `table` gives its depth at that count: the choice is then the test's, the steps as real as the run's."""
+    table, now = {}, [0.0]
+    real = sizing.trainer_step
 
-    def step_seconds(settings, data, device):
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # two threads' real steps stall when the suite's machine is busy
-        real(settings, data, device)
-        torch.set_num_threads(threads)
-        return table[settings.model.n_layer, threads]
+    def trainer_step(settings, data, device):
+        step = real(settings, data, device)
 
-    monkeypatch.setattr(sizing, "step_seconds", step_seconds)
+        def timed_step():
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            step()
+            torch.set_num_threads(threads)
+            now[0] += table[settings.model.n_layer, threads]
+
+        return timed_step
+
+    monkeypatch.setattr(sizing, "trainer_step", trainer_step)
+    monkeypatch.setattr(training.devices, "clock", lambda: now[0])
     monkeypatch.setattr(sizing, "SHAPES", (SHALLOW, DEEP))
     monkeypatch.delenv("OMP_NUM_THREADS")
     monkeypatch.setattr(sizing, "DEFAULT_THREADS", 2)

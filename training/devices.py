@@ -3,6 +3,7 @@ whether a training fits in its memory."""
 
 import ctypes
 import os
+import statistics
 import time
 from collections.abc import Callable
 
@@ -61,6 +62,7 @@ def memory_of(device: torch.device) -> int:
 # torch's thread count for this machine, before anything changes it. On a busy machine fewer threads can be
 # faster: a small operation waits for the thread whose core another process holds.
 DEFAULT_THREADS = torch.get_num_threads()
+clock = time.perf_counter  # what time_in_turns reads (a test's clock stands in for it)
 
 
 def environment_threads() -> int | None:
@@ -74,23 +76,28 @@ def thread_counts() -> list[int]:
     return sorted({min(2 ** k, DEFAULT_THREADS) for k in range(DEFAULT_THREADS.bit_length() + 1)})
 
 
-def fastest_threads(seconds: Callable[[], float]) -> tuple[int, dict[int, float]]:
-    """Set torch's thread count to the one for which seconds() (the cost of some work, timed) is least now;
-    return it and every count's seconds."""
-    timed = {}
-    for threads in thread_counts():
-        torch.set_num_threads(threads)
-        timed[threads] = seconds()
-    threads = min(timed, key=timed.get)
+def time_in_turns(works: dict, rounds: int) -> dict:
+    """{key: (work, threads)} -> {key: the median seconds of work()}: each work runs with its thread count, one
+    after another in turns, `rounds` timed turns after an untimed one. A machine's speed drifts from second to
+    second; works timed in turns share the drift, and their comparison holds."""
+    seconds = {key: [] for key in works}
+    for turn in range(rounds + 1):
+        for key, (work, threads) in works.items():
+            torch.set_num_threads(threads)
+            start = clock()
+            work()
+            if turn:
+                seconds[key].append(clock() - start)
+    return {key: statistics.median(times) for key, times in seconds.items()}
+
+
+def fastest_threads(work: Callable[[], object], rounds: int) -> tuple[int, dict[int, float]]:
+    """Set torch's thread count to the one with which work() runs fastest now (time_in_turns); return it and
+    every count's seconds."""
+    seconds = time_in_turns({threads: (work, threads) for threads in thread_counts()}, rounds)
+    threads = min(seconds, key=seconds.get)
     torch.set_num_threads(threads)
-    return threads, timed
-
-
-def timed(work: Callable[[], object]) -> float:
-    """Seconds work() takes, once."""
-    start = time.perf_counter()
-    work()
-    return time.perf_counter() - start
+    return threads, seconds
 
 
 def keep_freed_memory() -> bool:

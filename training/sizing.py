@@ -13,8 +13,8 @@ faster. So the run times its step with each thread count and keeps the fastest.
 
 import dataclasses
 import math
-import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +24,7 @@ from model import GPT
 
 from .budget import MARGIN
 from .config import Settings
-from .devices import DEFAULT_THREADS, environment_threads, fastest_threads, thread_counts
+from .devices import DEFAULT_THREADS, environment_threads, fastest_threads, thread_counts, time_in_turns
 from .loop import Trainer
 
 
@@ -61,7 +61,7 @@ SHAPES = (
     Shape(6, 24, ((600, 1.6132), (1000, 1.5319), (1549, 1.4834), (2843, 1.4553))),
 )
 SIZED = ("model.n_layer", "train.batch_size")  # what sizing chooses; naming either chooses it instead
-TIMED_STEPS = 3  # timed after one untimed step; their median is a step's cost
+TIMED_STEPS = 3  # steps timed of each shape, and at each thread count, after an untimed one; the median counts
 
 
 def sizing(settings: Settings, named: set[str] | None, world_size: int) -> str | None:
@@ -82,20 +82,12 @@ def sizing(settings: Settings, named: set[str] | None, world_size: int) -> str |
     return f"{', '.join(fixed)} named" if fixed else None
 
 
-def step_seconds(settings: Settings, data: PreparedData, device: torch.device) -> float:
-    """What one training step of these settings costs here now: the median of TIMED_STEPS steps of a throwaway
-    model, after one untimed step."""
+def trainer_step(settings: Settings, data: PreparedData, device: torch.device) -> Callable[[], None]:
+    """One training step of a throwaway model with these settings, as a function to time."""
     model = GPT(dataclasses.replace(settings.model, vocab_size=len(data.vocab))).to(device)
     trainer = Trainer(settings, model, data, device, run_dir=None, summaries=None)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    seconds = []
-    for i in range(TIMED_STEPS + 1):
-        start = time.perf_counter()
-        trainer.train_step()
-        sync()
-        if i:
-            seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds)
+    return lambda: (trainer.train_step(), sync())
 
 
 def steps_affordable(settings: Settings, step_s: float, spent_s: float) -> int:
@@ -119,7 +111,7 @@ def choose_threads(settings: Settings, data: PreparedData, device: torch.device)
                                           "as OMP_NUM_THREADS names" if fixed else
                                           "a compiled step is not timed" if tc.compile and device.type == "cpu"
                                           else "torch's default")
-    threads, seconds = fastest_threads(lambda: step_seconds(settings, data, device))
+    threads, seconds = fastest_threads(trainer_step(settings, data, device), TIMED_STEPS)
     return threads, "the fastest now: " + ", ".join(f"{n} took {s:.3g} s a step" for n, s in seconds.items())
 
 
@@ -144,12 +136,13 @@ def size_to_host(settings: Settings, named: set[str] | None, data: PreparedData,
     if not_sized is not None:
         why_shape = f"; the model as configured ({not_sized})" if settings.train.size_to_host else ""
         return settings, chosen, f"threads: {threads}, {why_threads}{why_shape}"
+    shapes = {shape: candidate.replaced({"train.threads": threads}) for shape, candidate in shapes.items()}
+    seconds = time_in_turns({shape: (trainer_step(candidate, data, device), threads)
+                             for shape, candidate in shapes.items()}, TIMED_STEPS)
     predictions = []
     for shape, candidate in shapes.items():
-        candidate = candidate.replaced({"train.threads": threads})
-        step_s = step_seconds(candidate, data, device)
-        steps = steps_affordable(candidate, step_s, time.perf_counter() - started_at)
-        predictions.append((shape.predicted_loss(steps), shape, step_s, steps, candidate))
+        steps = steps_affordable(candidate, seconds[shape], time.perf_counter() - started_at)
+        predictions.append((shape.predicted_loss(steps), shape, seconds[shape], steps, candidate))
     loss, shape, _, steps, settings = min(predictions, key=lambda p: p[0])
     timed = ", ".join(f"{s.n_layer} layers {step_s:.3g} s a step, {n} steps, {p:.3f}"
                       for p, s, step_s, n, _ in predictions)
