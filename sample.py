@@ -36,7 +36,7 @@ from data import CharVocab, DataError, UnknownCharacterError, read_regular_file
 from model import GPT, Sampling, generate_tokens, kv_cache_bytes_per_token
 from model.conversation import Conversation
 from model.speculative import PromptLookup, SpeculativeStats, speculative_generate
-from model.quantize import PRECISIONS
+from model.quantize import DECODING_PRECISIONS
 from training.checkpoint import load_model, resolve_checkpoint, trained_on
 from training.devices import (DEFAULT_THREADS, choose_device, environment_threads, fastest_threads, memory_of,
                               thread_counts)
@@ -44,7 +44,7 @@ from training.errors import MISTAKES, CheckpointError, UsageError, check_standar
 from training.runs import find_latest_checkpoint
 
 SAMPLE_SEPARATOR = "---------------\n"
-MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
+MAX_GENERATOR_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
 MEMORY_SHARE = 0.5  # the largest share of the device's memory that the samples' KV cache and tokens may take
 CHUNK = 64  # tokens read back from the device at once when the output is no terminal: each read is a sync
 SPECULATE_K = 4  # --speculate-k's default
@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: the model's, block_size // 2; block_size is the classic crop)")
     parser.add_argument("--threads", metavar="N", type=int,
                         help="CPU threads (default: the count whose decoding is fastest now, timed at start)")
-    parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
+    parser.add_argument("--precision", choices=DECODING_PRECISIONS, default="fp32",
                         help="decode with the weights as trained (fp32), in bf16, or with int8 weights "
                              "quantized when loaded (default: %(default)s)")
     cache.add_argument("--compile", action="store_true",
@@ -288,8 +288,8 @@ def write_samples(steps, prompt: str, vocab: CharVocab, num_samples: int, out, e
 def sample(args) -> None:
     if args.num_samples < 1:
         raise UsageError(f"--num-samples must be >= 1, got {args.num_samples}")
-    if args.seed is not None and not 0 <= args.seed <= MAX_SEED:
-        raise UsageError(f"--seed must be in [0, {MAX_SEED}], got {args.seed}")
+    if args.seed is not None and not 0 <= args.seed <= MAX_GENERATOR_SEED:
+        raise UsageError(f"--seed must be in [0, {MAX_GENERATOR_SEED}], got {args.seed}")
     if args.no_kv_cache and (args.kv_cache or args.read_all_slots):
         raise UsageError(f"{'--kv-cache' if args.kv_cache else '--read-all-slots'} applies to the KV cache: "
                          f"drop it, or --no-kv-cache")

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.configs import model_config, shakespeare  # noqa: E402
 from data import Batches  # noqa: E402
 from model import GPT, GREEDY, generate  # noqa: E402
-from model.quantize import PRECISIONS, Int8Linear, to_precision  # noqa: E402
+from model.quantize import DECODING_PRECISIONS, Int8Linear, to_precision  # noqa: E402
 from training.checkpoint import load_model  # noqa: E402
 
 PROMPT_LEN = 16
@@ -123,7 +123,7 @@ def main() -> None:
           "| cached / bound | cached / fp32 cached |")
     print("|---|---|---|---|---|---|")
     fp32_b1, profiles = None, []
-    for precision in PRECISIONS:
+    for precision in DECODING_PRECISIONS:
         model = GPT(model_config("classic"))
         model.load_state_dict(fp32_state)
         model = to_precision(model.to(device), precision)
@@ -141,7 +141,7 @@ def main() -> None:
 
     if args.checkpoint:
         data = shakespeare()
-        losses = {p: val_loss(load_model(args.checkpoint, device, precision=p)[0], data.val) for p in PRECISIONS}
+        losses = {p: val_loss(load_model(args.checkpoint, device, precision=p)[0], data.val) for p in DECODING_PRECISIONS}
         print(f"\nval loss of {args.checkpoint} (tiny_shakespeare val split, 20 fixed batches of 16):")
         print("| precision | val loss | change from fp32 |")
         print("|---|---|---|")

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.configs import model_config, shakespeare  # noqa: E402
 from bench.decode import PROMPT_LEN  # noqa: E402
 from model import GPT, GREEDY, generate_tokens  # noqa: E402
-from model.quantize import PRECISIONS, to_precision  # noqa: E402
+from model.quantize import DECODING_PRECISIONS, to_precision  # noqa: E402
 from training.checkpoint import load_model  # noqa: E402
 
 ROLLING_NEW_TOKENS = 1024  # 240 inside the first block_size, 784 past it
@@ -124,7 +124,7 @@ def rolling_quality(checkpoint: Path, stretches: int = 8, past: int = 512) -> No
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--precision", choices=PRECISIONS, default="fp32")
+    parser.add_argument("--precision", choices=DECODING_PRECISIONS, default="fp32")
     parser.add_argument("--checkpoint", type=Path, help="a rope checkpoint: val loss through the rolling cache")
     parser.add_argument("--no-speed", action="store_true", help="only the --checkpoint quality figures")
     args = parser.parse_args()

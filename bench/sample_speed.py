@@ -27,7 +27,7 @@ from bench.configs import REPO, model_config  # noqa: E402
 from bench.decode import NEW_TOKENS, PROMPT_LEN, best_seconds  # noqa: E402
 from data import CharVocab  # noqa: E402
 from model import GPT, GREEDY, generate  # noqa: E402
-from model.quantize import PRECISIONS, to_precision  # noqa: E402
+from model.quantize import DECODING_PRECISIONS, to_precision  # noqa: E402
 from training.checkpoint import build_checkpoint, save_checkpoint  # noqa: E402
 
 VOCAB = CharVocab("\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")  # tiny_shakespeare's 65
@@ -62,7 +62,7 @@ def sample_py_tokens_per_s(checkpoint: Path, on_terminal: bool, precision: str) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--precision", choices=PRECISIONS, default="int8")
+    parser.add_argument("--precision", choices=DECODING_PRECISIONS, default="int8")
     args = parser.parse_args()
     assert len(PROMPT) == PROMPT_LEN
 

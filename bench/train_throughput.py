@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.configs import host, settings, shakespeare  # noqa: E402
 from data import PreparedData  # noqa: E402
 from model import GPT  # noqa: E402
-from training.config import PRECISIONS, Settings  # noqa: E402
+from training.config import TRAINING_PRECISIONS, Settings  # noqa: E402
 from training.devices import keep_freed_memory  # noqa: E402
 from training.loop import Trainer  # noqa: E402
 
@@ -59,7 +59,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per shape and mode")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation included)")
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--precisions", nargs="*", default=["auto"], choices=PRECISIONS,
+    parser.add_argument("--precisions", nargs="*", default=["auto"], choices=TRAINING_PRECISIONS,
                         help="train.precision for each shape (auto: what train.py picks on this machine)")
     args = parser.parse_args()
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from .attention import Quantized
 from .gpt import KV_SCALE_DTYPE, KVCache
 
-PRECISIONS = ("fp32", "bf16", "int8")
+DECODING_PRECISIONS = ("fp32", "bf16", "int8")  # what a model is converted to for decoding
 
 
 class QuantizedModelError(RuntimeError):
@@ -94,10 +94,10 @@ class Int8Linear(nn.Module):
 
 
 def to_precision(model: nn.Module, precision: str) -> nn.Module:
-    """Convert a GPT in place for decoding at `precision` (one of PRECISIONS) and return it, in eval mode.
+    """Convert a GPT in place for decoding at `precision` (one of DECODING_PRECISIONS) and return it, in eval mode.
     fp32 leaves it as it is; bf16 and int8 expect fp32 weights, as every checkpoint holds."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if precision not in DECODING_PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(DECODING_PRECISIONS)}, got {precision!r}")
     model.eval()
     if precision == "fp32":
         return model

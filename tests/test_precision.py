@@ -33,7 +33,7 @@ TOKENS = torch.tensor(VOCAB.encode(TEXT))
 SPLIT = int(0.85 * len(TOKENS))
 TRAIN, HELD_OUT = TOKENS[:SPLIT], TOKENS[SPLIT:]
 BLOCK_SIZE = 16
-PRECISIONS = ("fp32", "bf16", "int8")
+PRECISIONS = ("fp32", "bf16", "int8")  # written out: the decoding precisions model/quantize.py offers
 
 # How far cached logits may be from a full forward over the same context, per precision. fp32: the
 # proofs of tests/test_kv_cache.py. bf16 and int8: both paths run the same bf16 operations, and attention in

@@ -23,8 +23,8 @@ from .errors import ConfigError, one_line
 
 OPTIMIZERS = ("adamw", "muon")
 DECAYS = ("cosine", "linear")
-PRECISIONS = ("auto", "bf16", "fp32")  # how training computes: training/devices.py, training_dtype()
-MAX_SEED = 2**32 - 1  # numpy's and CUDA's generators take 32-bit seeds
+TRAINING_PRECISIONS = ("auto", "bf16", "fp32")  # how training computes: training/devices.py, training_dtype()
+MAX_TRAINING_SEED = 2**32 - 1  # numpy's and CUDA's generators take 32-bit seeds
 
 
 def _require(owner, ok, what: str, *names: str) -> None:
@@ -119,10 +119,10 @@ class TrainConfig:
             raise ValueError("max_iters is null and so is max_minutes: set the steps (max_iters) or a budget in "
                              "minutes (max_minutes)")
         _require(self, lambda v: v >= 0, "a non-negative integer", "sample_tokens")
-        _require(self, lambda v: 0 <= v <= MAX_SEED, f"an integer in [0, {MAX_SEED}]", "seed")
+        _require(self, lambda v: 0 <= v <= MAX_TRAINING_SEED, f"an integer in [0, {MAX_TRAINING_SEED}]", "seed")
         _require(self, lambda v: v != "", "at least one character", "sample_prompt")
         _require(self, lambda v: v is None or 0 < v < 1, "in (0, 1), or null for no average", "ema_decay")
-        _require(self, lambda v: v in PRECISIONS, " or ".join(PRECISIONS), "precision")
+        _require(self, lambda v: v in TRAINING_PRECISIONS, " or ".join(TRAINING_PRECISIONS), "precision")
         _require(self, lambda v: v is None or v >= 1, "a positive integer, or null for the fastest now", "threads")
 
 
