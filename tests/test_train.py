@@ -523,11 +523,15 @@ def test_a_budget_run_whose_steps_slow_down_ends_at_its_budget_and_resumes_to_it
         assert torch.equal(planned_run["model"][name], weight), name
 
 
-@pytest.mark.parametrize("left_s, ends", [(EXIT_S / 2, True), (EXIT_S + 0.5, False)],
-                         ids=["less than the exit's reserve", "more"])
-def test_a_slowed_run_ends_early_enough_for_the_process_to_exit(tmp_path, data_root, monkeypatch, left_s, ends):
+@pytest.mark.parametrize("left_s, due, ends", [(EXIT_S / 2, False, True), (EXIT_S + 0.5, False, False),
+                                                (EXIT_S + 0.4, True, True), (EXIT_S + 0.6, True, False)],
+                         ids=["less than the exit's reserve", "more", "less, after this step's own evaluation",
+                              "more, after this step's own evaluation"])
+def test_a_slowed_run_ends_early_enough_for_the_process_to_exit(tmp_path, data_root, monkeypatch, left_s, due,
+                                                                ends):
     """A planned run ends when one more step and the final evaluation would leave less than EXIT_S of the
-    budget (0.1 min) for the process to exit: steps of 0.1 s, evaluations of 0.5 s, left_s to spare after both."""
+    budget (0.1 min) for the process to exit: steps of 0.1 s, evaluations of 0.5 s, left_s to spare after both.
+    A step that evaluates anyway (due) must leave room for that evaluation too."""
     settings = validate(config(tmp_path, data_root, *BUDGET, *HOLD))
     data = train.prepare_data(settings)
     trainer = Trainer(settings, GPT(dataclasses.replace(settings.model, vocab_size=len(data.vocab))), data,
@@ -538,7 +542,7 @@ def test_a_slowed_run_ends_early_enough_for_the_process_to_exit(tmp_path, data_r
     trainer.clock = deque([(0, now - 1.0)])  # 10 steps in the last second
     trainer.evaluation_s = [(now - 2.0, 0.5)]  # the latest evaluation, before those steps
     trainer.started_at = now + 0.1 + 0.5 + left_s - 6.0  # the budget ends left_s after one more step and evaluation
-    assert trainer.out_of_time() is ends
+    assert trainer.out_of_time(due) is ends
 
 
 def test_a_budget_run_stopped_before_its_length_was_fixed_resumes_and_fixes_it(tmp_path, data_root, monkeypatch):

@@ -132,8 +132,10 @@ class Trainer:
                         tc = self.tc
                         bar.total = tc.max_iters
                         bar.refresh()
-                    out_of_time = self.planned_step_s is not None and self.step < tc.max_iters and self.out_of_time()
-                    evaluating = self.step % tc.eval_interval == 0 or self.step == tc.max_iters or out_of_time
+                    due = self.step % tc.eval_interval == 0  # an evaluation this step takes anyway
+                    out_of_time = self.planned_step_s is not None and self.step < tc.max_iters and \
+                        self.out_of_time(due)
+                    evaluating = due or self.step == tc.max_iters or out_of_time
                     if evaluating or self.step % tc.log_interval == 0:
                         self.log_pending(bar)
                     if evaluating:
@@ -191,13 +193,14 @@ class Trainer:
         step_s = (now - first_time - evaluating_s) / (self.step - first_step)
         return step_s, self.evaluation_s[-1][1] if self.evaluation_s else 0.0
 
-    def out_of_time(self) -> bool:
+    def out_of_time(self, due: bool) -> bool:
         """Once a budget has fixed the length: whether one more step and the final evaluation would end past the
-        budget less EXIT_S (for the process's exit), the machine having slowed down since the plan. The run then
-        ends here, evaluated and saved: the first steps of the plan it printed, which train.resume trains on to its
-        end. Rank 0's clock decides."""
+        budget less EXIT_S (for the process's exit), the machine having slowed down since the plan; due: this step
+        evaluates anyway, and that evaluation comes first. The run then ends here, evaluated and saved: the first
+        steps of the plan it printed, which train.resume trains on to its end. Rank 0's clock decides."""
         step_s, evaluation_s = self.measured_costs()
-        late = time.perf_counter() + step_s + evaluation_s + EXIT_S > self.started_at + self.tc.max_minutes * 60
+        ahead = (2 if due else 1) * evaluation_s + step_s + EXIT_S
+        late = time.perf_counter() + ahead > self.started_at + self.tc.max_minutes * 60
         if not gather(late, self.world_size)[0]:
             return False
         if self.is_master:
