@@ -168,8 +168,8 @@ class MultiHeadAttention(nn.Module):
         # causal needs no mask tensor when T_q == T_k (SDPA's own is_causal is then the same as ours) or when
         # one query comes last and so sees every key (one decoding step)
         plain = attn_mask is None and key_padding_mask is None and (not is_causal or T_q in (1, T_k))
-        # in `dtype` under autocast too, which would take float32 attention on the CPU back to bf16 (its backward
-        # about 3x slower there than float32's)
+        # in `dtype` under autocast too, which would take float32 attention on the CPU back to bf16, whose backward
+        # is slower there (docs/benchmarks.md)
         with torch.autocast(x.device.type, enabled=False):
             if plain and not need_weights and k_scale is None:
                 # no mask tensor at all: lets SDPA pick its fastest kernel, and builds no T x T mask

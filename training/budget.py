@@ -13,15 +13,12 @@ import os
 import time
 
 # The run aims this far below its budget: the speed of the steps left after the length is fixed still varies
-# (other processes, the processor's clock), and the process takes a moment to exit after its last line. A run
-# that slows down past the margin ends at its budget (Trainer.out_of_time); one that speeds up ends early, so
-# the margin is small: at 4%, fourteen five-minute runs of docs/benchmarks.md landed at 280-295 s, five of them
-# more than 5% short of the budget.
+# (other processes, the processor's clock). A run that slows down past the margin ends at its budget
+# (Trainer.out_of_time); one that speeds up ends early, so the margin is small.
 MARGIN = 0.03
 BUDGET_WINDOW = 100  # the latest steps that measure a step's cost (their evaluations left out)
 # Seconds kept free at the budget's end for the process to exit after its final save (the event file closed, the
-# interpreter torn down; 0.8 s after its last line on a 2-core AVX-512 host): a run that slows down ends early
-# enough to leave them (Trainer.out_of_time).
+# interpreter torn down): a run that slows down ends early enough to leave them (Trainer.out_of_time).
 EXIT_S = 2.0
 
 

@@ -31,10 +31,9 @@ RESOLVED_PRECISIONS = {torch.bfloat16: "bf16", torch.float32: "fp32"}  # what tr
 
 def training_dtype(precision: str, device: torch.device) -> torch.dtype:
     """What train.precision (auto, bf16 or fp32) computes in on `device`: bfloat16 (autocast) or float32. auto
-    takes bf16 on CUDA, and on a CPU with native bf16 products (AVX512-BF16 or AMX), where the cpu preset's step
-    ran 1.9x faster than in float32 on an AVX-512 host; without them (AVX2 alone) bf16 products are emulated,
-    and auto keeps float32, which the presets for such a CPU were measured in. MPS trains in float32: bf16 there
-    is refused, a ValueError."""
+    takes bf16 on CUDA, and on a CPU with native bf16 products (AVX512-BF16 or AMX), where it is the faster
+    (docs/benchmarks.md); without them (AVX2 alone) bf16 products are emulated, and auto keeps float32. MPS
+    trains in float32: bf16 there is refused, a ValueError."""
     if precision == "auto":
         native_cpu = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
         return torch.bfloat16 if device.type == "cuda" or (device.type == "cpu" and native_cpu) else torch.float32

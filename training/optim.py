@@ -32,9 +32,9 @@ def make_optimizers(model: GPT, oc: OptimConfig, fused: bool) -> list[torch.opti
 
 class Muon(torch.optim.Muon):
     """torch.optim.Muon with its Newton-Schulz iteration in float32. torch's runs it in bfloat16, which a CPU
-    without native bf16 matrix products (AVX2 alone, as on many laptops) computes about 10x slower than float32:
-    there the cpu preset's optimiser step took three times its forward and backward pass. The settings, the
-    update and the state (a momentum buffer per matrix, as torch's) are otherwise torch's own."""
+    without native bf16 matrix products (AVX2 alone, as on many laptops) computes far slower than float32
+    (docs/benchmarks.md). The settings, the update and the state (a momentum buffer per matrix, as torch's) are
+    otherwise torch's own."""
 
     def __init__(self, params, **settings):
         if settings.get("adjust_lr_fn") not in (None, "original"):
