@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import train
+import training.budget
 import training.config
 import training.devices
 import training.loop
@@ -94,7 +95,7 @@ def test_a_budget_run_trains_the_shape_and_threads_that_are_predicted_to_learn_m
     threads = 1
     printed = []
     monkeypatch.setattr(train, "write_line", printed.append)
-    monkeypatch.setattr(training.loop, "MARGIN", AIM_AT_HALF)
+    monkeypatch.setattr(training.budget, "MARGIN", AIM_AT_HALF)
     run_dir = tmp_path / "runs/sized"
     train.main(config(tmp_path, data_root, *BUDGET), run_dir, named=set())
     assert f"({shape} with {threads} thread{'s' * (threads > 1)}, sized to this machine)" in printed[0]
@@ -132,7 +133,7 @@ def test_the_choice_is_off_where_the_command_makes_it(tmp_path, data_root, named
 
 def test_a_sized_run_resumes_with_the_shape_it_chose(tmp_path, data_root, timed, monkeypatch):
     timed.update({(1, 1): 0.01, (1, 2): 0.02, (2, 1): 0.02, (2, 2): 0.04})  # the resumed run times its threads
-    monkeypatch.setattr(training.loop, "MARGIN", AIM_AT_HALF)
+    monkeypatch.setattr(training.budget, "MARGIN", AIM_AT_HALF)
     run_dir = tmp_path / "runs/sized"
     train.main(config(tmp_path, data_root, *BUDGET), run_dir, named=set())
     steps = torch.load(run_dir / "last.pt", weights_only=True)["training"]["config"]["train"]["max_iters"]

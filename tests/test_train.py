@@ -26,6 +26,7 @@ from tensorboard.plugins.hparams import plugin_data_pb2
 
 import corpus
 import train
+import training.budget
 import training.config
 import training.loop
 import training.optim
@@ -388,7 +389,7 @@ def budget_run(tmp_path_factory, data_root) -> tuple[Path, int]:
     with pytest.MonkeyPatch.context() as patch:
         printed = []
         patch.setattr(training.loop, "write_line", printed.append)
-        patch.setattr(training.loop, "MARGIN", AIM_AT_HALF)
+        patch.setattr(training.budget, "MARGIN", AIM_AT_HALF)
         train.main(config(tmp_path, data_root, *BUDGET, *HOLD), tmp_path / "runs/budget")
     return tmp_path / "runs/budget", chosen_steps("\n".join(printed))
 
@@ -440,6 +441,14 @@ def test_the_steps_within_a_budget_are_the_most_that_fit_with_their_evaluations(
 
     most = max(n for n in range(2_000) if cost(n) <= max(seconds, 0) + 1e-9)
     assert steps_within(seconds, step_s, evaluation_s, eval_interval, step) == most
+
+
+@pytest.mark.parametrize("budget_s", [6, 60, 66.7, 67, 300])
+def test_a_plan_ends_where_the_early_end_would_not(budget_s):
+    """The plan aims MARGIN below the budget, and never into the EXIT_S that the early end keeps free: a short
+    budget's plan is never cut short by the early end's own rule."""
+    margin = training.budget.MARGIN
+    assert training.budget.planned_seconds(budget_s) == pytest.approx(min(budget_s * (1 - margin), budget_s - EXIT_S))
 
 
 def test_the_budget_counts_from_the_start_of_the_process():
@@ -552,7 +561,7 @@ def test_a_budget_run_stopped_before_its_length_was_fixed_resumes_and_fixes_it(t
     assert stopped["config"]["train"]["max_iters"] is None and stopped["seconds"] > 0
     printed = []
     monkeypatch.setattr(training.loop, "write_line", printed.append)
-    monkeypatch.setattr(training.loop, "MARGIN", AIM_AT_HALF)
+    monkeypatch.setattr(training.budget, "MARGIN", AIM_AT_HALF)
     train.main(config(tmp_path, data_root, *BUDGET, *HOLD, f"train.resume={run_dir}"), run_dir)
     steps = chosen_steps("\n".join(printed))
     last = torch.load(run_dir / "last.pt", weights_only=True)["training"]

@@ -2,7 +2,8 @@
 
 The run measures what its steps, evaluations and checkpoint saves cost here as it trains, and fixes its length
 when the learning rate must begin to decay (the rate before then does not depend on the length): to the most
-steps that end, with their evaluations, within the budget less MARGIN, counted from the start of the process.
+steps that end, with their evaluations, within planned_seconds() of the budget, counted from the start of the
+process.
 The longer the rate holds at its peak (optim.decay_frac below 1), the more of the run is measured before the
 length is fixed, and the closer the run ends to its budget. Should the machine slow down after that, so that one
 more step and the final evaluation would pass the budget, the run ends there, evaluated and saved: the first
@@ -20,6 +21,12 @@ BUDGET_WINDOW = 100  # the latest steps that measure a step's cost (their evalua
 # Seconds kept free at the budget's end for the process to exit after its final save (the event file closed, the
 # interpreter torn down): a run that slows down ends early enough to leave them (Trainer.out_of_time).
 EXIT_S = 2.0
+
+
+def planned_seconds(budget_s: float) -> float:
+    """The seconds of a budget that a run plans its steps and evaluations into: MARGIN below it, and never closer
+    to its end than EXIT_S, which the run's early end keeps free too (Trainer.out_of_time): one rule for both."""
+    return budget_s - max(MARGIN * budget_s, EXIT_S)
 
 
 def process_started() -> float:

@@ -16,7 +16,7 @@ from tqdm import tqdm
 from data import Batches, PreparedData
 from model import GPT
 
-from .budget import BUDGET_WINDOW, EXIT_S, MARGIN, steps_within
+from .budget import BUDGET_WINDOW, EXIT_S, planned_seconds, steps_within
 from .checkpoint import build_checkpoint, save_checkpoint
 from .config import Settings
 from .devices import RESOLVED_PRECISIONS, training_dtype
@@ -158,7 +158,7 @@ class Trainer:
         tc, oc = self.tc, self.settings.optim
         step_s, evaluation_s = self.measured_costs()
         spent_s = time.perf_counter() - self.started_at
-        fits = gather(self.step + steps_within(tc.max_minutes * 60 * (1 - MARGIN) - spent_s, step_s, evaluation_s,
+        fits = gather(self.step + steps_within(planned_seconds(tc.max_minutes * 60) - spent_s, step_s, evaluation_s,
                                                tc.eval_interval, self.step), self.world_size)[0]  # rank 0's plan
         if decay_begins(oc, fits) > self.step:
             return False  # the rate holds until then whatever the length: measure on

@@ -22,7 +22,7 @@ import torch
 from data import PreparedData
 from model import GPT
 
-from .budget import MARGIN
+from .budget import planned_seconds
 from .config import Settings
 from .devices import DEFAULT_THREADS, environment_threads, fastest_threads, thread_counts, time_in_turns
 from .loop import Trainer
@@ -94,7 +94,7 @@ def steps_affordable(settings: Settings, step_s: float, spent_s: float) -> int:
     """About how many steps the budget buys at step_s a step, once spent_s are gone: evaluations counted at a
     third of a step per batch (a forward pass), every eval_interval steps and at the end."""
     tc = settings.train
-    seconds = tc.max_minutes * 60 * (1 - MARGIN) - spent_s
+    seconds = planned_seconds(tc.max_minutes * 60) - spent_s
     evaluation_s = 2 * tc.eval_iters * step_s / 3
     per_step = step_s + evaluation_s / tc.eval_interval
     return max(0, math.floor((seconds - 2 * evaluation_s) / per_step))
