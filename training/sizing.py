@@ -2,7 +2,7 @@
 
 A budget (train.max_minutes) buys a number of steps, and that number depends on the machine. A deeper model
 learns more per step but takes fewer steps. SHAPES records, for each shape the cpu preset may train, the best
-val loss that a run of so many steps reached (docs/training.md says how they were measured). At start-up the
+val loss that a run of so many steps reached (docs/benchmarks.md lists the runs). At start-up the
 run times a few steps of each shape here, counts the steps its budget then buys, and trains the shape whose
 record predicts the lowest val loss at that count.
 
@@ -12,7 +12,6 @@ faster. So the run times its step with each thread count and keeps the fastest.
 """
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ import torch
 from data import PreparedData
 from model import GPT
 
-from .budget import planned_seconds
+from .budget import planned_seconds, steps_within
 from .config import Settings
 from .devices import DEFAULT_THREADS, environment_threads, fastest_threads, thread_counts, time_in_turns
 from .loop import Trainer
@@ -53,7 +52,8 @@ class Shape:
 
 
 # The cpu preset's shapes (conf/model/small.yaml's 128-wide model at these depths and batches), each with the
-# best val loss that runs of so many steps reached: docs/training.md lists the runs and how to repeat them.
+# best val loss that runs of so many steps reached: docs/benchmarks.md lists the runs, docs/training.md how to
+# add one.
 SHAPES = (
     Shape(2, 32, ((700, 1.6135), (1200, 1.5561), (2000, 1.5141))),
     Shape(3, 32, ((500, 1.6499), (696, 1.5781), (1150, 1.5164), (2001, 1.4871))),
@@ -91,13 +91,13 @@ def trainer_step(settings: Settings, data: PreparedData, device: torch.device) -
 
 
 def steps_affordable(settings: Settings, step_s: float, spent_s: float) -> int:
-    """About how many steps the budget buys at step_s a step, once spent_s are gone: evaluations counted at a
-    third of a step per batch (a forward pass), every eval_interval steps and at the end."""
+    """About how many steps the budget buys at step_s a step, once spent_s are gone, as the run's plan counts
+    them (steps_within), with an evaluation at step 0 too: each evaluation's batch counted as a third of a step
+    (a forward pass)."""
     tc = settings.train
-    seconds = planned_seconds(tc.max_minutes * 60) - spent_s
     evaluation_s = 2 * tc.eval_iters * step_s / 3
-    per_step = step_s + evaluation_s / tc.eval_interval
-    return max(0, math.floor((seconds - 2 * evaluation_s) / per_step))
+    return steps_within(planned_seconds(tc.max_minutes * 60) - spent_s - evaluation_s, step_s, evaluation_s,
+                        tc.eval_interval)
 
 
 def choose_threads(settings: Settings, data: PreparedData, device: torch.device) -> tuple[int, str]:
