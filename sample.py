@@ -34,9 +34,10 @@ import torch
 
 from data import CharVocab, DataError, UnknownCharacterError, read_regular_file
 from model import GPT, Sampling, generate_tokens, kv_cache_bytes_per_token
-from model.conversation import Conversation
-from model.speculative import PromptLookup, SpeculativeStats, speculative_generate
-from model.quantize import DECODING_PRECISIONS
+from model.labs.conversation import Conversation
+from model.labs.speculative import PromptLookup, SpeculativeStats, speculative_generate
+from model.labs.quantize import DECODING_PRECISIONS
+from model.labs.ring_cache import kv_cache_dtype
 from training.checkpoint import load_model, resolve_checkpoint, trained_on
 from training.devices import (DEFAULT_THREADS, choose_device, environment_threads, fastest_threads, memory_of,
                               thread_counts)
@@ -93,8 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-cache", choices=KV_CACHES, help="how keys and values are stored: in the dtype "
                         "attention computes in (float, the default), or int8 with a scale per token and head")
     parser.add_argument("--read-all-slots", action="store_true",
-                        help="attend every slot of the cache through its mask, the rule model/gpt.py's KVCache "
-                             "teaches, as compiled and GPU steps do (eagerly on the CPU the filled slots are read)")
+                        help="attend every slot of the cache through the ring's mask (model/labs/ring_cache.py), "
+                             "as compiled and GPU steps do (eagerly on the CPU the filled slots are read)")
     parser.add_argument("--draft", metavar="PATH|lookup",
                         help="speculative decoding: a checkpoint with the same vocabulary (a smaller model) or "
                              "lookup (the text's own continuation of its last few characters) proposes "
@@ -116,7 +117,7 @@ def check_memory(args, prompt_len: int, model, device: torch.device) -> None:
     """Refuse up front samples whose KV cache (as the decoder builds it) and tokens (the int64 sequence it fills)
     would not fit, rather than run out of memory midway. Without the cache, the forward passes hold at least as
     much."""
-    cache_dtype = model.kv_cache_dtype(KV_CACHES[args.kv_cache or "float"])
+    cache_dtype = kv_cache_dtype(model, KV_CACHES[args.kv_cache or "float"])
     cache_bytes = model.config.block_size * kv_cache_bytes_per_token(model.config, cache_dtype)
     per_sample = cache_bytes + (prompt_len + args.max_new_tokens) * torch.long.itemsize
     memory = memory_of(device)

@@ -14,7 +14,7 @@ median (min-max) of --repeats.
 
 train: each design trained by `python train.py preset=cpu` (same steps, each seed), and its best.pt measured:
 parameters, cache bytes per token, best val loss (median and spread over seeds), val loss through the decoder
-(model/decoder_loss.py: the val split streamed through the real cache, 64 streams side by side) beside the
+(model/labs/decoder_loss.py: the val split streamed through the real cache, 64 streams side by side) beside the
 teacher-forced loss under the same context rule, training seconds, and decode tokens/s at batch 1 and 64 with
 the context filled. The preset's own checkpoint is also decoded through the int8 cache. Every design stays in
 the table, whatever it scored.
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.configs import REPO, host, model_config, shakespeare  # noqa: E402
 from bench.curve import read_curve  # noqa: E402
 from model import GPT, kv_cache_bytes_per_token  # noqa: E402
-from model.decoder_loss import decoder_loss, teacher_forced_loss  # noqa: E402
+from model.labs.decoder_loss import decoder_loss, teacher_forced_loss  # noqa: E402
 from training.checkpoint import load_model  # noqa: E402
 
 STEPS = 16  # one-token steps timed after the prefill, the context growing from block_size - STEPS to block_size

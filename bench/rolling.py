@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.configs import model_config, shakespeare  # noqa: E402
 from bench.decode import PROMPT_LEN  # noqa: E402
 from model import GPT, GREEDY, generate_tokens  # noqa: E402
-from model.quantize import DECODING_PRECISIONS, to_precision  # noqa: E402
+from model.labs.quantize import DECODING_PRECISIONS, to_precision  # noqa: E402
 from training.checkpoint import load_model  # noqa: E402
 
 ROLLING_NEW_TOKENS = 1024  # 240 inside the first block_size, 784 past it

@@ -4,8 +4,8 @@
     python bench/speculative.py --checkpoint runs/<big> --draft runs/<small>         # also a draft checkpoint
     python bench/speculative.py --ceiling-only                                       # the verification pass alone
 
-Decoding: --new-tokens new tokens after "ROMEO:" from --checkpoint, plain cached decoding (model/generate.py) and
-speculative decoding (model/speculative.py) with prompt lookup and with --draft, for each k, at temperature 0 and
+Decoding: --new-tokens new tokens after "ROMEO:" from --checkpoint, plain cached decoding (model/labs/generate.py) and
+speculative decoding (model/labs/speculative.py) with prompt lookup and with --draft, for each k, at temperature 0 and
 0.8. Each figure is the median of --repeats runs with their spread (min-max); every ratio is taken within this run.
 Greedy speculative text is checked against plain greedy text; sampled text differs by design (the same
 distribution, other draws), so at 0.8 the acceptance rate and the tokens per model pass are what to read.
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.configs import host, model_config  # noqa: E402
 from bench.decode import fmt, rates, timings  # noqa: E402
 from model import GPT, GREEDY, Sampling, generate  # noqa: E402
-from model.speculative import PromptLookup, SpeculativeStats, speculative_generate  # noqa: E402
+from model.labs.speculative import PromptLookup, SpeculativeStats, speculative_generate  # noqa: E402
 from training.checkpoint import load_model  # noqa: E402
 
 BENCH_PROMPT = "ROMEO:"

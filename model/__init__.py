@@ -1,9 +1,13 @@
-"""The model: attention block, decoder-only GPT, its KV cache and the decoding loop. Knows nothing of files,
-configs or logging."""
+"""The model. The core, read first: attention.py, gpt.py and kv_cache.py (the plain path: one design, a float
+cache, one token per step). Each module in labs/ adds one idea to it. Knows nothing of files, configs or logging."""
 
-from .attention import MultiHeadAttention, causal_mask
-from .generate import GREEDY, Sampling, generate, generate_tokens, greedy_decode
-from .gpt import GPT, GPTConfig, KVCache, LayerKV, kv_cache_bytes_per_token
+from .attention import CausalSelfAttention, causal_mask
+from .gpt import GPT, GPTConfig
+from .kv_cache import KVCache, LayerKV, greedy_decode
+from .labs.generate import GREEDY, Sampling, generate, generate_tokens
+from .labs.multihead import MultiHeadAttention
+from .labs.ring_cache import RingKVCache, kv_cache_bytes_per_token
 
-__all__ = ["GPT", "GPTConfig", "GREEDY", "KVCache", "LayerKV", "MultiHeadAttention", "Sampling", "causal_mask",
-           "generate", "generate_tokens", "greedy_decode", "kv_cache_bytes_per_token"]
+__all__ = ["GPT", "GPTConfig", "GREEDY", "CausalSelfAttention", "KVCache", "LayerKV", "MultiHeadAttention",
+           "RingKVCache", "Sampling", "causal_mask", "generate", "generate_tokens", "greedy_decode",
+           "kv_cache_bytes_per_token"]

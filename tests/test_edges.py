@@ -27,7 +27,7 @@ import corpus
 import train
 import training.runs
 from data import CharVocab
-from model import GPT, GREEDY, GPTConfig, KVCache, Sampling, generate
+from model import GPT, GREEDY, GPTConfig, RingKVCache, Sampling, generate
 from test_train import TINY, config, data_overrides
 from tiny_models import random_model, random_tokens
 from training.checkpoint import CheckpointError, build_checkpoint, save_checkpoint
@@ -921,7 +921,7 @@ def test_generate_misuse_is_a_value_error_naming_the_argument(model, case, argum
         kwargs["cache"] = model.new_kv_cache(3)
     elif case == "a cache shorter than block_size":
         c = model.config  # a cache of its own making: model.new_kv_cache refuses fewer slots than block_size
-        kwargs["cache"] = KVCache(c.n_layer, 2, c.n_kv_head, c.block_size - 1, c.head_dim)
+        kwargs["cache"] = RingKVCache(c.n_kv_layer, 2, c.n_kv_head, c.block_size - 1, c.head_dim)
         with pytest.raises(ValueError, match="max_len"):
             model.new_kv_cache(2, max_len=c.block_size - 1)
     elif case == "float idx":
@@ -1036,7 +1036,7 @@ def test_the_gpu_preset_compiled_trains_a_few_steps_at_a_tiny_size(tmp_path, dat
 @pytest.mark.parametrize("kv_cache", [None, "int8"])
 def test_the_memory_check_counts_the_cache_the_decoder_really_builds(monkeypatch, kv_cache):
     import sample
-    from model.quantize import to_precision
+    from model.labs.quantize import to_precision
 
     model = to_precision(random_model(), "bf16")
     cache = model.new_kv_cache(1, dtype=torch.int8 if kv_cache else None)

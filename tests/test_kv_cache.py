@@ -8,8 +8,9 @@ import functools
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from model import GPT, GREEDY, KVCache, MultiHeadAttention, generate, generate_tokens
+from model import GPT, GPTConfig, GREEDY, CausalSelfAttention, KVCache, RingKVCache, generate, generate_tokens
 from tiny_models import BLOCK_SIZE, VOCAB, random_model, random_tokens, tiny_config, train_briefly
 
 
@@ -57,7 +58,7 @@ def attention_path(request, monkeypatch):
     """Both ways a cached forward attends: to the filled slots only (eager, on the CPU), and to all max_len
     slots through the cache's mask (static shapes: what a compiled step runs), forced here without compiling."""
     if request.param == "all slots, masked":
-        monkeypatch.setattr(KVCache, "static_shapes", property(lambda self: True))
+        monkeypatch.setattr(RingKVCache, "static_shapes", property(lambda self: True))
     yield request.param
 
 
@@ -105,22 +106,25 @@ def test_dropout_config_in_eval_mode_is_deterministic():
     assert not torch.equal(model.train()(prompt)[0], model(prompt)[0])  # ...and does drop out in training
 
 
-@pytest.mark.parametrize("need_weights", [False, True], ids=["sdpa", "explicit"])
-def test_attention_block_with_a_layer_cache_equals_full_causal_attention(need_weights):
+@pytest.mark.parametrize("ring", [False, True], ids=["plain cache", "ring, masked"])
+def test_attention_block_with_a_layer_cache_equals_full_causal_attention(ring):
     """The bare block: a 4-token prefill, then one token at a time, then a 3-token chunk, all through one
-    layer's cache with the cache's own mask, equal full causal self-attention over the sequence."""
+    layer's cache (the plain one, or the ring with its own mask over every slot), equal full causal
+    self-attention over the sequence, computed here by torch's SDPA from the block's own projections."""
     torch.manual_seed(0)
-    mha = MultiHeadAttention(12, 3).eval()
+    attn = CausalSelfAttention(GPTConfig(vocab_size=2, block_size=10, n_layer=1, n_head=3, n_embd=12), 0).eval()
     x = torch.randn(2, 10, 12)
-    expected, _ = mha(x, is_causal=True)
-    cache = KVCache(n_layer=1, batch_size=2, n_kv_head=3, max_len=10, head_dim=4)
+    q, k, v = (t.view(2, 10, 3, 4).transpose(1, 2) for t in attn.qkv(x).split(12, dim=-1))
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(2, 10, 12)
+    expected = attn.out_proj(y)
+    shape = dict(n_kv_layer=1, batch_size=2, n_kv_head=3, max_len=10, head_dim=4)
+    cache = RingKVCache(**shape, read_all_slots=True) if ring else KVCache(**shape)
     outs, t = [], 0
     for n in (4, 1, 1, 1, 3):
-        new = cache.pos + torch.arange(n)  # the new tokens' numbers, and with max_len 10 their slots too
-        out, _ = mha(x[:, t:t + n], attn_mask=cache.attn_mask(new), cache=cache.layer(0, new, n_read=None),
-                     need_weights=need_weights)
+        _, mask, slots, n_read = cache.for_tokens(n)
+        assert (mask is not None) == ring
+        outs.append(attn(x[:, t:t + n], mask, None, cache.layer(0, slots, n_read)))
         cache.advance(n)
-        outs.append(out)
         t += n
     torch.testing.assert_close(torch.cat(outs, dim=1), expected, atol=1e-6, rtol=1e-5)
 
@@ -237,7 +241,7 @@ def test_cache_buffers_have_shape_b_heads_max_len_head_dim_per_layer(config_name
 
 
 def test_layer_view_writes_in_place_into_the_cache_buffers():
-    cache = KVCache(n_layer=2, batch_size=1, n_kv_head=2, max_len=6, head_dim=3)
+    cache = KVCache(n_kv_layer=2, batch_size=1, n_kv_head=2, max_len=6, head_dim=3)
     k_new, v_new = torch.randn(1, 2, 2, 3), torch.randn(1, 2, 2, 3)
     k, v = cache.layer(1, torch.arange(2), n_read=None).update(k_new, v_new)
     assert k.data_ptr() == cache.k[1].data_ptr()  # the whole layer buffer, not a copy
@@ -305,29 +309,30 @@ def test_a_left_padded_row_gets_the_logits_it_gets_alone_with_and_without_the_ca
 # --- which rule runs where ---------------------------------------------------------------------------------
 
 def count_cache_paths(monkeypatch):
-    """Count the calls of the cache's masked rule (attn_mask) and of its faster eager-CPU path."""
-    calls = {"attn_mask": 0, "filled_slots_only": 0}
-    for name in calls:
-        original = getattr(KVCache, name)
+    """Count the calls of the ring's masked rule (RingKVCache.attn_mask) and of the plain cache's rule
+    (KVCache.for_tokens), which the ring runs eagerly on the CPU while no token has left the window."""
+    calls = {"attn_mask": 0, "plain_rule": 0}
+    for key, cls, name in (("attn_mask", RingKVCache, "attn_mask"), ("plain_rule", KVCache, "for_tokens")):
+        original = getattr(cls, name)
 
-        def counting(self, *args, _name=name, _original=original):
-            calls[_name] += 1
+        def counting(self, *args, _key=key, _original=original):
+            calls[_key] += 1
             return _original(self, *args)
 
-        monkeypatch.setattr(KVCache, name, counting)
+        monkeypatch.setattr(cls, name, counting)
     return calls
 
 
 def test_read_all_slots_runs_the_masked_rule_at_every_step_and_gives_the_same_tokens(monkeypatch):
-    """The rule KVCache teaches (every slot, through attn_mask) runs when asked for, on the CPU too; by default an
-    eager CPU step takes the faster path. Both give the same tokens."""
+    """The ring's rule (every slot, through attn_mask) runs when asked for, on the CPU too; by default an eager CPU
+    step runs the plain cache's rule. Both give the same tokens."""
     model = random_model()
     prompt = random_tokens(2, 5)
     calls = count_cache_paths(monkeypatch)
     default = generate(model, prompt, 20, sampling=GREEDY)
-    passes = calls["filled_slots_only"]  # a prefill, one-token steps and a refill past block_size
+    passes = calls["plain_rule"]  # a prefill, one-token steps and a refill past block_size
     assert passes >= 20 and calls["attn_mask"] == 0
-    calls.update(attn_mask=0, filled_slots_only=0)
+    calls.update(attn_mask=0, plain_rule=0)
     masked = generate(model, prompt, 20, sampling=GREEDY, cache=model.new_kv_cache(2, read_all_slots=True))
-    assert calls == {"attn_mask": passes, "filled_slots_only": 0}  # the same passes, each through the mask
+    assert calls == {"attn_mask": passes, "plain_rule": 0}  # the same passes, each through the mask
     assert torch.equal(masked, default)

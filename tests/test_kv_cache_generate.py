@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from model import GPT, GREEDY, KVCache, Sampling, generate, generate_tokens, greedy_decode
+from model import GPT, GREEDY, KVCache, RingKVCache, Sampling, generate, generate_tokens, greedy_decode
 from model.gpt import POSITIONS
 from tiny_models import BLOCK_SIZE, VOCAB, random_model, random_tokens
 
@@ -181,8 +181,8 @@ def bad_generate_call(model, case):
         "negative id": (lambda: generate(model, -prompt - 1, 2), "vocabulary"),
         "cache of another shape": (lambda: generate(model, prompt, 2, cache=random_model(n_layer=3).new_kv_cache(2)),
                                    "another model shape"),
-        "cache of int64": (lambda: generate(model, prompt, 2, cache=KVCache(2, 2, 3, BLOCK_SIZE, 8, dtype=torch.long,
-                                                                             window=BLOCK_SIZE)), "int64"),
+        "cache of int64": (lambda: generate(model, prompt, 2, cache=RingKVCache(2, 2, 3, BLOCK_SIZE, 8, dtype=torch.long,
+                                                                             reach=BLOCK_SIZE)), "int64"),
         "cache of another kind": (lambda: generate(model, prompt, 2, cache=object()), "KVCache"),
     }
     return calls[case]

@@ -11,10 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from model import GPT, GREEDY, MultiHeadAttention, Sampling, generate, generate_tokens, kv_cache_bytes_per_token
-from model import attention
+from model.labs import int8_cache
 from model.attention import rotary, rotate
-from model.decoder_loss import decoder_loss, teacher_forced_loss
-from model.quantize import Int8KVCache, quantize_int8
+from model.labs.decoder_loss import decoder_loss, teacher_forced_loss
+from model.labs.int8_cache import Int8KVCache, Quantized, int8_attention
+from model.labs.quantize import quantize_int8
 from tiny_models import BLOCK_SIZE, random_model, random_tokens
 
 # 4 layers so that kv_share=2 makes two groups; 4 heads of 6 channels (even, for rope)
@@ -262,15 +263,14 @@ def test_int8_attention_folds_the_scales_and_equals_sdpa_on_the_dequantized_keys
     """Attention over int8 keys and values with their scales (an int8 cache's) equals torch's SDPA over the keys and
     values dequantized beforehand, with a padding mask that leaves one row no key at all (zeros, never NaN), eagerly
     in blocks of rows or all at once."""
-    monkeypatch.setattr(attention, "FLOAT_BLOCK_BYTES", 1 if rows_at_a_time else 2**30)
+    monkeypatch.setattr(int8_cache, "FLOAT_BLOCK_BYTES", 1 if rows_at_a_time else 2**30)
     B, T_q, T_k, hs = 3, 2, 9, 6
-    attn = MultiHeadAttention(4 * hs, 4, n_kv_head=n_kv_head).eval()
     torch.manual_seed(0)
     q = torch.randn(B, 4, T_q, hs)
     (k, k_scale), (v, v_scale) = (quantize_int8(torch.randn(B, n_kv_head, T_k, hs), torch.float32) for _ in "kv")
     mask = torch.rand(B, 1, T_q, T_k) > 0.3
     mask[1] = False  # a row that may see no key
-    y, weights = attn.attend(q, k, v, mask, 0.0, need_weights, k_scale, v_scale)
+    y, weights = int8_attention(q, Quantized(k, k_scale), Quantized(v, v_scale), mask, need_weights)
     expected = F.scaled_dot_product_attention(q, k * k_scale, v * v_scale, attn_mask=mask, enable_gqa=n_kv_head < 4)
     expected[1] = 0
     torch.testing.assert_close(y, expected, atol=1e-6, rtol=1e-5)
@@ -290,7 +290,7 @@ def test_int8_cache_decodes_a_batch_in_blocks_of_rows_as_it_does_all_at_once(mon
     prompt, n_pad = random_tokens(3, 7, seed=5), torch.tensor([0, 2, 4])
     logits = {}
     for rows_at_a_time in (False, True):
-        monkeypatch.setattr(attention, "FLOAT_BLOCK_BYTES", 1 if rows_at_a_time else 2**30)
+        monkeypatch.setattr(int8_cache, "FLOAT_BLOCK_BYTES", 1 if rows_at_a_time else 2**30)
         cache = model.new_kv_cache(3, dtype=torch.int8)
         cache.reset(n_pad)
         steps = [model.decode_step(prompt, cache)]

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from model import GPT, GPTConfig, Sampling
+from model.labs.attention_weights import attention_weights, keeping_weights
 
 
 SHAPE = {"vocab_size": 13, "block_size": 16, "n_layer": 2, "n_head": 3, "n_embd": 24}
@@ -78,7 +79,7 @@ def test_changing_token_j_never_changes_logits_at_earlier_positions():
 
 def test_attention_weights_are_causal_rows_summing_to_one_per_layer():
     model = tiny_model()
-    weights = model.attention_weights(torch.randint(0, 13, (2, 6)))
+    weights = attention_weights(model, torch.randint(0, 13, (2, 6)))
     assert len(weights) == 2
     for w in weights:
         assert w.shape == (2, 3, 6, 6)
@@ -86,12 +87,15 @@ def test_attention_weights_are_causal_rows_summing_to_one_per_layer():
         assert (w.triu(diagonal=1) == 0).all()
 
 
-def test_the_weights_path_gives_the_same_logits():
-    """attention_weights runs the explicit path: its hidden states must be those of the SDPA forward."""
-    model = tiny_model()
+@pytest.mark.parametrize("design", [{}, {"n_kv_head": 1, "pos_emb": "rope"}, {"kv_share": 2}], ids=["mha", "mqa-rope", "shared"])
+def test_the_weights_path_gives_the_same_logits(design):
+    """attention_weights runs the explicit path: its logits must be those of the SDPA forward."""
+    model = tiny_model(**design)
     idx = torch.randint(0, 13, (2, 6))
-    hidden, _ = model._trunk(idx, need_weights=True)
-    torch.testing.assert_close(model.lm_head(hidden), model(idx)[0], atol=1e-6, rtol=0)
+    with keeping_weights(model) as weights:
+        explicit = model(idx)[0]
+    assert len(weights) == 2
+    torch.testing.assert_close(explicit, model(idx)[0], atol=1e-6, rtol=0)
 
 
 # --- Sampling.next_token -----------------------------------------------------------------------------------------

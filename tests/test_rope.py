@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from model import GREEDY, KVCache, generate
+from model import GREEDY, KVCache, RingKVCache, generate
 from model.attention import rotary, rotate
 from tiny_models import BLOCK_SIZE, VOCAB, random_model, random_tokens, train_briefly
 
@@ -80,7 +80,7 @@ def attention_path(request, monkeypatch):
     """Both ways a cached forward attends: the filled slots only (eager, on the CPU), and all max_len slots
     through the cache's mask (static shapes: what a compiled step and the GPU run), forced here."""
     if request.param == "all slots, masked":
-        monkeypatch.setattr(KVCache, "static_shapes", property(lambda self: True))
+        monkeypatch.setattr(RingKVCache, "static_shapes", property(lambda self: True))
     yield request.param
 
 
@@ -110,7 +110,7 @@ def sliding_window_forward(model, seq):
     x = model.wte(seq)
     rope = rotary(torch.arange(t), model.config.n_embd // model.config.n_head)
     for block in model.blocks:
-        x, _ = block(x, band, rope)
+        x = block(x, band, rope)
     return model.lm_head(model.ln_f(x))
 
 

@@ -12,7 +12,7 @@ import torch
 import sample
 from data import CharVocab
 from model import GPT, GPTConfig, GREEDY, generate
-from model.conversation import Conversation
+from model.labs.conversation import Conversation
 from training.checkpoint import build_checkpoint, load_model, save_checkpoint
 from test_sample import ENV, NEW_TOKENS, PROMPT, SAMPLE, VOCAB, assert_usage_error, run_sample, sample_ok, tiny_model
 

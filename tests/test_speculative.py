@@ -6,11 +6,11 @@ import copy
 import pytest
 import torch
 
-import model.speculative as speculative
+import model.labs.speculative as speculative
 from model import GPT, GREEDY, Sampling, generate
-from model.cached_text import CachedText
+from model.labs.cached_text import CachedText
 from model.gpt import POSITIONS
-from model.speculative import PromptLookup, SpeculativeStats, speculative_generate
+from model.labs.speculative import PromptLookup, SpeculativeStats, speculative_generate
 from tiny_models import BLOCK_SIZE, VOCAB, random_model, random_tokens, tiny_config
 
 PROMPT_LEN = 5
@@ -196,7 +196,7 @@ def assert_holds_a_fresh_prefill(text: CachedText, accepted: list[int], model: G
     assert fed < len(accepted) and text.tokens[:fed] == accepted[:fed]
     reference, slot_of = fresh_cache(model, accepted[:fed], start)
     cache = text.cache
-    for i in range(max(start, fed - cache.window + 1), fed):
+    for i in range(max(start, fed - cache.reach + 1), fed):
         mine, theirs = (i - start) % cache.max_len, slot_of(i)
         for layer, (k, v) in enumerate(zip(cache.k, cache.v, strict=True)):
             torch.testing.assert_close(k[:, :, mine], reference.k[layer][:, :, theirs], msg=f"key of token {i}")

@@ -31,3 +31,47 @@ def test_each_layer_imports_only_what_is_below_it_and_never_an_entry_point(layer
     for path in files:
         imported = project_imports(path)
         assert imported <= ALLOWED[layer], f"{path.relative_to(REPO)} imports {sorted(imported - ALLOWED[layer])}"
+
+
+CORE = ("model/attention.py", "model/gpt.py", "model/kv_cache.py")  # the plain path, read first
+CORE_MAX_LINES = 450
+
+
+def test_the_core_holds_at_most_450_lines_and_imports_no_lab_up_front():
+    """The core reads in one sitting; a lab is reached only through a pointer inside the branch that needs it."""
+    assert sum(len((REPO / path).read_text().splitlines()) for path in CORE) <= CORE_MAX_LINES
+    for path in CORE:
+        tree = ast.parse((REPO / path).read_text())
+        top_level = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        assert not [n for n in top_level if isinstance(n, ast.ImportFrom) and n.module and "labs" in n.module], path
+
+
+def test_every_lab_imports_only_the_model():
+    for path in sorted((REPO / "model" / "labs").glob("*.py")):
+        assert project_imports(path) <= {"model"}, path
+
+
+def test_a_plain_cached_decode_step_runs_only_the_core():
+    """Every Python function of the project that a plain model's greedy_decode calls is in the three core files:
+    the reading path is what runs (eagerly, on the CPU, the default model)."""
+    import sys
+
+    import torch
+
+    from model import GPT, GPTConfig, greedy_decode
+    for pos_emb in ("learned", "rope"):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=11, block_size=16, n_layer=2, n_head=2, n_embd=8, pos_emb=pos_emb)).eval()
+        called = set()
+
+        def trace(frame, event, arg):
+            path = Path(frame.f_code.co_filename).resolve()
+            if event == "call" and path.suffix == ".py" and REPO in path.parents and not {"tests", ".venv"} & set(path.parts):
+                called.add(str(path.relative_to(REPO)))
+
+        sys.setprofile(trace)
+        try:
+            greedy_decode(model, torch.randint(0, 11, (2, 5)), 8)
+        finally:
+            sys.setprofile(None)
+        assert called == set(CORE), sorted(called)

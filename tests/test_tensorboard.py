@@ -26,6 +26,7 @@ from tensorboard.summary.writer import event_file_writer
 
 import train
 from model import GPT
+from model.labs.attention_weights import attention_weights
 from test_train import config
 from training.checkpoint import load_model
 import training.summaries
@@ -366,7 +367,7 @@ def test_attention_images_one_per_layer_with_the_characters_beside_them(server, 
 
     model, vocab, _ = load_model(logdir / run / "last.pt")
     with torch.no_grad():
-        weights = model.attention_weights(torch.tensor([vocab.encode(context)]))
+        weights = attention_weights(model, torch.tensor([vocab.encode(context)]))
     cell, bar = 256 // BLOCK_SIZE, 256 // BLOCK_SIZE  # 16 pixels a cell; bars as wide
     for layer in range(2):
         shown = server.get("plugin/images/images", run=run, tag=f"sample/attention/layer{layer}", sample=0)

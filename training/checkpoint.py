@@ -27,7 +27,7 @@ import torch
 
 from data import CharVocab, DataError, PreparedData
 from model import GPT, GPTConfig
-from model.quantize import to_precision
+from model.labs.quantize import to_precision
 
 from .errors import CheckpointError, OutputError, one_line
 from .files import write_atomically
@@ -159,7 +159,7 @@ def layout_damage(contents: dict) -> str | None:
 
 
 def load_model(path, device="cpu", prefer: str = "best.pt", precision: str = "fp32") -> tuple[GPT, CharVocab, dict]:
-    """The model (in eval mode, on `device`, converted to `precision` for decoding: model/quantize.py) and
+    """The model (in eval mode, on `device`, converted to `precision` for decoding: model/labs/quantize.py) and
     vocabulary of a checkpoint file or run directory, and the checkpoint's contents."""
     contents = load_checkpoint(path, prefer)
     try:

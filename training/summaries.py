@@ -28,6 +28,7 @@ from torch.utils.tensorboard.summary import image
 from data import CharVocab
 from model import GPT, Sampling, generate
 from model.gpt import POSITIONS
+from model.labs.attention_weights import attention_weights
 
 from .config import DECAYS, OPTIMIZERS
 from .devices import RESOLVED_PRECISIONS
@@ -190,7 +191,7 @@ class Summaries:
         characters = by_position(vocab.decode(context[0].tolist()))
         if step == self.first_step:  # the same at every evaluation
             self.writer.add_text("sample/attention", characters, step)
-        for layer, weights in enumerate(model.attention_weights(context)):  # (1, n_head, T, T)
+        for layer, weights in enumerate(attention_weights(model, context)):  # (1, n_head, T, T)
             description = ATTENTION.format(layer=layer, n_head=weights.shape[1], size=context.shape[1],
                                            characters=characters)
             self.writer.file_writer.add_summary(

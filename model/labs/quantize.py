@@ -1,4 +1,4 @@
-"""Decoding precisions: fp32 (the trained weights as they are), bf16, and int8 weight-only; and an int8 KV cache.
+"""Decoding precisions: fp32 (the trained weights as they are), bf16, and int8 weight-only.
 
     model = to_precision(model, "int8")   # the one place a model changes precision
 
@@ -12,23 +12,13 @@ retraining.
 Per token at batch 1 the blocks' matmuls read every weight once, so decoding on a CPU is bound by memory
 bandwidth: bf16 halves the bytes read and int8 quarters them. A converted model is for decoding only:
 an int8 model refuses train() and state_dict(), so that it is never trained or saved as if it were fp32.
-
-The int8 KV cache (Int8KVCache, model.new_kv_cache(B, dtype=torch.int8)) works with a model of any precision: keys
-and values are stored as int8 with one scale per token and head, the same absmax rule as the weights. Attention
-reads them as they are stored and folds the scales into its sums (MultiHeadAttention.attend): eagerly on the CPU
-the int8 keys and values still become float for the matmuls, a block of rows at a time, but compiled
-(torch.compile) the conversion fuses into the kernels that read the cache, which then reads a quarter of a float32
-cache's bytes.
+The int8 KV cache, which works with a model of any precision, is model/labs/int8_cache.py.
 """
-
-from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention import Quantized
-from .gpt import KV_SCALE_DTYPE, KVCache
 
 DECODING_PRECISIONS = ("fp32", "bf16", "int8")  # what a model is converted to for decoding
 
@@ -110,53 +100,3 @@ def to_precision(model: nn.Module, precision: str) -> nn.Module:
         # outputs (the vocabulary) torch's bf16 matmul takes a slow path on the CPU, several times the int8 one
         model.lm_head = Int8Linear(model.lm_head)
     return model.to(torch.bfloat16)
-
-
-class Int8LayerKV(NamedTuple):
-    """One layer's view of an int8 cache during one forward pass: LayerKV, with a scale beside each key and value."""
-
-    k: torch.Tensor  # (B, n_kv, max_len, hs) int8
-    v: torch.Tensor  # (B, n_kv, max_len, hs) int8
-    k_scale: torch.Tensor  # (B, n_kv, max_len, 1)
-    v_scale: torch.Tensor  # (B, n_kv, max_len, 1)
-    slots: torch.Tensor  # (T,) where the T new keys and values go
-    n_read: int | None  # attention reads slots [:n_read]; None: all max_len of them
-    dtype: torch.dtype  # what attention computes in
-
-    def update(self, k_new, v_new):
-        """Quantize the new keys/values (B, n_kv, T, hs) into their slots; return what attention reads."""
-        for store, scale, new in ((self.k, self.k_scale, k_new), (self.v, self.v_scale, v_new)):
-            q, s = quantize_int8(new, KV_SCALE_DTYPE)
-            store.index_copy_(2, self.slots, q)
-            scale.index_copy_(2, self.slots, s)
-        return self.read()
-
-    def read(self):
-        """The keys and values attention reads, (B, n_kv, n_read or max_len, hs), as they are stored: int8, each
-        with its scales in `dtype`. Attention applies the scales to its scores and weights, never to a float copy
-        of the cache (MultiHeadAttention.attend)."""
-        n = self.n_read
-        return (Quantized(self.k[:, :, :n], self.k_scale[:, :, :n].to(self.dtype)),
-                Quantized(self.v[:, :, :n], self.v_scale[:, :, :n].to(self.dtype)))
-
-
-class Int8KVCache(KVCache):
-    """A KVCache that stores keys and values as int8, with one KV_SCALE_DTYPE scale per token and head: about a
-    quarter of float32's bytes. `dtype` is what attention computes in. Everything else (the ring, the masks,
-    left padding, rollback) is KVCache's."""
-
-    def __init__(self, n_layer: int, batch_size: int, n_kv_head: int, max_len: int, head_dim: int,
-                 dtype=torch.float32, device=None, **kwargs):
-        super().__init__(n_layer, batch_size, n_kv_head, max_len, head_dim, dtype=torch.int8, device=device,
-                         **kwargs)
-        self.compute_dtype = dtype
-        self.add_layer_buffers(("k_scale", "v_scale"), (batch_size, n_kv_head, max_len, 1), KV_SCALE_DTYPE, device)
-
-    @property
-    def nbytes(self) -> int:
-        return super().nbytes + sum(t.nbytes for t in self.layer_buffers("k_scale") + self.layer_buffers("v_scale"))
-
-    def layer(self, i: int, slots: torch.Tensor, n_read: int | None) -> Int8LayerKV:
-        k, v, slots, n_read = super().layer(i, slots, n_read)
-        return Int8LayerKV(k, v, getattr(self, f"k_scale{i}"), getattr(self, f"v_scale{i}"), slots, n_read,
-                           self.compute_dtype)

@@ -11,14 +11,14 @@ import math
 import torch
 
 from .generate import context_limits, moved_start
-from .gpt import GPT
+from ..gpt import GPT
 
 
 class CachedText:
     """tokens: the text, token ids, which callers extend; the cache holds tokens[start:fed].
 
     spare: slots beyond block_size, so that a chunk of up to spare + 1 tokens may cross the ring's end, and so
-    many may be rolled back after it has wrapped (see KVCache).
+    many may be rolled back after it has wrapped (see model/labs/ring_cache.py).
     """
 
     def __init__(self, model: GPT, *, spare: int = 0, window: int | None = None):

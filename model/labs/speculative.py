@@ -31,7 +31,7 @@ import torch
 
 from .cached_text import CachedText
 from .generate import GREEDY, Sampling, check_arguments, is_integer
-from .gpt import GPT
+from ..gpt import GPT
 
 
 @dataclass

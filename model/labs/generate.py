@@ -1,6 +1,6 @@
-"""Decoding, outside the network: how each token is drawn (Sampling), and the loop that prefills the KV cache
-and then feeds one token per step. Start with greedy_decode, the whole idea in ten lines; generate_tokens is the
-real loop, with sampling, ragged batches and contexts longer than block_size.
+"""What the real decoding loop adds to greedy_decode (model/kv_cache.py): how each token is drawn (Sampling),
+ragged batches, many samples of one prompt and contexts longer than block_size. The loop stays outside the
+network; the cache it uses is model/labs/ring_cache.py's ring.
 
     ids = generate(model, prompt, 200, sampling=Sampling(temperature=0.8, top_k=40))
     for next_ids in generate_tokens(model, prompt, 200, sampling=GREEDY):  # (B,) per step, as they come
@@ -8,7 +8,7 @@ real loop, with sampling, ragged batches and contexts longer than block_size.
 
 Past block_size. The model attends at most block_size tokens back, so each row's context is seq[start:]:
 - Rotary positions (pos_emb="rope"): a score depends only on the distance between two tokens, so cached keys
-  stay valid as the sequence grows. The cache is a ring of block_size slots (model/gpt.py's KVCache): the
+  stay valid as the sequence grows. The cache is a ring of block_size slots (RingKVCache): the
   oldest key drops out of view and every step feeds one token, with no prefill ever repeated. Each layer
   attends its last block_size tokens (sliding-window attention), so the last token still depends on up to
   n_layer * (block_size - 1) tokens before it, through the earlier layers: that is the context kept.
@@ -32,23 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .gpt import GPT, GPTConfig, KVCache
-from .quantize import Int8KVCache
-
-
-@torch.no_grad()
-def greedy_decode(model: GPT, idx: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-    """The KV cache's whole idea: read the prompt once (prefill), then feed one token per step, each step's
-    attention reading every earlier key and value from the cache. idx (B, T) -> (B, T + max_new_tokens)."""
-    if idx.size(1) + max_new_tokens > model.config.block_size:
-        raise ValueError("greedy_decode keeps everything in one context of block_size tokens; use generate")
-    cache = model.new_kv_cache(idx.size(0))
-    logits = model.decode_step(idx, cache)  # (B, vocab_size): the prompt's keys and values are now cached
-    for _ in range(max_new_tokens):
-        next_id = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
-        idx = torch.cat([idx, next_id], dim=1)
-        logits = model.decode_step(next_id, cache)  # one token through the model, the past from the cache
-    return idx
+from ..gpt import GPT, GPTConfig
+from .int8_cache import Int8KVCache
+from .ring_cache import RingKVCache
 
 
 # Below this temperature, logits / temperature can overflow float32 to inf and softmax to NaN; the
@@ -117,7 +103,7 @@ GREEDY = Sampling(temperature=0)
 def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampling: Sampling = Sampling(),
              generator: torch.Generator | None = None, window: int | None = None,
              n_pad: Sequence[int] | torch.Tensor | None = None, use_cache: bool = True,
-             cache: KVCache | None = None, compile: bool = False) -> torch.Tensor:
+             cache: RingKVCache | None = None, compile: bool = False) -> torch.Tensor:
     """idx (B, T) -> (B, T + max_new_tokens): the prompt followed by the new tokens. See generate_tokens."""
     new = list(generate_tokens(model, idx, max_new_tokens, sampling=sampling, generator=generator,
                                window=window, n_pad=n_pad, use_cache=use_cache, cache=cache, compile=compile))
@@ -128,12 +114,12 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampling: Sa
 def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampling: Sampling = Sampling(),
                     generator: torch.Generator | None = None, window: int | None = None,
                     n_pad: Sequence[int] | torch.Tensor | None = None, use_cache: bool = True,
-                    cache: KVCache | None = None, compile: bool = False) -> Iterator[torch.Tensor]:
+                    cache: RingKVCache | None = None, compile: bool = False) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, (B,), max_new_tokens times.
 
     sampling: how each token is drawn; generator: a torch.Generator, for reproducible sampling. window: context
     tokens kept when the context passes block_size, for learned positions (see the module's docstring). n_pad:
-    left padding per row. use_cache=False recomputes the whole context at every step; cache is a KVCache to
+    left padding per row. use_cache=False recomputes the whole context at every step; cache is a RingKVCache to
     reuse (from model.new_kv_cache), and compile torch.compiles the one-token step: both need the cache.
     Arguments that cannot work are a ValueError naming the argument.
     """
@@ -201,7 +187,7 @@ def _same_rows(idx: torch.Tensor) -> bool:
     return idx.size(0) > 1 and bool((idx == idx[:1]).all())
 
 
-def _prefill_once(model: GPT, prompt: torch.Tensor, cache: KVCache) -> torch.Tensor:
+def _prefill_once(model: GPT, prompt: torch.Tensor, cache: RingKVCache) -> torch.Tensor:
     """Prefill prompt (1, T) into a one-row cache like `cache`, copy it to all of cache's rows; the last logits,
     (B, vocab_size)."""
     one = model.new_kv_cache(1, cache.max_len, cache.dtype, read_all_slots=cache.read_all_slots)
@@ -252,12 +238,12 @@ def check_arguments(model: GPT, idx, max_new_tokens, window=None, n_pad=None, us
 def check_cache(model: GPT, cache, batch_size: int) -> None:
     """A cache passed in must be one that model.new_kv_cache(batch_size) could have made."""
     c = model.config
-    if not isinstance(cache, KVCache):
-        raise ValueError(f"cache must be a KVCache from model.new_kv_cache, got {type(cache).__name__}")
+    if not isinstance(cache, RingKVCache):
+        raise ValueError(f"cache must be a RingKVCache from model.new_kv_cache, got {type(cache).__name__}")
     layers, (_, heads, _, head_dim) = len(cache.k), cache.k[0].shape
-    if (layers, heads, head_dim, cache.window) != (c.n_kv_layer, c.n_kv_head, c.head_dim, c.block_size):
+    if (layers, heads, head_dim, cache.reach) != (c.n_kv_layer, c.n_kv_head, c.head_dim, c.block_size):
         raise ValueError(f"cache was made for another model shape ({layers} layers of {heads} key/value heads of "
-                         f"{head_dim}, window {cache.window}); use model.new_kv_cache({batch_size})")
+                         f"{head_dim}, reach {cache.reach}); use model.new_kv_cache({batch_size})")
     if cache.batch_size != batch_size or cache.max_len < c.block_size:
         raise ValueError(f"cache holds {cache.batch_size} rows of {cache.max_len} tokens; this generation "
                          f"needs {batch_size} rows of at least block_size={c.block_size}: use "

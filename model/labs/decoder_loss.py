@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from .generate import default_window, generate_tokens
-from .gpt import GPT, KVCache
+from ..gpt import GPT
+from .ring_cache import RingKVCache
 
 
 class TeacherForcing:
@@ -32,10 +33,10 @@ class TeacherForcing:
 
 
 @torch.no_grad()
-def decoder_loss(model: GPT, tokens: torch.Tensor, *, prompt_len: int, cache: KVCache | None = None,
+def decoder_loss(model: GPT, tokens: torch.Tensor, *, prompt_len: int, cache: RingKVCache | None = None,
                  window: int | None = None) -> float:
     """Mean cross-entropy of tokens[:, prompt_len:] (B rows, each its own stream) as cached decoding predicts them:
-    generate_tokens prefills the first prompt_len tokens, then feeds the text one token per step. cache: a KVCache
+    generate_tokens prefills the first prompt_len tokens, then feeds the text one token per step. cache: a RingKVCache
     to decode through (model.new_kv_cache(B) by default; dtype=torch.int8 for the int8 cache); window: as in
     generate."""
     forcing = TeacherForcing(tokens[:, prompt_len:])

@@ -17,7 +17,7 @@ import torch
 
 from .cached_text import CachedText
 from .generate import GREEDY, Sampling, check_arguments
-from .gpt import GPT
+from ..gpt import GPT
 
 
 class Conversation:

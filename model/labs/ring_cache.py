@@ -1,0 +1,151 @@
+"""What a ring adds to the plain KV cache (model/kv_cache.py): decoding past block_size, left-padded rows, static
+shapes for compiled steps and GPUs, and rolling back the last tokens.
+
+The slots are a ring: token t (counted since reset(), left padding included) goes to slot t % max_len, so the
+cache holds the last max_len tokens. A token attends the slots holding itself and the `reach` - 1 tokens before
+it (reach: the model's block_size), never its row's left padding (a padding token sees only itself, so no query
+is left with no key). With learned positions generate() refills the cache before it would wrap
+(model/labs/generate.py). With rotary positions a score depends only on the distance between two tokens, so the
+ring rolls on: the oldest token drops out of view, and every step feeds one token, with no refill.
+
+Which token each slot holds (attn_mask's `held`), for max_len 4 once tokens 0..5 are written (last = 5):
+
+    slot                                   0    1    2    3
+    held = last - (last - slot) % 4        4    5    2    3
+    after tokens 0..1 only (last = 1)      0    1   -2   -1     (negative: empty so far)
+
+A chunk of t tokens writes t slots at once, so its first queries would lose keys they still see, unless
+max_len >= reach + t - 1. max_len = reach serves one token per step, and a chunk that fits before the first
+wrap; speculative decoding, which verifies k + 1 tokens in one pass, asks for reach + k slots. rollback(n) then
+forgets the last n tokens exactly: the slots they overwrote held tokens that no later query sees.
+
+Eagerly on the CPU, while no row is padded and no token has left the window, the ring is the plain cache, and its
+rule runs (KVCache.for_tokens). Past that point one new token still sees every filled slot when the ring is as
+long as the window (their order does not matter to attention), so it needs no mask either. Compiled steps and
+GPUs read all max_len slots through the mask (static shapes); read_all_slots=True asks for that everywhere.
+"""
+
+import torch
+
+from ..attention import causal_mask
+from ..kv_cache import KVCache
+
+
+class RingKVCache(KVCache):
+    """A KVCache whose slots are a ring, rows may start with left padding, and each query sees `reach` tokens."""
+
+    def __init__(self, n_kv_layer: int, batch_size: int, n_kv_head: int, max_len: int, head_dim: int,
+                 dtype=torch.float32, device=None, reach: int | None = None, read_all_slots: bool = False):
+        super().__init__(n_kv_layer, batch_size, n_kv_head, max_len, head_dim, dtype, device)
+        self.register_buffer("n_pad", torch.zeros(batch_size, dtype=torch.long, device=device), persistent=False)
+        self.reach = reach or max_len  # the most tokens a query sees: itself and reach - 1 before it
+        if self.reach > max_len:
+            raise ValueError(f"max_len {max_len} is below the reach of {self.reach} tokens that a query sees: give "
+                             f"at least {self.reach} slots")
+        self.read_all_slots = read_all_slots
+        self.padded = False  # whether reset() was given left padding
+
+    def reset(self, n_pad=None) -> None:
+        """Empty the cache; n_pad (B,) gives how many left-padding tokens each row will start with."""
+        super().reset()
+        self.n_pad.zero_() if n_pad is None else self.n_pad.copy_(n_pad)
+        self.padded = n_pad is not None
+
+    @property
+    def static_shapes(self) -> bool:
+        """Whether attention reads all max_len slots, masked: when asked to (read_all_slots), when compiled (static
+        shapes compile once), and off the CPU (reading `pos` back would wait for the device)."""
+        return self.read_all_slots or torch.compiler.is_compiling() or self.pos.device.type != "cpu"
+
+    def for_tokens(self, t: int):
+        if t > 1 and not torch.compiler.is_compiling() and t > self.longest_chunk():
+            raise ValueError(f"a chunk of {t} tokens must fit in the cache before it first wraps ({self.max_len} "
+                             f"slots, {len(self)} fed), or the cache needs reach + {t - 1} = {self.reach + t - 1} "
+                             f"slots; feed one token at a time past that")
+        if self.static_shapes:
+            new = self.pos + self.slot_ids[:t]  # (t,) the new tokens' numbers since reset
+            return self.positions(new), self.attn_mask(new), new % self.max_len, None
+        fed = len(self) + t
+        if not self.padded and fed <= self.reach:
+            return super().for_tokens(t)  # nothing has left the window: the plain cache's rule
+        new = self.pos + self.slot_ids[:t]
+        slots, n_read = new % self.max_len, min(fed, self.max_len)
+        if not self.padded and t == 1 and self.max_len == self.reach:
+            return new, None, slots, n_read  # one token sees every filled slot
+        return self.positions(new), self.attn_mask(new)[..., :n_read], slots, n_read
+
+    def longest_chunk(self) -> int:
+        """The most tokens the next forward pass may feed: those that fit before the ring first wraps, or
+        max_len - reach + 1 (see the module). Reads `pos` back (a sync on GPU)."""
+        return max(self.max_len - len(self), self.max_len - self.reach + 1)
+
+    def positions(self, new):
+        """(B, t) position of each new token in its row, counted from the row's first real token."""
+        return (new[None, :] - self.n_pad[:, None]).clamp(min=0)
+
+    def attn_mask(self, new):
+        """(B, 1, t, max_len) bool, True where new token i may attend a slot, once the t tokens are written."""
+        last = new[-1]
+        held = last - (last - self.slot_ids) % self.max_len  # (max_len,) the token in each slot; < 0: none yet
+        age = new[:, None] - held[None, :]  # (t, max_len) how far back each slot's token is
+        seen = (held >= 0) & (age >= 0) & (age < self.reach)  # (t, max_len): itself and reach - 1 before it
+        not_pad = held[None, :] >= self.n_pad[:, None]  # (B, max_len)
+        own = held[None, :] == new[:, None]  # (t, max_len)
+        return seen[None, None] & (not_pad[:, None, None, :] | own[None, None])
+
+    def rollback(self, n: int) -> None:
+        """Forget the last n tokens fed (speculative decoding's rejected drafts): the next ones overwrite them."""
+        if not 0 <= n <= len(self):
+            raise ValueError(f"cannot roll back {n} tokens: the cache holds {len(self)}")
+        if n > self.max_len - self.reach + 1 and len(self) > self.max_len:
+            # the last of them overwrote a token that the next one fed would still see
+            raise ValueError(f"cannot roll back {n} tokens of a ring of {self.max_len} slots that has wrapped: it "
+                             f"rolls back max_len - reach + 1 = {self.max_len - self.reach + 1} at most; make "
+                             f"the cache with max_len = reach + {n - 1}")
+        self.pos -= n
+
+    def fill_from(self, other: "RingKVCache") -> None:
+        super().fill_from(other)
+        self.padded = other.padded
+
+
+def uncached_context(t: int, reach: int, n_pad, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions and mask for a forward pass without a cache over t tokens, by the ring's rule: each token sees
+    itself and reach - 1 before it, and a row's left padding (n_pad (B,) or None) is seen by no other token."""
+    pos = torch.arange(t, device=device)  # (t,)
+    mask = causal_mask(t, t, device, reach=reach)  # (t, t): past block_size, rotary models see block_size back
+    if n_pad is None:
+        return pos, mask
+    pos = (pos[None, :] - n_pad[:, None]).clamp(min=0)  # (B, t), counted from each row's first token
+    not_pad = torch.arange(t, device=device)[None, :] >= n_pad[:, None]  # (B, t)
+    own = torch.eye(t, dtype=torch.bool, device=device)
+    return pos, mask & (not_pad[:, None, None, :] | own)  # (B, 1, t, t)
+
+
+def kv_cache_dtype(model, dtype: torch.dtype | None = None) -> torch.dtype:
+    """The dtype new_kv_cache(model, dtype=dtype) stores keys and values in: attention's own unless given."""
+    if dtype is not None and not (dtype.is_floating_point or dtype == torch.int8):
+        raise ValueError(f"a KV cache holds floating-point keys and values, or int8 ones: dtype {dtype}")
+    return dtype or model.attention_dtype
+
+
+def new_kv_cache(model, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None, *,
+                 read_all_slots: bool = False) -> RingKVCache:
+    """An empty cache for batch_size rows, on the model's device. max_len: its slots (default block_size; more let
+    a chunk of tokens wrap the ring). dtype: the dtype attention computes in unless given; torch.int8 stores int8
+    keys and values (model/labs/int8_cache.py). read_all_slots: always read every slot through the mask."""
+    shape = model.kv_cache_shape(batch_size)
+    shape.update(max_len=max_len or shape["max_len"], reach=model.config.block_size, read_all_slots=read_all_slots)
+    dtype = kv_cache_dtype(model, dtype)
+    if dtype == torch.int8:
+        from .int8_cache import Int8KVCache
+        return Int8KVCache(**shape)
+    return RingKVCache(**{**shape, "dtype": dtype})
+
+
+def kv_cache_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """Bytes a KV cache of `dtype` holds per token and row: keys and values, for every layer that projects them
+    (n_layer / kv_share) and each key/value head; int8 adds one KV_SCALE_DTYPE scale per token and head to each."""
+    from .int8_cache import KV_SCALE_DTYPE
+    per_head = config.head_dim * dtype.itemsize + (KV_SCALE_DTYPE.itemsize if dtype == torch.int8 else 0)
+    return 2 * config.n_kv_layer * config.n_kv_head * per_head
