@@ -38,11 +38,10 @@ from model.labs.conversation import Conversation
 from model.labs.speculative import PromptLookup, SpeculativeStats, speculative_generate
 from model.labs.quantize import DECODING_PRECISIONS
 from model.labs.ring_cache import kv_cache_dtype
-from training.checkpoint import load_model, resolve_checkpoint, trained_on
-from training.devices import (DEFAULT_THREADS, choose_device, environment_threads, fastest_threads, memory_of,
+from runtime.checkpoint import find_latest_checkpoint, load_model, resolve_checkpoint, trained_on
+from runtime.devices import (DEFAULT_THREADS, choose_device, environment_threads, fastest_threads, memory_of,
                               thread_counts)
-from training.errors import MISTAKES, CheckpointError, UsageError, check_standard_streams, fail, one_line, silence
-from training.runs import find_latest_checkpoint
+from runtime.errors import CheckpointError, UsageError, check_standard_streams, fail, mistakes, one_line, silence
 
 SAMPLE_SEPARATOR = "---------------\n"
 MAX_GENERATOR_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
@@ -188,7 +187,7 @@ def load_draft(args, model: GPT, vocab: CharVocab, device: torch.device) -> GPT 
 
 def choose_threads(args, model: GPT, prompt_ids: list[int], device: torch.device) -> int:
     """Set torch's CPU threads to --threads, or to the count whose cached decoding is fastest now: on a busy
-    machine one thread can be several times faster than two (training/devices.py)."""
+    machine one thread can be several times faster than two (runtime/devices.py)."""
     fixed = args.threads or environment_threads()
     if fixed or device.type != "cpu" or len(thread_counts()) == 1:
         torch.set_num_threads(fixed or DEFAULT_THREADS)
@@ -381,7 +380,7 @@ def main(argv=None) -> None:
     try:
         check_standard_streams()
         sample(parser.parse_args(argv))
-    except (*MISTAKES, OSError, KeyboardInterrupt) as e:
+    except (*mistakes(), OSError, KeyboardInterrupt) as e:
         fail(parser.prog, e)
 
 

@@ -18,6 +18,7 @@ SIGHUP (a closed terminal) saves last.pt and exits cleanly; a second one interru
 outlives its terminal.
 """
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -40,13 +41,13 @@ from data import (SHAKESPEARE, Batches, DataError, PreparedData, UnknownCharacte
                   prepare_text)
 from model import GPT
 from training.budget import process_started
-from training.checkpoint import resolve_checkpoint, trained_on
+from runtime.checkpoint import resolve_checkpoint, trained_on
 from training.config import TrainConfig, explained, register, validate
-from training.devices import choose_device, keep_freed_memory, memory_needed, memory_of
+from runtime.devices import choose_device, keep_freed_memory, memory_needed, memory_of
 from training.distributed import init_distributed, is_rank_zero
-from training.errors import (ConfigError, OutputError, UsageError, check_standard_streams, exit_status, fail,
+from runtime.errors import (ConfigError, OutputError, UsageError, check_standard_streams, exit_status, fail,
                              one_line, silence, write_line)
-from training.files import remove_stale_temporaries
+from runtime.files import remove_stale_temporaries
 from training.loop import Stopped, Trainer
 from training.resume import load_resume_checkpoint
 from training.runs import continues_in_place, take_run_dir
@@ -66,63 +67,25 @@ def main(cfg: DictConfig, run_dir, preset: str | None = None, named: set[str] | 
     (None: now)."""
     run_dir = Path(run_dir)
     started_at = time.perf_counter() if started_at is None else started_at
-    earlier_events = set(run_dir.glob("events.out.tfevents.*"))
-    settings = validate(cfg, named)
-    resumed, in_place = None, False
-    if settings.train.resume is not None:
-        length_named = named is None or not named.isdisjoint({"train.max_iters", "train.max_minutes"})
-        kept = kept_on_resume(settings, named)
-        resumed, length, kept_values = load_resume_checkpoint(settings.train.resume, settings.config,
-                                                              settings.optim, length_named, kept)
-        settings = settings.replaced(kept_values).planned(*length)
-        in_place = continues_in_place(resolve_checkpoint(settings.train.resume, prefer="last.pt"), run_dir)
-        if in_place and is_rank_zero():  # what a run killed mid-save left beside its checkpoints
-            remove_stale_temporaries(run_dir)
-    tc = settings.train
-    # the run's identity, which its checkpoints record: a new directory's own, or the run's that continues there
-    run_id = resumed["training"].get("run_id") if in_place else uuid.uuid4().hex
+    settings, resumed, run_id = resumed_settings(validate(cfg, named), named, run_dir)
     rank, world_size, device = init_distributed(device_for(cfg.device))
     try:
         if device.type == "cuda":
             torch.set_float32_matmul_precision("high")  # TF32 matmuls where bf16 autocast does not reach
-        data = prepare_data(settings)
-        if resumed is not None and resumed.get("text", {}).get("sha256") != data.sha256:
-            raise ConfigError(f"train.resume: the checkpoint was trained on {trained_on(resumed)}, not on "
-                              f"{data.source}; resume with the text it was trained on (data.text)")
-        model_config = dataclasses.replace(settings.model, vocab_size=len(data.vocab))
-        needed, available = memory_needed(model_config, tc.batch_size), memory_of(device)
-        if needed > available:
-            raise ConfigError(f"the model and train.batch_size={tc.batch_size} need at least {needed / 2**30:,.1f} "
-                              f"GiB, and the {device.type} device has {available / 2**30:,.1f} GiB; choose a "
-                              f"smaller model or batch")
+        data = prepare_data(settings, resumed)
+        check_memory(settings, len(data.vocab), device)
         settings, chosen, why = size_to_host(settings, named, data, device, world_size, started_at)
-        tc = settings.train
         model_config = dataclasses.replace(settings.model, vocab_size=len(data.vocab))
-        torch.manual_seed(tc.seed + rank)  # dropout differs between processes, like their batches
+        torch.manual_seed(settings.train.seed + rank)  # dropout differs between processes, like their batches
         model = GPT(model_config).to(device)
         used = {**settings.config, "model": dataclasses.asdict(model_config)}  # vocab_size filled in from the data
-        summaries = Summaries(run_dir, OmegaConf.to_yaml(used),
-                              first_step=resumed["training"]["step"] if resumed else 0) if rank == 0 else None
-        started = False
-        try:
+        with events(run_dir, OmegaConf.to_yaml(used), resumed, rank) as (summaries, begin):
             trainer = Trainer(settings, model, data, device, run_dir, summaries, resumed, rank, world_size,
                               started_at, run_id=run_id)
             if rank == 0:
-                picked = f"{preset}; " if preset else ""
-                to = tc.max_iters or \
-                    f"the steps that fit in train.max_minutes={tc.max_minutes:g} (measured as it trains)"
-                write_line(f"training {model.num_params() / 1e6:.2f}M parameters ({chosen}) on {device} in "
-                           f"{trainer.precision} ({picked}{world_size} process(es), {trainer.tokens_per_step} tokens "
-                           f"per step) from step {trainer.step} to {to}; run directory {run_dir}")
-                write_line(why)
-            started = True
+                announce(trainer, chosen, why, preset, world_size)
+            begin()
             last_val_loss = trainer.fit()
-        finally:
-            if summaries is not None:
-                summaries.close()
-                if not started:  # a run that never took a step leaves no events behind
-                    for path in set(run_dir.glob("events.out.tfevents.*")) - earlier_events:
-                        path.unlink(missing_ok=True)
         if rank == 0:
             write_line(f"done: val loss {last_val_loss:.4f} (best {trainer.best_val_loss:.4f}); "
                        f"checkpoints in {run_dir}")
@@ -132,9 +95,65 @@ def main(cfg: DictConfig, run_dir, preset: str | None = None, named: set[str] | 
             dist.destroy_process_group()
 
 
-def prepare_data(settings) -> PreparedData:
+def resumed_settings(settings, named: set[str] | None, run_dir: Path) -> tuple:
+    """With train.resume: the settings the resumed run takes (its length, what sizing chose), the checkpoint it
+    continues, and the run's identity, which its checkpoints record (a new directory's own, or the run's that
+    continues there). Without: the settings as they are, None and a new identity."""
+    if settings.train.resume is None:
+        return settings, None, uuid.uuid4().hex
+    length_named = named is None or not named.isdisjoint({"train.max_iters", "train.max_minutes"})
+    resumed, length, kept_values = load_resume_checkpoint(settings.train.resume, settings.config, settings.optim,
+                                                          length_named, kept_on_resume(settings, named))
+    settings = settings.replaced(kept_values).planned(*length)
+    in_place = continues_in_place(resolve_checkpoint(settings.train.resume, prefer="last.pt"), run_dir)
+    if in_place and is_rank_zero():  # what a run killed mid-save left beside its checkpoints
+        remove_stale_temporaries(run_dir)
+    return settings, resumed, resumed["training"].get("run_id") if in_place else uuid.uuid4().hex
+
+
+def check_memory(settings, vocab_size: int, device: torch.device) -> None:
+    tc = settings.train
+    model_config = dataclasses.replace(settings.model, vocab_size=vocab_size)
+    needed, available = memory_needed(model_config, tc.batch_size), memory_of(device)
+    if needed > available:
+        raise ConfigError(f"the model and train.batch_size={tc.batch_size} need at least {needed / 2**30:,.1f} "
+                          f"GiB, and the {device.type} device has {available / 2**30:,.1f} GiB; choose a "
+                          f"smaller model or batch")
+
+
+@contextlib.contextmanager
+def events(run_dir: Path, config_yaml: str, resumed: dict | None, rank: int):
+    """Rank 0's TensorBoard events (None elsewhere), closed at the end, and begin(): a run that fails before it is
+    called leaves no events behind."""
+    earlier = set(run_dir.glob("events.out.tfevents.*"))
+    summaries = Summaries(run_dir, config_yaml, first_step=resumed["training"]["step"] if resumed else 0) \
+        if rank == 0 else None
+    begun = []
+    try:
+        yield summaries, lambda: begun.append(True)
+    finally:
+        if summaries is not None:
+            summaries.close()
+            if not begun:
+                for path in set(run_dir.glob("events.out.tfevents.*")) - earlier:
+                    path.unlink(missing_ok=True)
+
+
+def announce(trainer: Trainer, chosen: str, why: str, preset: str | None, world_size: int) -> None:
+    """The run's first two lines: what it trains, where, how and to which step; and why that model."""
+    tc = trainer.tc
+    to = tc.max_iters or f"the steps that fit in train.max_minutes={tc.max_minutes:g} (measured as it trains)"
+    write_line(f"training {trainer.raw_model.num_params() / 1e6:.2f}M parameters ({chosen}) on {trainer.device} in "
+               f"{trainer.precision} ({f'{preset}; ' if preset else ''}{world_size} process(es), "
+               f"{trainer.tokens_per_step} tokens per step) from step {trainer.step} to {to}; run directory "
+               f"{trainer.run_dir}")
+    write_line(why)
+
+
+def prepare_data(settings, resumed: dict | None = None) -> PreparedData:
     """The text data.text names (tiny_shakespeare when none), obtained and encoded, checked to fit the settings:
-    splits longer than the model's context, a sample prompt made of the text's characters."""
+    splits longer than the model's context, a sample prompt made of the text's characters, and the text that a
+    resumed checkpoint was trained on."""
     dc = settings.data
     try:
         if dc.text is None:
@@ -156,6 +175,9 @@ def prepare_data(settings) -> PreparedData:
         raise ConfigError(f"train.sample_prompt{default} has characters not in the vocabulary of {data.source} "
                           f"({', '.join(map(repr, e.chars))}); set train.sample_prompt='...' to text made of its "
                           f"characters") from None
+    if resumed is not None and resumed.get("text", {}).get("sha256") != data.sha256:
+        raise ConfigError(f"train.resume: the checkpoint was trained on {trained_on(resumed)}, not on "
+                          f"{data.source}; resume with the text it was trained on (data.text)")
     return data
 
 

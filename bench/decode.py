@@ -27,7 +27,7 @@ from bench.configs import model_config, shakespeare  # noqa: E402
 from data import Batches  # noqa: E402
 from model import GPT, GREEDY, generate  # noqa: E402
 from model.labs.quantize import DECODING_PRECISIONS, Int8Linear, to_precision  # noqa: E402
-from training.checkpoint import load_model  # noqa: E402
+from runtime.checkpoint import load_model  # noqa: E402
 
 PROMPT_LEN = 16
 NEW_TOKENS = 240

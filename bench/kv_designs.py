@@ -36,7 +36,7 @@ from bench.configs import REPO, host, model_config, shakespeare  # noqa: E402
 from bench.curve import read_curve  # noqa: E402
 from model import GPT, kv_cache_bytes_per_token  # noqa: E402
 from model.labs.decoder_loss import decoder_loss, teacher_forced_loss  # noqa: E402
-from training.checkpoint import load_model  # noqa: E402
+from runtime.checkpoint import load_model  # noqa: E402
 
 STEPS = 16  # one-token steps timed after the prefill, the context growing from block_size - STEPS to block_size
 BATCHES = (1, 64)

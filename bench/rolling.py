@@ -32,7 +32,7 @@ from bench.configs import model_config, shakespeare  # noqa: E402
 from bench.decode import PROMPT_LEN  # noqa: E402
 from model import GPT, GREEDY, generate_tokens  # noqa: E402
 from model.labs.quantize import DECODING_PRECISIONS, to_precision  # noqa: E402
-from training.checkpoint import load_model  # noqa: E402
+from runtime.checkpoint import load_model  # noqa: E402
 
 ROLLING_NEW_TOKENS = 1024  # 240 inside the first block_size, 784 past it
 

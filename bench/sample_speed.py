@@ -28,7 +28,7 @@ from bench.decode import NEW_TOKENS, PROMPT_LEN, best_seconds  # noqa: E402
 from data import CharVocab  # noqa: E402
 from model import GPT, GREEDY, generate  # noqa: E402
 from model.labs.quantize import DECODING_PRECISIONS, to_precision  # noqa: E402
-from training.checkpoint import build_checkpoint, save_checkpoint  # noqa: E402
+from runtime.checkpoint import build_checkpoint, save_checkpoint  # noqa: E402
 
 VOCAB = CharVocab("\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")  # tiny_shakespeare's 65
 PROMPT = "First Citizen:\nB"

@@ -27,7 +27,7 @@ from bench.configs import host, model_config  # noqa: E402
 from bench.decode import fmt, rates, timings  # noqa: E402
 from model import GPT, GREEDY, Sampling, generate  # noqa: E402
 from model.labs.speculative import PromptLookup, SpeculativeStats, speculative_generate  # noqa: E402
-from training.checkpoint import load_model  # noqa: E402
+from runtime.checkpoint import load_model  # noqa: E402
 
 BENCH_PROMPT = "ROMEO:"
 KS = (1, 2, 4, 8)

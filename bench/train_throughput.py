@@ -23,7 +23,7 @@ from bench.configs import host, settings, shakespeare  # noqa: E402
 from data import PreparedData  # noqa: E402
 from model import GPT  # noqa: E402
 from training.config import TRAINING_PRECISIONS, Settings  # noqa: E402
-from training.devices import keep_freed_memory  # noqa: E402
+from runtime.devices import keep_freed_memory  # noqa: E402
 from training.loop import Trainer  # noqa: E402
 
 SHAPES = {  # name: (overrides of the cpu preset, as on train.py's command line)

@@ -1,4 +1,4 @@
-"""training/checkpoint.py and training/runs.py: atomic writes, safe loads, versions, the newest-checkpoint lookup."""
+"""runtime/checkpoint.py and training/runs.py: atomic writes, safe loads, versions, the newest-checkpoint lookup."""
 
 import os
 import stat
@@ -8,9 +8,9 @@ import torch
 
 from data import CharVocab
 from model import GPT, GPTConfig
-from training.checkpoint import (FORMAT, VERSION, CheckpointError, build_checkpoint, load_checkpoint, load_model,
+from runtime.checkpoint import (FORMAT, VERSION, CheckpointError, build_checkpoint, load_checkpoint, load_model,
                                  save_checkpoint)
-from training.runs import find_latest_checkpoint
+from runtime.checkpoint import find_latest_checkpoint
 
 STATE = {"format": FORMAT, "version": VERSION, "model_config": {"n_layer": 1}, "vocab": "ab",
          "model": {"w": torch.arange(3.0)}}

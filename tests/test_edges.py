@@ -25,16 +25,17 @@ from hydra import compose, initialize_config_dir
 
 import corpus
 import train
+import runtime.checkpoint
 import training.runs
 from data import CharVocab
 from model import GPT, GREEDY, GPTConfig, RingKVCache, Sampling, generate
 from test_train import TINY, config, data_overrides
 from tiny_models import random_model, random_tokens
-from training.checkpoint import CheckpointError, build_checkpoint, save_checkpoint
+from runtime.checkpoint import CheckpointError, build_checkpoint, save_checkpoint
 from training.config import ConfigError, OptimConfig, validate
-from training.devices import training_dtype
-from training.errors import UsageError, one_line
-from training.files import remove_stale_temporaries, write_atomically
+from runtime.devices import training_dtype
+from runtime.errors import UsageError, one_line
+from runtime.files import remove_stale_temporaries, write_atomically
 from training.loop import Trainer
 from training.optim import make_optimizers
 from training.runs import new_run_dir
@@ -359,7 +360,7 @@ def test_a_run_that_fails_before_its_first_step_leaves_no_directory(tmp_path, da
     assert_one_line_error(result, "train.py", *fragments)
     assert list((tmp_path / "runs").iterdir()) == []
     with pytest.raises(CheckpointError):
-        training.runs.find_latest_checkpoint(tmp_path / "runs")
+        runtime.checkpoint.find_latest_checkpoint(tmp_path / "runs")
 
 
 @pytest.mark.parametrize("where, fragments", [

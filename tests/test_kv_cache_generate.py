@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from model import GPT, GREEDY, KVCache, RingKVCache, Sampling, generate, generate_tokens, greedy_decode
+from model import GPT, GREEDY, RingKVCache, Sampling, generate, greedy_decode
 from model.gpt import POSITIONS
 from tiny_models import BLOCK_SIZE, VOCAB, random_model, random_tokens
 

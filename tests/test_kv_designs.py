@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import GPT, GREEDY, MultiHeadAttention, Sampling, generate, generate_tokens, kv_cache_bytes_per_token
+from model import GPT, GREEDY, MultiHeadAttention, Sampling, generate, kv_cache_bytes_per_token
 from model.labs import int8_cache
 from model.attention import rotary, rotate
 from model.labs.decoder_loss import decoder_loss, teacher_forced_loss

@@ -17,7 +17,7 @@ from model import GPT, GREEDY, generate
 from model.labs.quantize import Int8Linear, QuantizedModelError, to_precision
 from corpus import CITIZENS
 from tiny_models import random_model, random_tokens, tiny_config, train_briefly
-from training.checkpoint import build_checkpoint, load_model, save_checkpoint
+from runtime.checkpoint import build_checkpoint, load_model, save_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT = CITIZENS + """

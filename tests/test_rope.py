@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from model import GREEDY, KVCache, RingKVCache, generate
+from model import GREEDY, RingKVCache, generate
 from model.attention import rotary, rotate
 from tiny_models import BLOCK_SIZE, VOCAB, random_model, random_tokens, train_briefly
 

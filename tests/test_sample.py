@@ -13,8 +13,8 @@ import torch
 
 from data import CharVocab
 from model import GPT, GPTConfig
-import training.devices
-from training.checkpoint import FORMAT, VERSION, build_checkpoint, save_checkpoint
+import runtime.devices
+from runtime.checkpoint import FORMAT, VERSION, build_checkpoint, save_checkpoint
 from corpus import CITIZENS
 from tiny_models import train_briefly
 
@@ -103,9 +103,9 @@ def test_the_threads_are_timed_or_named_and_leave_the_text_as_it_is(checkpoint, 
 
 def test_fastest_threads_keeps_the_count_whose_work_took_least_timed_in_turns(monkeypatch):
     """Each count's work runs in turns, an untimed turn first; the median of the timed turns decides."""
-    monkeypatch.setattr(training.devices, "DEFAULT_THREADS", 4)
+    monkeypatch.setattr(runtime.devices, "DEFAULT_THREADS", 4)
     now, ran = [0.0], []
-    monkeypatch.setattr(training.devices, "clock", lambda: now[0])
+    monkeypatch.setattr(runtime.devices, "clock", lambda: now[0])
     try:
         for cost, fastest in (({1: [3, 3, 9, 3], 2: [2, 2, 2, 9], 4: [9, 1, 1, 9]}, 4),
                               ({1: [1, 9, 1, 1], 2: [5, 5, 5, 5], 4: [9, 9, 9, 1]}, 1)):
@@ -116,7 +116,7 @@ def test_fastest_threads_keeps_the_count_whose_work_took_least_timed_in_turns(mo
                 now[0] += cost[threads][sum(1 for n in ran if n == threads)]
                 ran.append(threads)
 
-            threads, seconds = training.devices.fastest_threads(work, rounds=3)
+            threads, seconds = runtime.devices.fastest_threads(work, rounds=3)
             assert ran == [1, 2, 4] * 4  # in turns
             medians = {n: sorted(costs[1:])[1] for n, costs in cost.items()}  # the untimed turn left out
             assert (threads, torch.get_num_threads(), seconds) == (fastest, fastest, medians)

@@ -13,7 +13,7 @@ import sample
 from data import CharVocab
 from model import GPT, GPTConfig, GREEDY, generate
 from model.labs.conversation import Conversation
-from training.checkpoint import build_checkpoint, load_model, save_checkpoint
+from runtime.checkpoint import build_checkpoint, load_model, save_checkpoint
 from test_sample import ENV, NEW_TOKENS, PROMPT, SAMPLE, VOCAB, assert_usage_error, run_sample, sample_ok, tiny_model
 
 REPLY = 40

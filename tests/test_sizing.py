@@ -11,7 +11,7 @@ import torch
 import train
 import training.budget
 import training.config
-import training.devices
+import runtime.devices
 import training.loop
 import training.sizing as sizing
 from test_train import AIM_AT_HALF, HOLD, REPO, TINY, config, data_overrides, data_root, scalars  # noqa: F401
@@ -63,11 +63,11 @@ def timed(monkeypatch):
         return timed_step
 
     monkeypatch.setattr(sizing, "trainer_step", trainer_step)
-    monkeypatch.setattr(training.devices, "clock", lambda: now[0])
+    monkeypatch.setattr(runtime.devices, "clock", lambda: now[0])
     monkeypatch.setattr(sizing, "SHAPES", (SHALLOW, DEEP))
     monkeypatch.delenv("OMP_NUM_THREADS")
     monkeypatch.setattr(sizing, "DEFAULT_THREADS", 2)
-    monkeypatch.setattr(training.devices, "DEFAULT_THREADS", 2)
+    monkeypatch.setattr(runtime.devices, "DEFAULT_THREADS", 2)
     yield table
     torch.set_num_threads(1)  # the suite's count
 
@@ -181,7 +181,7 @@ def test_a_thread_count_that_is_no_count_is_one_line(tmp_path, override, message
 
 MAPPED_BYTES = """
 import ctypes, sys, torch
-from training.devices import keep_freed_memory
+from runtime.devices import keep_freed_memory
 
 class MallInfo2(ctypes.Structure):  # glibc's struct mallinfo2: ten size_t counters
     _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",

@@ -28,7 +28,7 @@ import train
 from model import GPT
 from model.labs.attention_weights import attention_weights
 from test_train import config
-from training.checkpoint import load_model
+from runtime.checkpoint import load_model
 import training.summaries
 from training.summaries import Summaries, heads_in_a_grid
 

@@ -32,9 +32,9 @@ import training.loop
 import training.optim
 from model import GPT, GPTConfig
 from training.budget import EXIT_S, steps_within
-from training.checkpoint import save_checkpoint
+from runtime.checkpoint import save_checkpoint
 from training.config import OptimConfig, validate
-from training.devices import training_dtype
+from runtime.devices import training_dtype
 from training.evaluation import evaluate
 from training.loop import Diverged, Stopped, Trainer
 from training.optim import decay_begins
@@ -547,10 +547,10 @@ def test_a_slowed_run_ends_early_enough_for_the_process_to_exit(tmp_path, data_r
                       torch.device("cpu"), tmp_path, summaries=None)
     monkeypatch.setattr(training.loop, "write_line", lambda line: None)
     now = time.perf_counter()
-    trainer.step, trainer.planned_step_s = 10, 0.1
-    trainer.clock = deque([(0, now - 1.0)])  # 10 steps in the last second
-    trainer.evaluation_s = [(now - 2.0, 0.5)]  # the latest evaluation, before those steps
-    trainer.started_at = now + 0.1 + 0.5 + left_s - 6.0  # the budget ends left_s after one more step and evaluation
+    trainer.step, trainer.budget.planned_step_s = 10, 0.1
+    trainer.budget.clock = deque([(0, now - 1.0)])  # 10 steps in the last second
+    trainer.budget.evaluations = [(now - 2.0, 0.5)]  # the latest evaluation, before those steps
+    trainer.budget.started_at = now + 0.1 + 0.5 + left_s - 6.0  # the budget ends left_s after a step and evaluation
     assert trainer.out_of_time(due) is ends
 
 

@@ -17,13 +17,13 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from model import GPTConfig
+from runtime.devices import choose_device
+from runtime.errors import ConfigError, one_line
 
-from .devices import choose_device
-from .errors import ConfigError, one_line
 
 OPTIMIZERS = ("adamw", "muon")
 DECAYS = ("cosine", "linear")
-TRAINING_PRECISIONS = ("auto", "bf16", "fp32")  # how training computes: training/devices.py, training_dtype()
+TRAINING_PRECISIONS = ("auto", "bf16", "fp32")  # how training computes: runtime/devices.py, training_dtype()
 MAX_TRAINING_SEED = 2**32 - 1  # numpy's and CUDA's generators take 32-bit seeds
 
 

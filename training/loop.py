@@ -3,7 +3,6 @@
 import math
 import time
 import uuid
-from collections import deque
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -15,13 +14,13 @@ from tqdm import tqdm
 
 from data import Batches, PreparedData
 from model import GPT
+from runtime.checkpoint import build_checkpoint, save_checkpoint
+from runtime.devices import RESOLVED_PRECISIONS, training_dtype
+from runtime.errors import ConfigError, write_line
 
-from .budget import BUDGET_WINDOW, EXIT_S, planned_seconds, steps_within
-from .checkpoint import build_checkpoint, save_checkpoint
+from .budget import Budget
 from .config import Settings
-from .devices import RESOLVED_PRECISIONS, training_dtype
 from .distributed import gather
-from .errors import ConfigError, write_line
 from .evaluation import evaluate
 from .optim import advance, decay_begins, make_optimizers, make_scheduler
 from .rng import restore_rng, rng_state
@@ -61,7 +60,7 @@ class Trainer:
         self.vocab = data.vocab
         self.prompt = torch.tensor([self.vocab.encode(tc.sample_prompt)], device=device)
         self.batches = Batches(data.train, model.config.block_size, tc.batch_size, device, seed=tc.seed + rank)
-        self.started_at = time.perf_counter() if started_at is None else started_at
+        self.budget = Budget(tc.max_minutes, time.perf_counter() if started_at is None else started_at)
         self.optimizers = make_optimizers(model, settings.optim, fused=device.type == "cuda")
         # With a budget, fit() fixes the length as it trains; until then the schedule is open (see make_scheduler).
         self.schedulers = [make_scheduler(o, settings.optim, tc.max_iters) for o in self.optimizers]
@@ -82,8 +81,6 @@ class Trainer:
         self.autocast = torch.autocast(device.type, dtype=self.dtype) if self.dtype != torch.float32 else nullcontext()
         self.tokens_per_step = tc.batch_size * model.config.block_size * tc.grad_accum_steps * world_size
         self.signals = StopSignals()  # what fit() does on SIGINT and SIGTERM
-        self.evaluation_s = []  # (when it ended, seconds) of each evaluation with its saves, for a budget's plan
-        self.planned_step_s = None  # a step's cost when a budget fixed the length in this life
         self.pending = []  # (loss, grad norm, lrs, wall time) of the steps since the last log; read back in one sync
         self.summaries = summaries
 
@@ -101,7 +98,7 @@ class Trainer:
                 advance(scheduler, state["step"])
         self.step, self.best_val_loss = state["step"], state["best_val_loss"]
         if self.tc.max_iters is None:  # a budget still open: it counts the run's earlier lives too
-            self.started_at -= state.get("seconds", 0.0)
+            self.budget.started_at -= state.get("seconds", 0.0)
         if not restore_rng(state["rng"], self.batches, self.rank, self.world_size, self.device) and self.is_master:
             print(f"resuming {len(state['rng'])} process(es) as {self.world_size}: batches and dropout draw "
                   f"afresh from the seed")
@@ -109,45 +106,41 @@ class Trainer:
     def fit(self) -> float | None:
         """Train to max_iters (with a budget, to the steps that fit in it); return the last val loss (None if no
         evaluation ran)."""
-        bar = None
         self.timer = time.perf_counter()
-        try:
-            with self.signals as stop:
-                # where the uninterrupted run evaluates: at step 0, about ln(vocabulary size); a run resumed
-                # between evaluations adds no point of its own
-                if self.step % self.tc.eval_interval == 0:
-                    self.evaluate_and_save()
-                tc = self.tc
-                if self.is_master and tc.max_iters is not None:  # else once a budget has fixed it
-                    self.summaries.start_session(self.settings.config, self.device.type, self.precision)
-                bar = tqdm(total=tc.max_iters, initial=self.step, unit="step", dynamic_ncols=True,
-                           disable=None if self.is_master else True)  # None: no bar when stderr is not a terminal
-                self.clock = deque([(self.step, time.perf_counter())], maxlen=BUDGET_WINDOW + 1)  # (step, when)
-                while tc.max_iters is None or self.step < tc.max_iters:
+        with self.signals as stop:
+            if self.step % self.tc.eval_interval == 0:  # a run resumed between evaluations adds no point of its own
+                self.evaluate_and_save()
+            if self.tc.max_iters is not None:  # else once the budget has fixed it
+                self.start_session()
+            self.budget.clock.append((self.step, time.perf_counter()))
+            with tqdm(total=self.tc.max_iters, initial=self.step, unit="step", dynamic_ncols=True,
+                      disable=None if self.is_master else True) as bar:  # None: no bar unless stderr is a terminal
+                while self.tc.max_iters is None or self.step < self.tc.max_iters:
                     if stop.agreed():
                         self.stop(stop.signal_name)
                     self.train_step()
                     bar.update()
-                    if tc.max_iters is None and self.plan_to_budget():
-                        tc = self.tc
-                        bar.total = tc.max_iters
+                    if self.tc.max_iters is None and self.plan_to_budget():
+                        bar.total = self.tc.max_iters
                         bar.refresh()
-                    due = self.step % tc.eval_interval == 0  # an evaluation this step takes anyway
-                    out_of_time = self.planned_step_s is not None and self.step < tc.max_iters and \
+                    due = self.step % self.tc.eval_interval == 0  # an evaluation this step takes anyway
+                    ends_early = self.budget.planned_step_s is not None and self.step < self.tc.max_iters and \
                         self.out_of_time(due)
-                    evaluating = due or self.step == tc.max_iters or out_of_time
-                    if evaluating or self.step % tc.log_interval == 0:
+                    evaluating = due or self.step == self.tc.max_iters or ends_early
+                    if evaluating or self.step % self.tc.log_interval == 0:
                         self.log_pending(bar)
                     if evaluating:
-                        self.evaluate_and_save(last=out_of_time)
-                    if out_of_time:
+                        self.evaluate_and_save(last=ends_early)
+                    if ends_early:
                         break
-            if self.is_master:
-                self.summaries.end_session(STATUS_SUCCESS)
-        finally:
-            if bar is not None:
-                bar.close()
+        if self.is_master:
+            self.summaries.end_session(STATUS_SUCCESS)
         return self.last_val_loss
+
+    def start_session(self) -> None:
+        """The run's HParams session, once its length is known (rank 0)."""
+        if self.is_master:
+            self.summaries.start_session(self.settings.config, self.device.type, self.precision)
 
     def plan_to_budget(self) -> bool:
         """With a budget (train.max_minutes) whose length is still open: once the decay must begin, fix max_iters,
@@ -156,14 +149,10 @@ class Trainer:
         at its peak, as in a run planned for those steps from the start: train.max_iters=N repeats this run
         exactly. Whether it fixed them now."""
         tc, oc = self.tc, self.settings.optim
-        step_s, evaluation_s = self.measured_costs()
-        spent_s = time.perf_counter() - self.started_at
-        fits = gather(self.step + steps_within(planned_seconds(tc.max_minutes * 60) - spent_s, step_s, evaluation_s,
-                                               tc.eval_interval, self.step), self.world_size)[0]  # rank 0's plan
+        fits, step_s, measured = self.budget.steps_that_fit(self.step, tc.eval_interval)
+        fits = gather(fits, self.world_size)[0]  # rank 0's plan
         if decay_begins(oc, fits) > self.step:
             return False  # the rate holds until then whatever the length: measure on
-        measured = (f"{spent_s:.1f} s since the start, {step_s:.3g} s a step and {evaluation_s:.3g} s an evaluation "
-                    f"with its saves")
         if fits <= oc.warmup_iters:
             raise ConfigError(f"train.max_minutes={tc.max_minutes:g} leaves time for {fits} steps here ({measured}),"
                               f" no more than optim.warmup_iters={oc.warmup_iters}; give a longer budget")
@@ -172,42 +161,27 @@ class Trainer:
             steps += 1
         self.settings = self.settings.planned(steps, tc.max_minutes)
         self.tc = self.settings.train
-        self.planned_step_s = step_s
+        self.budget.planned_step_s = step_s
         self.schedulers = [make_scheduler(o, oc, steps) for o in self.optimizers]
         for scheduler in self.schedulers:
             advance(scheduler, self.step)
         if self.is_master:
             write_line(f"train.max_minutes={tc.max_minutes:g} fits {steps} steps ({measured}); "
                        f"train.max_iters={steps} repeats this run")
-            self.summaries.start_session(self.settings.config, self.device.type, self.precision)
+        self.start_session()
         return True
 
-    def measured_costs(self) -> tuple[float, float]:
-        """(seconds a step, seconds an evaluation with its saves) on this machine now: the latest steps, less the
-        evaluations among them (the first steps of a run are slower than the rest), and the latest evaluation
-        (step 0's has no saves; a run resumed between evaluations has none yet)."""
-        now = time.perf_counter()
-        self.clock.append((self.step, now))
-        first_step, first_time = self.clock[0]
-        evaluating_s = sum(seconds for ended, seconds in self.evaluation_s if ended > first_time)
-        step_s = (now - first_time - evaluating_s) / (self.step - first_step)
-        return step_s, self.evaluation_s[-1][1] if self.evaluation_s else 0.0
-
     def out_of_time(self, due: bool) -> bool:
-        """Once a budget has fixed the length: whether one more step and the final evaluation would end past the
-        budget less EXIT_S (for the process's exit), the machine having slowed down since the plan; due: this step
-        evaluates anyway, and that evaluation comes first. The run then ends here, evaluated and saved: the first
-        steps of the plan it printed, which train.resume trains on to its end. Rank 0's clock decides."""
-        step_s, evaluation_s = self.measured_costs()
-        ahead = (2 if due else 1) * evaluation_s + step_s + EXIT_S
-        late = time.perf_counter() + ahead > self.started_at + self.tc.max_minutes * 60
-        if not gather(late, self.world_size)[0]:
+        """Once the budget has fixed the length: whether the run ends at this step, the machine having slowed down
+        since the plan (Budget.late). It ends evaluated and saved: the first steps of the plan it printed, which
+        train.resume trains on to its end. Rank 0's clock decides."""
+        why = self.budget.late(self.step, due)
+        if not gather(why is not None, self.world_size)[0]:
             return False
         if self.is_master:
             write_line(f"train.max_minutes={self.tc.max_minutes:g} ends the run at step {self.step} of the "
-                       f"{self.tc.max_iters} planned: one more step ({step_s:.3g} s now, {self.planned_step_s:.3g} s "
-                       f"when planned) and the final evaluation ({evaluation_s:.3g} s) would pass the budget; "
-                       f"train.resume={self.run_dir} trains it on to step {self.tc.max_iters}")
+                       f"{self.tc.max_iters} planned: {why}; train.resume={self.run_dir} trains it on to step "
+                       f"{self.tc.max_iters}")
         return True
 
     def train_step(self) -> None:
@@ -277,7 +251,7 @@ class Trainer:
             write_line(f"step {self.step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
                        f"{' (best)' if improved else ''}, lr {self.schedulers[0].get_last_lr()[0]:.2e}")
         self.timer = time.perf_counter()  # tokens/s counts training only
-        self.evaluation_s.append((self.timer, self.timer - started))
+        self.budget.evaluated(started)
 
     def save(self, *names: str) -> None:
         """Write the checkpoint to each of names in the run directory (rank 0; every process takes part)."""
@@ -287,7 +261,7 @@ class Trainer:
                     # every process's generators, so that a resumed DDP run draws what this one would
                     "rng": gather(rng_state(self.batches, self.device), self.world_size),
                     "config": self.settings.config, "run_id": self.run_id,
-                    "seconds": time.perf_counter() - self.started_at}  # the run's wall-clock time so far
+                    "seconds": time.perf_counter() - self.budget.started_at}  # the run's wall-clock time so far
         if self.ema is not None:
             training["raw_model"] = self.raw_model.state_dict()
         if self.is_master:

@@ -4,10 +4,10 @@
 import torch
 
 from model import GPT, GPTConfig
+from runtime.checkpoint import load_checkpoint
+from runtime.errors import CheckpointError, ConfigError, one_line
 
-from .checkpoint import load_checkpoint
 from .config import OptimConfig, flatten
-from .errors import CheckpointError, ConfigError, one_line
 from .optim import make_optimizers, make_scheduler
 
 # Settings a resumed run must share with the run it continues: the model, the optimiser, the schedule, the weights'

@@ -1,4 +1,4 @@
-"""Run directories: each run's own, claimed before anything is written into it, and the newest run's checkpoint.
+"""Run directories: each run's own, claimed before anything is written into it.
 
 There is no `latest` link: inside runs/ TensorBoard would read it as a second copy of the run it points at."""
 
@@ -15,9 +15,10 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, read_write
 
-from .checkpoint import load_checkpoint, resolve_checkpoint
+from runtime.checkpoint import load_checkpoint, resolve_checkpoint
+from runtime.errors import CheckpointError, ConfigError, fail, one_line
+
 from .distributed import is_rank_zero
-from .errors import CheckpointError, ConfigError, fail, one_line
 
 RECORD = ".hydra"  # Hydra's record of how a run started: its config, Hydra's own and the overrides
 CHECKPOINTS = ("last.pt", "best.pt")
@@ -208,13 +209,3 @@ def remove_if_unused(run_dir: Path) -> None:
     """Remove a run directory that holds nothing but Hydra's record: its run failed before its first step."""
     if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {RECORD}:
         shutil.rmtree(run_dir, ignore_errors=True)
-
-
-def find_latest_checkpoint(runs_dir="runs", name: str = "best.pt") -> Path:
-    """The most recently written `name` anywhere under `runs_dir` (single runs and multirun jobs alike)."""
-    runs_dir = Path(runs_dir)
-    found = [p for p in runs_dir.rglob(name) if p.is_file() and not p.is_symlink()] if runs_dir.is_dir() else []
-    if not found:
-        raise CheckpointError(f"no {name} found under {runs_dir.resolve()}/; "
-                              f"run `python train.py` first, or pass --checkpoint")
-    return max(found, key=lambda p: p.stat().st_mtime_ns)

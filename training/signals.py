@@ -6,7 +6,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from .errors import silence
+from runtime.errors import silence
 
 HANGUP = getattr(signal, "SIGHUP", None)  # a closed terminal or a lost ssh session (POSIX only)
 

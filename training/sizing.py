@@ -20,10 +20,10 @@ import torch
 
 from data import PreparedData
 from model import GPT
+from runtime.devices import DEFAULT_THREADS, environment_threads, fastest_threads, thread_counts, time_in_turns
 
 from .budget import planned_seconds, steps_within
 from .config import Settings
-from .devices import DEFAULT_THREADS, environment_threads, fastest_threads, thread_counts, time_in_turns
 from .loop import Trainer
 
 

@@ -29,9 +29,9 @@ from data import CharVocab
 from model import GPT, Sampling, generate
 from model.gpt import POSITIONS
 from model.labs.attention_weights import attention_weights
+from runtime.devices import RESOLVED_PRECISIONS
 
 from .config import DECAYS, OPTIMIZERS
-from .devices import RESOLVED_PRECISIONS
 
 DEVICE_TYPES = ("cpu", "cuda", "mps")
 # The HParams table's columns, in this order; it shows the first five at first (the optimiser, its learning

@@ -7,11 +7,10 @@ network; the cache it uses is model/labs/ring_cache.py's ring.
         ...
 
 Past block_size. The model attends at most block_size tokens back, so each row's context is seq[start:]:
-- Rotary positions (pos_emb="rope"): a score depends only on the distance between two tokens, so cached keys
-  stay valid as the sequence grows. The cache is a ring of block_size slots (RingKVCache): the
-  oldest key drops out of view and every step feeds one token, with no prefill ever repeated. Each layer
-  attends its last block_size tokens (sliding-window attention), so the last token still depends on up to
-  n_layer * (block_size - 1) tokens before it, through the earlier layers: that is the context kept.
+- Rotary positions (pos_emb="rope"): cached keys stay valid as the sequence grows, so the cache rolls on
+  (model/labs/ring_cache.py) and every step feeds one token, with no prefill ever repeated. Each layer attends its
+  last block_size tokens, so the last token still depends on up to n_layer * (block_size - 1) tokens before it,
+  through the earlier layers: that is the context kept.
 - Learned positions: cached keys carry their absolute positions and cannot slide. When the next token would not
   fit, start jumps forward so that only the last `window` tokens remain (default block_size // 2, at least 1), and the cache
   is refilled with one prefill over them: O(1) forward passes per token, amortised. window = block_size refills

@@ -11,7 +11,6 @@ import math
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from ..attention import causal_mask
 from .quantize import quantize_int8

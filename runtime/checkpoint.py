@@ -183,3 +183,13 @@ def trained_on(contents: dict) -> str:
     """The text a checkpoint's model was trained on, as a checkpoint records it."""
     text = contents.get("text")
     return f"{text['source']} (sha256 {text['sha256'][:12]})" if text else "an unrecorded text"
+
+
+def find_latest_checkpoint(runs_dir="runs", name: str = "best.pt") -> Path:
+    """The most recently written `name` anywhere under `runs_dir` (single runs and multirun jobs alike)."""
+    runs_dir = Path(runs_dir)
+    found = [p for p in runs_dir.rglob(name) if p.is_file() and not p.is_symlink()] if runs_dir.is_dir() else []
+    if not found:
+        raise CheckpointError(f"no {name} found under {runs_dir.resolve()}/; "
+                              f"run `python train.py` first, or pass --checkpoint")
+    return max(found, key=lambda p: p.stat().st_mtime_ns)

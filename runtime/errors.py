@@ -11,11 +11,9 @@ points turn it into a line and a status, here.
 import os
 import sys
 
-from hydra.errors import HydraException, MissingConfigException
-from omegaconf.errors import OmegaConfBaseException
+from tqdm import tqdm
 
 from data import DataError
-from tqdm import tqdm
 
 
 USAGE, FAILURE, INTERRUPTED = 2, 1, 130
@@ -38,16 +36,29 @@ class OutputError(Exception):
     a run directory removed."""
 
 
-# What the user can fix: exit status 2. Hydra's and OmegaConf's errors are a bad override or config group option.
-MISTAKES = (UsageError, ConfigError, CheckpointError, DataError, HydraException, OmegaConfBaseException)
+def loaded(module: str, name: str) -> type:
+    """An exception class of a module that train.py loads (hydra, omegaconf), or one no error is: sample.py never
+    imports hydra, so none of its errors can reach it."""
+    return getattr(sys.modules.get(module), name, NoSuchError)
+
+
+class NoSuchError(Exception):
+    """Stands for an exception class whose module is not loaded."""
+
+
+def mistakes() -> tuple[type, ...]:
+    """What the user can fix: exit status 2. Hydra's and OmegaConf's errors are a bad override or config option."""
+    return (UsageError, ConfigError, CheckpointError, DataError, loaded("hydra.errors", "HydraException"),
+            loaded("omegaconf.errors", "OmegaConfBaseException"))
 
 
 def one_line(error: BaseException) -> str:
     """The error's whole message on one line (library messages span several)."""
-    if isinstance(error, MissingConfigException) and error.options:  # its message goes on with Hydra's search path
-        group, _, option = error.missing_cfg_file.rpartition("/")
+    if isinstance(error, loaded("hydra.errors", "MissingConfigException")) and error.options:
+        group, _, option = error.missing_cfg_file.rpartition("/")  # its message goes on with Hydra's search path
         return f"{group}={option} is not an option; choose one of {', '.join(error.options)}"
-    if isinstance(error, HydraException) and isinstance(error.__cause__, OmegaConfBaseException):
+    if isinstance(error, loaded("hydra.errors", "HydraException")) and \
+            isinstance(error.__cause__, loaded("omegaconf.errors", "OmegaConfBaseException")):
         error = error.__cause__  # what is wrong with an override, rather than Hydra's advice on overriding
     if isinstance(error, OSError) and error.strerror:
         return f"{error.strerror}: {os.fsdecode(error.filename)}" if error.filename else error.strerror
@@ -57,7 +68,7 @@ def one_line(error: BaseException) -> str:
 def exit_status(error: BaseException) -> int:
     if isinstance(error, KeyboardInterrupt):
         return INTERRUPTED
-    return USAGE if isinstance(error, MISTAKES) else FAILURE
+    return USAGE if isinstance(error, mistakes()) else FAILURE
 
 
 def fail(prog: str, error: BaseException, *, speak: bool = True):
