@@ -49,10 +49,11 @@ class CausalSelfAttention(nn.Module):
         self.widths = self.qkv_widths(config)
         self.qkv = nn.Linear(config.n_embd, sum(self.widths), bias=config.bias)  # rows: Q, then K, then V
         self.out_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.dropout = config.dropout
+        self.attn_dropout = config.dropout  # on the attention weights, in training
         self.out_dropout = nn.Dropout(config.dropout)
 
     def qkv_widths(self, config) -> list[int]:
+        """The widths of Q, K and V in the fused projection (model/labs/grouped.py narrows K and V)."""
         return [config.n_embd] * 3
 
     def forward(self, x, attn_mask=None, rope=None, kv=None):
@@ -83,7 +84,7 @@ class CausalSelfAttention(nn.Module):
         T_q, T_k = q.size(2), k.size(2)
         if attn_mask is None and T_q not in (1, T_k):  # new queries after cached keys: aligned bottom-right
             attn_mask = causal_mask(T_q, T_k, q.device)
-        dropout_p = self.dropout if self.training else 0.0
+        dropout_p = self.attn_dropout if self.training else 0.0
         with torch.autocast(q.device.type, enabled=False):  # in q's dtype, as attention_dtype says
             return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=attn_mask,
                                                   dropout_p=dropout_p, is_causal=attn_mask is None and T_q > 1,

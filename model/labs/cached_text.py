@@ -10,8 +10,8 @@ import math
 
 import torch
 
-from .generate import context_limits, moved_start
 from ..gpt import GPT
+from .generate import context_limits, moved_start
 
 
 class CachedText:

@@ -15,9 +15,9 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from .cached_text import CachedText
-from .generate import GREEDY, Sampling, check_arguments
 from ..gpt import GPT
+from .cached_text import CachedText
+from .generate import GREEDY, Sampling, check_arguments, check_sampling, is_integer
 
 
 class Conversation:
@@ -26,6 +26,7 @@ class Conversation:
     def __init__(self, model: GPT, *, sampling: Sampling = GREEDY, generator: torch.Generator | None = None,
                  window: int | None = None):
         check_arguments(model, torch.zeros(1, 1, dtype=torch.long), 0, window)  # window, eval mode
+        check_sampling(sampling)
         self.sampling, self.generator, self.window = sampling, generator, window
         self.text = CachedText(model, window=window)
 
@@ -40,6 +41,11 @@ class Conversation:
         max_new_tokens, or until the reply ends with `stop` (which it then includes). Stopping early (closing the
         iterator) keeps what was yielded in the text."""
         text, model = self.text, self.text.model
+        for name, ids in (("new_tokens", new_tokens), ("stop", stop)):
+            if isinstance(ids, (torch.Tensor, str)) or not all(is_integer(t) for t in ids):
+                raise ValueError(f"{name} must be a list of token ids (ints); got {type(ids).__name__}"
+                                 f"{': pass ids.tolist()' if isinstance(ids, torch.Tensor) else ''}")
+        new_tokens = list(new_tokens)
         if not text.tokens and not new_tokens:
             raise ValueError("a conversation starts from at least one token: new_tokens is empty")
         ids = torch.tensor([[*text.tokens[-1:], *new_tokens]], device=text.cache.device)

@@ -13,8 +13,8 @@ teacher_forced_loss computes, with full forwards, what the same contexts should 
 import torch
 import torch.nn.functional as F
 
-from .generate import default_window, generate_tokens
 from ..gpt import GPT
+from .generate import check_arguments, default_window, generate_tokens, is_integer
 from .ring_cache import RingKVCache
 
 
@@ -32,6 +32,17 @@ class TeacherForcing:
         return target
 
 
+def check_text(model: GPT, tokens, prompt_len, window, longest_prompt: int | None) -> int:
+    """Refuse arguments that cannot work, each in a ValueError naming it (as generate does); the text's length.
+    tokens: (B, N) token ids of the model's vocabulary; prompt_len in [1, N - 1] (and at most longest_prompt)."""
+    check_arguments(model, tokens, 0, window)  # a (B, N) tensor of ids, the window, a model in eval mode
+    most = tokens.size(1) - 1 if longest_prompt is None else min(longest_prompt, tokens.size(1) - 1)
+    if not (is_integer(prompt_len) and 1 <= prompt_len <= most):
+        raise ValueError(f"prompt_len must be an integer in [1, {most}] for a text of {tokens.size(1)} tokens, got "
+                         f"{prompt_len!r}")
+    return tokens.size(1)
+
+
 @torch.no_grad()
 def decoder_loss(model: GPT, tokens: torch.Tensor, *, prompt_len: int, cache: RingKVCache | None = None,
                  window: int | None = None) -> float:
@@ -39,6 +50,7 @@ def decoder_loss(model: GPT, tokens: torch.Tensor, *, prompt_len: int, cache: Ri
     generate_tokens prefills the first prompt_len tokens, then feeds the text one token per step. cache: a RingKVCache
     to decode through (model.new_kv_cache(B) by default; dtype=torch.int8 for the int8 cache); window: as in
     generate."""
+    check_text(model, tokens, prompt_len, window, longest_prompt=None)
     forcing = TeacherForcing(tokens[:, prompt_len:])
     for _ in generate_tokens(model, tokens[:, :prompt_len], tokens.size(1) - prompt_len, sampling=forcing,
                              cache=cache, window=window):
@@ -54,9 +66,9 @@ def teacher_forced_loss(model: GPT, tokens: torch.Tensor, *, prompt_len: int, wi
     tokens, so a logit depends on at most n_layer * (block_size - 1) tokens before it; with learned positions the
     context tokens[start:] jumps to the last `window` tokens whenever it would pass block_size."""
     c = model.config
-    N = tokens.size(1)
-    if not 1 <= prompt_len <= min(c.block_size, N - 1):
-        raise ValueError(f"prompt_len must be in [1, {min(c.block_size, N - 1)}], got {prompt_len}")
+    N = check_text(model, tokens, prompt_len, window, longest_prompt=c.block_size)
+    if not is_integer(chunk) or chunk < 1:
+        raise ValueError(f"chunk must be an integer >= 1, got {chunk!r}")
     losses = []
 
     def score(context_start, context_end, first_target):

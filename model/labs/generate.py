@@ -234,6 +234,12 @@ def check_arguments(model: GPT, idx, max_new_tokens, window=None, n_pad=None, us
     return pads
 
 
+def check_sampling(sampling) -> None:
+    if not isinstance(sampling, Sampling):
+        raise ValueError(f"sampling must be a Sampling (GREEDY, or Sampling(temperature=..., top_k=..., top_p=...)), "
+                         f"got {type(sampling).__name__}")
+
+
 def check_cache(model: GPT, cache, batch_size: int) -> None:
     """A cache passed in must be one that model.new_kv_cache(batch_size) could have made."""
     c = model.config

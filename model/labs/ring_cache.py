@@ -95,8 +95,10 @@ class RingKVCache(KVCache):
 
     def rollback(self, n: int) -> None:
         """Forget the last n tokens fed (speculative decoding's rejected drafts): the next ones overwrite them."""
-        if not 0 <= n <= len(self):
-            raise ValueError(f"cannot roll back {n} tokens: the cache holds {len(self)}")
+        from .generate import is_integer
+        if not (is_integer(n) and 0 <= n <= len(self)):
+            raise ValueError(f"n must be an integer in [0, {len(self)}], the tokens the cache holds: cannot roll back "
+                             f"{n!r}")
         if n > self.max_len - self.reach + 1 and len(self) > self.max_len:
             # the last of them overwrote a token that the next one fed would still see
             raise ValueError(f"cannot roll back {n} tokens of a ring of {self.max_len} slots that has wrapped: it "
@@ -124,7 +126,7 @@ def uncached_context(t: int, reach: int, n_pad, device) -> tuple[torch.Tensor, t
 
 def kv_cache_dtype(model, dtype: torch.dtype | None = None) -> torch.dtype:
     """The dtype new_kv_cache(model, dtype=dtype) stores keys and values in: attention's own unless given."""
-    if dtype is not None and not (dtype.is_floating_point or dtype == torch.int8):
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and (dtype.is_floating_point or dtype == torch.int8)):
         raise ValueError(f"a KV cache holds floating-point keys and values, or int8 ones: dtype {dtype}")
     return dtype or model.attention_dtype
 
@@ -134,6 +136,10 @@ def new_kv_cache(model, batch_size: int, max_len: int | None = None, dtype: torc
     """An empty cache for batch_size rows, on the model's device. max_len: its slots (default block_size; more let
     a chunk of tokens wrap the ring). dtype: the dtype attention computes in unless given; torch.int8 stores int8
     keys and values (model/labs/int8_cache.py). read_all_slots: always read every slot through the mask."""
+    from .generate import is_integer
+    for name, value in (("batch_size", batch_size), ("max_len", max_len)):
+        if value is not None and not (is_integer(value) and value >= 1):
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     shape = model.kv_cache_shape(batch_size)
     shape.update(max_len=max_len or shape["max_len"], reach=model.config.block_size, read_all_slots=read_all_slots)
     dtype = kv_cache_dtype(model, dtype)

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .cached_text import CachedText
-from .generate import GREEDY, Sampling, check_arguments, is_integer
 from ..gpt import GPT
+from .cached_text import CachedText
+from .generate import GREEDY, Sampling, check_arguments, check_sampling, is_integer
 
 
 @dataclass
@@ -158,6 +158,7 @@ def speculative_generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, 
     SpeculativeStats to fill. Arguments that cannot work are a ValueError naming the argument.
     """
     check_arguments(model, idx, max_new_tokens, window)
+    check_sampling(sampling)
     if idx.size(0) != 1:
         raise ValueError(f"speculative decoding decodes one row: idx has {idx.size(0)} rows; decode each alone, "
                          f"or use generate_tokens for a batch")
