@@ -35,6 +35,9 @@ def load_resume_checkpoint(path, config: dict, optim: OptimConfig, length_named:
         raise ConfigError(f"train.resume: {path} holds weights only, no training state to continue")
     ours = flatten(config)
     theirs = {"train.ema_decay": None, **flatten(state["config"])}  # one saved before the setting existed: no average
+    if theirs.get("model.n_kv_head") is None:  # saved before the smaller caches: every head its keys and values
+        theirs["model.n_kv_head"] = theirs.get("model.n_head")
+    theirs.setdefault("model.kv_share", 1)  # and every layer its own
     differ = [key for key in theirs
               if key.startswith(MUST_MATCH) and key not in kept and ours.get(key) != theirs[key]]
     if differ:
