@@ -117,7 +117,12 @@ def check_memory(args, prompt_len: int, model, device: torch.device) -> None:
     would not fit, rather than run out of memory midway. Without the cache, the forward passes hold at least as
     much."""
     cache_dtype = kv_cache_dtype(model, KV_CACHES[args.kv_cache or "float"])
-    cache_bytes = model.config.block_size * kv_cache_bytes_per_token(model.config, cache_dtype)
+    block_size = model.config.block_size
+    spare = (args.speculate_k or SPECULATE_K) if args.draft else 0  # slots for the drafts a pass verifies
+    if spare > block_size:
+        raise UsageError(f"--speculate-k must be at most the model's block_size, {block_size}: a pass verifies "
+                         f"the drafts within one context; got {spare}")
+    cache_bytes = (block_size + spare) * kv_cache_bytes_per_token(model.config, cache_dtype)
     per_sample = cache_bytes + (prompt_len + args.max_new_tokens) * torch.long.itemsize
     memory = memory_of(device)
     if args.num_samples * per_sample > MEMORY_SHARE * memory:
@@ -166,6 +171,11 @@ def check_combinations(args) -> None:
         raise UsageError(f"--speculate-k must be >= 1, got {args.speculate_k}")
     if args.draft and args.interactive:
         raise UsageError("--draft applies to sampling, not to --interactive: drop one of them")
+    if args.max_new_tokens < 0:
+        raise UsageError(f"--max-new-tokens: max_new_tokens must be an integer >= 0, got {args.max_new_tokens}")
+    if args.interactive and sys.stdin is None:
+        raise UsageError("--interactive reads lines from standard input, which is closed; give it a terminal or a "
+                         "file")
     for mode, on in one_row.items():
         for option, given in plain_decoding.items():
             if on and given:
@@ -227,6 +237,10 @@ def interact(conversation: Conversation, vocab: CharVocab, prompt: str, max_new_
     while True:
         try:
             line = input()
+            line.encode()  # bytes that are not UTF-8 arrive as lone surrogates
+        except UnicodeError:
+            print("the line is not UTF-8 text; type another", file=sys.stderr)
+            continue
         except EOFError:
             if not vocab.decode(conversation.tokens[-1:]).endswith("\n"):
                 out.write("\n")  # leave the shell's prompt a line of its own
@@ -353,6 +367,7 @@ def sample(args) -> None:
               f"(PYTHONIOENCODING=utf-8 writes them all)", file=sys.stderr)
     try:
         if args.interactive:
+            sys.stdin.reconfigure(errors="surrogateescape")  # bytes that are not UTF-8 cost their line, no more
             interact(conversation, vocab, prompt, args.max_new_tokens, sys.stdout)
             return
         write_samples(steps, prompt, vocab, args.num_samples, sys.stdout, every=1 if sys.stdout.isatty() else CHUNK)

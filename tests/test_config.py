@@ -18,10 +18,16 @@ def composed(*overrides):
         return compose("config", overrides=["preset=cpu", *overrides])
 
 
+BUDGET_RULE = "a positive number of minutes up to 525,600 (a year), or null"
+
+
 @pytest.mark.parametrize("override, message", [
     ("train.max_iters=0", "train.max_iters must be a positive integer, or null for a budget, got 0"),
-    ("train.max_minutes=0", "train.max_minutes must be a positive number of minutes, or null, got 0"),
-    ("train.max_minutes=inf", "train.max_minutes must be a positive number of minutes, or null, got inf"),
+    ("train.max_minutes=0", f"train.max_minutes must be {BUDGET_RULE}, got 0"),
+    ("train.max_minutes=inf", f"train.max_minutes must be {BUDGET_RULE}, got inf"),
+    ("train.max_minutes=1e307", f"train.max_minutes must be {BUDGET_RULE}, got 1e+307"),
+    ("train.max_minutes=525601", f"train.max_minutes must be {BUDGET_RULE}, got 525601"),
+    ("train.max_minutes=nan", f"train.max_minutes must be {BUDGET_RULE}, got nan"),
     ("preset=gpu train.max_iters=null", "train.max_iters is null and so is max_minutes: set the steps"),
     ("train.seed=-1", "train.seed must be an integer in [0, 4294967295], got -1"),
     ("train.seed=4294967296", "train.seed must be an integer in [0, 4294967295]"),

@@ -57,9 +57,15 @@ def test_speculative_greedy_text_equals_plain_greedy_text(checkpoints, plain_gre
     (["--interactive", "--draft", "lookup"], ["--draft applies to sampling, not to --interactive"]),
     (["--interactive", "--kv-cache", "int8"], ["--kv-cache applies to plain decoding, not to --interactive"]),
     (["--draft", "MISSING"], ["--draft: no checkpoint at"]),
+    (["--draft", "lookup", "--speculate-k", "10000000"], ["--speculate-k must be at most", "block_size", "10000000"]),
+    (["--draft", "lookup", "--speculate-k", str(10**14)], ["--speculate-k must be at most", str(10**14)]),
+    (["--draft", "MODEL", "--speculate-k", "100000"], ["--speculate-k must be at most", "100000"]),
+    (["--interactive", "--max-new-tokens", "-1"], ["--max-new-tokens", "must be an integer >= 0, got -1"]),
+    (["--interactive", "--max-new-tokens", "-20"], ["--max-new-tokens", "got -20"]),
 ])
 def test_options_that_cannot_work_are_one_line_with_status_2(checkpoints, tmp_path, args, fragments):
-    args = [{"OTHER": checkpoints["other"], "MISSING": tmp_path / "none.pt"}.get(a, a) for a in args]
+    args = [{"OTHER": checkpoints["other"], "MODEL": checkpoints["model"], "MISSING": tmp_path / "none.pt"}.get(a, a)
+            for a in args]
     assert_usage_error(run_sample("--checkpoint", checkpoints["model"], *args), *fragments)
 
 
@@ -87,6 +93,27 @@ def test_interactive_replies_are_fresh_greedy_generations_and_unknown_characters
     assert result.returncode == 0, result.stderr
     assert result.stdout == expected_conversation(checkpoints["model"], "All:\n", lines)
     assert "the line has characters not in the checkpoint's vocabulary: '\u00e9'" in result.stderr
+
+
+def test_interactive_with_standard_input_closed_is_one_line_with_status_2(checkpoints):
+    result = subprocess.run(f"{sys.executable} {SAMPLE} --checkpoint {checkpoints['model']} --interactive <&-",
+                            shell=True, env=ENV, capture_output=True, text=True, timeout=300)
+    assert_usage_error(result, "--interactive reads lines from standard input, which is closed")
+
+
+@pytest.mark.parametrize("decoding", ["surrogateescape", "strict"])
+@pytest.mark.parametrize("typed", [b"\xff\xfe not text\n", b"caf\xe9\n", b"\x80\n"], ids=["ff fe", "latin-1", "lone 80"])
+def test_interactive_skips_a_line_that_is_not_utf8_and_goes_on(checkpoints, decoding, typed):
+    """Bytes that are no UTF-8 are one line on stderr, like a line of unknown characters; the next line is read,
+    whether standard input escapes them (a pipe, in the C locale) or raises on them."""
+    typed += b"All:\n"
+    result = subprocess.run([sys.executable, str(SAMPLE), "--checkpoint", str(checkpoints["model"]), "--interactive",
+                             "--temperature", "0", "--max-new-tokens", str(REPLY), "--prompt", "All:\n"],
+                            input=typed, env={**ENV, "PYTHONIOENCODING": f"utf-8:{decoding}"}, capture_output=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert b"the line is not UTF-8 text; type another" in result.stderr and b"Traceback" not in result.stderr
+    assert result.stdout.decode() == expected_conversation(checkpoints["model"], "All:\n", ["All:"])
 
 
 def test_ctrl_c_ends_a_reply_between_two_tokens_and_the_session_goes_on(checkpoints, monkeypatch):

@@ -554,7 +554,11 @@ def test_a_slowed_run_ends_early_enough_for_the_process_to_exit(tmp_path, data_r
     assert trainer.out_of_time(due) is ends
 
 
-def test_a_budget_run_stopped_before_its_length_was_fixed_resumes_and_fixes_it(tmp_path, data_root, monkeypatch):
+@pytest.mark.parametrize("command", ["with its budget", "train.resume alone"])
+def test_a_budget_run_stopped_before_its_length_was_fixed_resumes_and_fixes_it(tmp_path, data_root, monkeypatch,
+                                                                               command):
+    """Resumed with its own budget on the command, or with train.resume alone (the preset's budget differs and is
+    not named), the run goes on with the budget it was given."""
     run_dir = tmp_path / "runs/open"
     stopped_at(tmp_path, data_root, 3, [*BUDGET, *HOLD], run_dir)
     stopped = torch.load(run_dir / "last.pt", weights_only=True)["training"]
@@ -562,7 +566,11 @@ def test_a_budget_run_stopped_before_its_length_was_fixed_resumes_and_fixes_it(t
     printed = []
     monkeypatch.setattr(training.loop, "write_line", printed.append)
     monkeypatch.setattr(training.budget, "MARGIN", AIM_AT_HALF)
-    train.main(config(tmp_path, data_root, *BUDGET, *HOLD, f"train.resume={run_dir}"), run_dir)
+    if command == "with its budget":
+        train.main(config(tmp_path, data_root, *BUDGET, *HOLD, f"train.resume={run_dir}"), run_dir)
+    else:
+        train.main(config(tmp_path, data_root, *HOLD, f"train.resume={run_dir}"), run_dir, named={"train.resume"})
+        assert "train.max_minutes=0.1 fits" in "\n".join(printed)
     steps = chosen_steps("\n".join(printed))
     last = torch.load(run_dir / "last.pt", weights_only=True)["training"]
     assert last["step"] == last["config"]["train"]["max_iters"] == steps > 3

@@ -23,6 +23,7 @@ from runtime.errors import ConfigError, one_line
 
 OPTIMIZERS = ("adamw", "muon")
 DECAYS = ("cosine", "linear")
+MAX_BUDGET_MINUTES = 60 * 24 * 365  # a year: a longer budget is a mistake, and 1e307 minutes are infinite seconds
 TRAINING_PRECISIONS = ("auto", "bf16", "fp32")  # how training computes: runtime/devices.py, training_dtype()
 MAX_TRAINING_SEED = 2**32 - 1  # numpy's and CUDA's generators take 32-bit seeds
 
@@ -113,8 +114,8 @@ class TrainConfig:
         _require(self, lambda v: v >= 1, "a positive integer", "batch_size", "grad_accum_steps", "eval_interval",
                  "eval_iters", "log_interval")
         _require(self, lambda v: v is None or v >= 1, "a positive integer, or null for a budget", "max_iters")
-        _require(self, lambda v: v is None or 0 < v < math.inf, "a positive number of minutes, or null",
-                 "max_minutes")
+        _require(self, lambda v: v is None or 0 < v <= MAX_BUDGET_MINUTES,
+                 f"a positive number of minutes up to {MAX_BUDGET_MINUTES:,} (a year), or null", "max_minutes")
         if self.max_iters is None and self.max_minutes is None:
             raise ValueError("max_iters is null and so is max_minutes: set the steps (max_iters) or a budget in "
                              "minutes (max_minutes)")

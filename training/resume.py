@@ -49,7 +49,7 @@ def load_resume_checkpoint(path, config: dict, optim: OptimConfig, length_named:
         raise ConfigError(f"train.resume: {path} is damaged (step {step!r} of a plan of {planned!r} steps); resume "
                           f"from another checkpoint")
     max_iters, max_minutes = (ours["train.max_iters"], None) if length_named else (planned, budget)
-    if max_iters is None:  # the command has a budget
+    if length_named and max_iters is None:  # the command names a budget
         if ours["train.max_minutes"] != budget:
             sized = f", sized by train.max_minutes={budget:g}" if budget is not None else ""
             kept = f"the {planned} steps it was planned for" if planned is not None else "its budget"
