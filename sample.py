@@ -41,7 +41,8 @@ from model.labs.ring_cache import kv_cache_dtype
 from runtime.checkpoint import find_latest_checkpoint, load_model, resolve_checkpoint, trained_on
 from runtime.devices import (DEFAULT_THREADS, choose_device, environment_threads, fastest_threads, memory_of,
                               thread_counts)
-from runtime.errors import CheckpointError, UsageError, check_standard_streams, fail, mistakes, one_line, silence
+from runtime.errors import (CheckpointError, OneLineErrorParser, UsageError, check_standard_streams, fail, mistakes,
+                            one_line, silence)
 
 SAMPLE_SEPARATOR = "---------------\n"
 MAX_GENERATOR_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
@@ -50,12 +51,6 @@ CHUNK = 64  # tokens read back from the device at once when the output is no ter
 SPECULATE_K = 4  # --speculate-k's default
 DECODE_TIMED = 16  # tokens decoded at each thread count to choose the fastest
 REPLY_STOP = "\n\n"  # --interactive: a reply ends with a blank line (a speech's end, in a play)
-
-
-class OneLineErrorParser(argparse.ArgumentParser):
-    def error(self, message):
-        # argparse would print the whole usage block first; one line reads the same as our own errors.
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,6 +12,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from data import SHAKESPEARE, PreparedData, prepare_shakespeare  # noqa: E402
 from model import GPTConfig  # noqa: E402
+from runtime.errors import fail, mistakes  # noqa: E402
 from training.config import Settings, register, validate  # noqa: E402
 
 TINY_SHAKESPEARE_VOCAB_SIZE = 65  # its distinct characters; the data itself is not needed to time a model
@@ -49,3 +50,12 @@ def host() -> str:
         return fields["Model name"] + family + (f" ({vector})" if vector else "")
     except (OSError, KeyError):
         return "unknown host"
+
+
+def run_tool(main) -> None:
+    """Run a benchmark's main as the entry points run theirs: a mistake (a missing checkpoint, a bad option) is one
+    line on stderr with status 2, never a traceback."""
+    try:
+        main()
+    except (*mistakes(), OSError, KeyboardInterrupt) as e:
+        fail(Path(sys.argv[0]).name, e)

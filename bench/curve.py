@@ -6,7 +6,6 @@ One row per evaluation: step, seconds since the run's first logged event, the ev
 val losses, and the learning rate at that step.
 """
 
-import argparse
 import math
 import sys
 from pathlib import Path
@@ -14,7 +13,9 @@ from pathlib import Path
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.configs import run_tool  # noqa: E402
 from training.summaries import LR, TRAIN_EVAL_LOSS, VAL_LOSS  # noqa: E402
+from runtime.errors import OneLineErrorParser  # noqa: E402
 
 
 def read_curve(run_dir) -> list[dict]:
@@ -30,7 +31,7 @@ def read_curve(run_dir) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineErrorParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", help="a run directory of train.py")
     args = parser.parse_args()
     try:
@@ -47,4 +48,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

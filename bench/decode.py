@@ -13,7 +13,6 @@ spread (min-max); every ratio is taken within this run. --checkpoint: the mean l
 val split of the checkpoint's model at each precision, in float32 from logits.
 """
 
-import argparse
 import statistics
 import sys
 import time
@@ -23,11 +22,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.configs import model_config, shakespeare  # noqa: E402
+from bench.configs import model_config, run_tool, shakespeare  # noqa: E402
 from data import Batches  # noqa: E402
 from model import GPT, GREEDY, generate  # noqa: E402
 from model.labs.quantize import DECODING_PRECISIONS, Int8Linear, to_precision  # noqa: E402
-from runtime.checkpoint import load_model  # noqa: E402
+from runtime.checkpoint import existing_checkpoint, load_model  # noqa: E402
+from runtime.errors import OneLineErrorParser, positive_int  # noqa: E402
 
 PROMPT_LEN = 16
 NEW_TOKENS = 240
@@ -104,11 +104,12 @@ def fmt(r) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineErrorParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--compile", action="store_true", help="torch.compile the one-token step")
-    parser.add_argument("--checkpoint", type=Path, help="a trained checkpoint: val loss at each precision")
+    parser.add_argument("--checkpoint", type=existing_checkpoint,
+                        help="a trained checkpoint: val loss at each precision")
     parser.add_argument("--profile", action="store_true", help="print a torch.profiler summary per precision")
     args = parser.parse_args()
 
@@ -150,4 +151,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

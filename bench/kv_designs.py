@@ -20,7 +20,6 @@ the context filled. The preset's own checkpoint is also decoded through the int8
 the table, whatever it scored.
 """
 
-import argparse
 import dataclasses
 import statistics
 import subprocess
@@ -32,11 +31,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.configs import REPO, host, model_config, shakespeare  # noqa: E402
+from bench.configs import REPO, host, model_config, run_tool, shakespeare  # noqa: E402
 from bench.curve import read_curve  # noqa: E402
 from model import GPT, kv_cache_bytes_per_token  # noqa: E402
 from model.labs.decoder_loss import decoder_loss, teacher_forced_loss  # noqa: E402
 from runtime.checkpoint import load_model  # noqa: E402
+from runtime.errors import OneLineErrorParser, positive_int  # noqa: E402
 
 STEPS = 16  # one-token steps timed after the prefill, the context growing from block_size - STEPS to block_size
 BATCHES = (1, 64)
@@ -162,19 +162,19 @@ def train(args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineErrorParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="part", required=True)
     s = sub.add_parser("speed", help="classic shape, random weights")
-    s.add_argument("--repeats", type=int, default=5)
+    s.add_argument("--repeats", type=positive_int, default=5)
     s.add_argument("--compile", action="store_true", help="torch.compile each design's one-token step")
     t = sub.add_parser("train", help="each design trained with the cpu preset")
     t.add_argument("--seeds", type=int, nargs="+", default=[1337])
     t.add_argument("--runs-dir", type=Path, help="keep the runs here; reuse those already trained")
-    t.add_argument("--repeats", type=int, default=5)
+    t.add_argument("--repeats", type=positive_int, default=5)
     t.add_argument("--designs", nargs="+", choices=list(TRAINED), default=list(TRAINED),
                    help="the designs to train and measure (default: all; int8 decodes the preset's runs)")
-    t.add_argument("--prompt-len", type=int, default=64, help="tokens prefilled before one-token decoding")
-    t.add_argument("--stream-len", type=int, default=1_000_000, help="cut each stream to this many tokens")
+    t.add_argument("--prompt-len", type=positive_int, default=64, help="tokens prefilled before one-token decoding")
+    t.add_argument("--stream-len", type=positive_int, default=1_000_000, help="cut each stream to this many tokens")
     t.add_argument("--train-overrides", nargs="*",
                    default=["train.max_iters=1000", "optim.decay_frac=1", "model.n_layer=4"],
                    help="train.py overrides for every design (default: the same 1,000 steps for each, rather than "
@@ -184,4 +184,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

@@ -17,7 +17,6 @@ the loss through the rolling cache, and the loss of a full forward over exactly 
 each one (the crop). A third figure is the loss as training measures it: every position of block_size windows.
 """
 
-import argparse
 import dataclasses
 import statistics
 import sys
@@ -28,11 +27,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.configs import model_config, shakespeare  # noqa: E402
+from bench.configs import model_config, run_tool, shakespeare  # noqa: E402
 from bench.decode import PROMPT_LEN  # noqa: E402
 from model import GPT, GREEDY, generate_tokens  # noqa: E402
 from model.labs.quantize import DECODING_PRECISIONS, to_precision  # noqa: E402
-from runtime.checkpoint import load_model  # noqa: E402
+from runtime.checkpoint import existing_checkpoint, load_model  # noqa: E402
+from runtime.errors import OneLineErrorParser, positive_int  # noqa: E402
 
 ROLLING_NEW_TOKENS = 1024  # 240 inside the first block_size, 784 past it
 
@@ -122,10 +122,11 @@ def rolling_quality(checkpoint: Path, stretches: int = 8, past: int = 512) -> No
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser = OneLineErrorParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--precision", choices=DECODING_PRECISIONS, default="fp32")
-    parser.add_argument("--checkpoint", type=Path, help="a rope checkpoint: val loss through the rolling cache")
+    parser.add_argument("--checkpoint", type=existing_checkpoint,
+                        help="a rope checkpoint: val loss through the rolling cache")
     parser.add_argument("--no-speed", action="store_true", help="only the --checkpoint quality figures")
     args = parser.parse_args()
     if not args.no_speed:
@@ -135,4 +136,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

@@ -10,7 +10,6 @@ pseudo-terminal (streaming, one read-back per character). Its tokens/s comes fro
 The figure to compare is the best of --repeats for each.
 """
 
-import argparse
 import copy
 import os
 import pty
@@ -23,12 +22,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.configs import REPO, model_config  # noqa: E402
+from bench.configs import REPO, model_config, run_tool  # noqa: E402
 from bench.decode import NEW_TOKENS, PROMPT_LEN, best_seconds  # noqa: E402
 from data import CharVocab  # noqa: E402
 from model import GPT, GREEDY, generate  # noqa: E402
 from model.labs.quantize import DECODING_PRECISIONS, to_precision  # noqa: E402
 from runtime.checkpoint import build_checkpoint, save_checkpoint  # noqa: E402
+from runtime.errors import OneLineErrorParser, positive_int  # noqa: E402
 
 VOCAB = CharVocab("\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")  # tiny_shakespeare's 65
 PROMPT = "First Citizen:\nB"
@@ -60,8 +60,8 @@ def sample_py_tokens_per_s(checkpoint: Path, on_terminal: bool, precision: str) 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser = OneLineErrorParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--precision", choices=DECODING_PRECISIONS, default="int8")
     args = parser.parse_args()
     assert len(PROMPT) == PROMPT_LEN
@@ -88,4 +88,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

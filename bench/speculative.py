@@ -15,7 +15,6 @@ tokens in a rotary model's cache with k spare slots: one cached pass over k + 1 
 A draft that is always right, and free, would decode (k + 1) / that ratio times faster than one token per step.
 """
 
-import argparse
 import dataclasses
 import sys
 from pathlib import Path
@@ -23,11 +22,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.configs import host, model_config  # noqa: E402
+from bench.configs import host, model_config, run_tool  # noqa: E402
 from bench.decode import fmt, rates, timings  # noqa: E402
 from model import GPT, GREEDY, Sampling, generate  # noqa: E402
 from model.labs.speculative import PromptLookup, SpeculativeStats, speculative_generate  # noqa: E402
-from runtime.checkpoint import load_model  # noqa: E402
+from runtime.checkpoint import existing_checkpoint, load_model  # noqa: E402
+from runtime.errors import OneLineErrorParser, positive_int  # noqa: E402
 
 BENCH_PROMPT = "ROMEO:"
 KS = (1, 2, 4, 8)
@@ -96,12 +96,13 @@ def ceiling(context: int, k: int, repeats: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checkpoint", type=Path, help="the model decoded (a run directory or checkpoint file)")
-    parser.add_argument("--draft", type=Path, help="a draft checkpoint with the same vocabulary")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--new-tokens", type=int, default=500)
-    parser.add_argument("--context", type=int, default=200, help="the ceiling's context")
+    parser = OneLineErrorParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", type=existing_checkpoint,
+                        help="the model decoded (a run directory or checkpoint file)")
+    parser.add_argument("--draft", type=existing_checkpoint, help="a draft checkpoint with the same vocabulary")
+    parser.add_argument("--repeats", type=positive_int, default=5)
+    parser.add_argument("--new-tokens", type=positive_int, default=500)
+    parser.add_argument("--context", type=positive_int, default=200, help="the ceiling's context")
     parser.add_argument("--ceiling-only", action="store_true")
     args = parser.parse_args()
     if not args.ceiling_only and args.checkpoint is None:
@@ -123,4 +124,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

@@ -13,7 +13,6 @@ that the crossing is seen the same way in each). --log keeps each run's output, 
 it trained what it did.
 """
 
-import argparse
 import os
 import re
 import subprocess
@@ -25,8 +24,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.configs import REPO, host  # noqa: E402
+from bench.configs import REPO, host, run_tool  # noqa: E402
 from bench.curve import read_curve  # noqa: E402
+from runtime.errors import OneLineErrorParser  # noqa: E402
 
 # The cpu preset as it was before Muon, as overrides of it: AdamW on every parameter, 900 steps, a floor under
 # the decay over all of them (README: val 1.699 in 3 min 40 s).
@@ -73,7 +73,7 @@ def print_curves(outcomes: list[dict]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineErrorParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--candidate", nargs="+", action="append", metavar=("NAME", "OVERRIDE"),
                         help="a name and train.py overrides (repeatable); default: the cpu preset and the AdamW recipe")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1337])
@@ -111,4 +111,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

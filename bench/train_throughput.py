@@ -10,7 +10,6 @@ steps (which include compilation) are not timed; the time to compile is printed 
 short CPU run it decides which mode wins.
 """
 
-import argparse
 import dataclasses
 import sys
 import time
@@ -19,12 +18,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.configs import host, settings, shakespeare  # noqa: E402
+from bench.configs import host, run_tool, settings, shakespeare  # noqa: E402
 from data import PreparedData  # noqa: E402
 from model import GPT  # noqa: E402
 from training.config import TRAINING_PRECISIONS, Settings  # noqa: E402
 from runtime.devices import keep_freed_memory  # noqa: E402
 from training.loop import Trainer  # noqa: E402
+from runtime.errors import OneLineErrorParser, positive_int  # noqa: E402
 
 SHAPES = {  # name: (overrides of the cpu preset, as on train.py's command line)
     "cpu preset": [],
@@ -54,9 +54,9 @@ def measure(shape: Settings, data: PreparedData, device: torch.device, warmup: i
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineErrorParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per shape and mode")
+    parser.add_argument("--steps", type=positive_int, default=20, help="timed steps per shape and mode")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation included)")
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--precisions", nargs="*", default=["auto"], choices=TRAINING_PRECISIONS,
@@ -82,4 +82,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

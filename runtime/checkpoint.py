@@ -16,6 +16,7 @@ the directory whose checkpoints record its own; absent from files of earlier ver
 it trains as training["raw_model"].
 """
 
+import argparse
 import dataclasses
 import math
 import pickle
@@ -85,6 +86,14 @@ def resolve_checkpoint(path, prefer: str = "best.pt") -> Path:
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}; train one with `python train.py` or pass an existing file")
     return path
+
+
+def existing_checkpoint(text: str) -> Path:
+    """An argparse type: a checkpoint file, or a run directory's (resolve_checkpoint), found before any work."""
+    try:
+        return resolve_checkpoint(text)
+    except CheckpointError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def load_checkpoint(path, prefer: str = "best.pt", map_location="cpu") -> dict:

@@ -8,6 +8,7 @@ Code anywhere raises its own exception with a message that says what is wrong an
 points turn it into a line and a status, here.
 """
 
+import argparse
 import os
 import sys
 
@@ -111,3 +112,21 @@ def write_line(text: str) -> None:
         sys.stdout.flush()
     except OSError as e:
         raise OutputError(f"cannot write to standard output ({e.strerror or e})") from None
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse, whose mistakes are one line with status 2 like every other error, not the usage block first."""
+
+    def error(self, message):
+        self.exit(USAGE, f"{self.prog}: error: {message}\n")
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value

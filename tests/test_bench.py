@@ -2,6 +2,8 @@
 starts from, and the training throughput is that of train.py's own step."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -49,3 +51,25 @@ def test_a_candidate_may_be_named_with_commas_and_spaces(tmp_path: Path):
     outcome = run("4 layers, batch 8", overrides, seed=1, eval_interval=None, workdir=tmp_path, threads=1)
     assert [row["step"] for row in outcome["curve"]] == [0, 2, 4]
     assert outcome["trained"] == "2L, batch 8, 1 thr"  # as the checkpoint records them
+
+
+@pytest.mark.parametrize("script, args, fragments", [
+    ("decode.py", ["--repeats", "0"], ["--repeats", "must be an integer >= 1, got 0"]),
+    ("decode.py", ["--checkpoint", "MISSING"], ["--checkpoint", "no checkpoint at"]),
+    ("speculative.py", ["--checkpoint", "MISSING"], ["--checkpoint", "no checkpoint at"]),
+    ("speculative.py", ["--ceiling-only", "--new-tokens", "-5"], ["--new-tokens", "got -5"]),
+    ("rolling.py", ["--repeats", "many"], ["--repeats", "got 'many'"]),
+    ("kv_designs.py", ["speed", "--repeats", "0"], ["--repeats", "got 0"]),
+    ("sample_speed.py", ["--repeats", "0"], ["--repeats", "got 0"]),
+    ("train_throughput.py", ["--steps", "0"], ["--steps", "got 0"]),
+])
+def test_a_benchmark_given_a_mistake_says_so_in_one_line_with_status_2(tmp_path, script, args, fragments):
+    """The benchmarks are tools people run: a mistake is one line, found before any timing, never a traceback."""
+    args = [str(tmp_path / "none.pt") if a == "MISSING" else a for a in args]
+    result = subprocess.run([sys.executable, str(REPO / "bench" / script), *args], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(script) and ": error: " in lines[0], result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]

@@ -101,9 +101,9 @@ def test_interactive_with_standard_input_closed_is_one_line_with_status_2(checkp
     assert_usage_error(result, "--interactive reads lines from standard input, which is closed")
 
 
-@pytest.mark.parametrize("decoding", ["surrogateescape", "strict"])
-@pytest.mark.parametrize("typed", [b"\xff\xfe not text\n", b"caf\xe9\n", b"\x80\n"], ids=["ff fe", "latin-1", "lone 80"])
-def test_interactive_skips_a_line_that_is_not_utf8_and_goes_on(checkpoints, decoding, typed):
+@pytest.mark.parametrize("typed, decoding", [(b"\xff\xfe not text\n", "surrogateescape"), (b"caf\xe9\n", "strict"),
+                                             (b"\x80\n", "strict")], ids=["ff fe, escaped", "latin-1, strict", "lone 80, strict"])
+def test_interactive_skips_a_line_that_is_not_utf8_and_goes_on(checkpoints, typed, decoding):
     """Bytes that are no UTF-8 are one line on stderr, like a line of unknown characters; the next line is read,
     whether standard input escapes them (a pipe, in the C locale) or raises on them."""
     typed += b"All:\n"

@@ -294,3 +294,74 @@ def test_prompt_lookup_proposes_what_followed_the_latest_earlier_occurrence():
     assert lookup.propose([5, 1, 2, 1, 2], 5) == ([1, 2, 1, 2, 1], None)  # a repeat two tokens long goes on
     with pytest.raises(ValueError, match="max_ngram must be an integer >= 1"):
         PromptLookup(max_ngram=0)
+
+
+# --- long texts: the work a pass does does not grow with the whole text ------------------------------------------
+
+def lookup_by_definition(tokens: list[int], k: int, max_ngram: int) -> list[int]:
+    """PromptLookup's rule, scanning the text: the tokens after the latest earlier occurrence of its last n tokens
+    (n from max_ngram down to 1) that ends before its last token, the copy running on into itself."""
+    for n in range(min(max_ngram, len(tokens) - 1), 0, -1):
+        for end in range(len(tokens) - 1, n - 1, -1):
+            if tokens[end - n:end] == tokens[-n:]:
+                proposals = tokens[end:end + k]
+                while len(proposals) < k:
+                    proposals.append(proposals[len(proposals) - (len(tokens) - end)])
+                return proposals
+    return []
+
+
+@pytest.mark.parametrize("max_ngram", [1, 3])
+def test_prompt_lookup_proposes_by_its_definition_as_the_text_grows_is_cut_back_and_changes(max_ngram):
+    """The lookup reads a text once, extending its index as the text grows; a text cut back or replaced is indexed
+    afresh. Every proposal equals the rule applied to the whole text."""
+    g = torch.Generator().manual_seed(0)
+    text = torch.randint(0, 4, (30,), generator=g).tolist()
+    lookup = PromptLookup(max_ngram)
+    for step in range(60):
+        k = 1 + step % 4
+        assert lookup.propose(text, k) == ([t for t in lookup_by_definition(text, k, max_ngram)], None), step
+        if step % 7 == 6:
+            text = text[:len(text) - 5]  # rejected drafts
+        elif step % 13 == 12:
+            text = torch.randint(0, 4, (10,), generator=g).tolist()  # another text
+        else:
+            text = text + torch.randint(0, 4, (2,), generator=g).tolist()
+
+
+def tokens_fed(monkeypatch) -> list[int]:
+    """Count the tokens every forward pass of any GPT feeds, by row."""
+    fed, trunk = [], GPT._trunk
+
+    def counting(self, idx, *args, **kwargs):
+        fed.append(idx.size(1))
+        return trunk(self, idx, *args, **kwargs)
+
+    monkeypatch.setattr(GPT, "_trunk", counting)
+    return fed
+
+
+@pytest.mark.parametrize("draft", ["lookup", "model"])
+def test_a_rotary_model_continues_a_long_prompt_from_the_tokens_that_can_still_matter(monkeypatch, draft):
+    """Past n_layer * (block_size - 1) + 1 tokens, nothing earlier changes the next token: speculative decoding
+    feeds no more of a long prompt than generate does, and gives generate's text."""
+    model = random_model(pos_emb="rope")
+    span = model.config.n_layer * (model.config.block_size - 1) + 1
+    prompt = random_tokens(1, 40 * span, seed=3)
+    expected = generate(model, prompt, 12, sampling=GREEDY)[0, prompt.size(1):].tolist()
+    fed = tokens_fed(monkeypatch)
+    proposer = PromptLookup() if draft == "lookup" else random_model(seed=1, pos_emb="rope")
+    made = [int(t) for t in speculative_generate(model, prompt, 12, draft=proposer, k=3)]
+    assert made == expected
+    assert sum(fed) <= (2 if draft == "model" else 1) * (span + 12 * 4), sum(fed)  # not 40 spans
+
+
+def test_a_conversation_with_a_rotary_model_reads_a_long_line_from_the_tokens_that_can_still_matter(monkeypatch):
+    from model.labs.conversation import Conversation
+    model = random_model(pos_emb="rope")
+    span = model.config.n_layer * (model.config.block_size - 1) + 1
+    line = random_tokens(1, 30 * span, seed=4)[0].tolist()
+    expected = generate(model, torch.tensor([line]), 8, sampling=GREEDY)[0, len(line):].tolist()
+    fed = tokens_fed(monkeypatch)
+    assert list(Conversation(model).reply(line, 8)) == expected
+    assert sum(fed) <= span + 8, sum(fed)

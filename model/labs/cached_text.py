@@ -36,8 +36,12 @@ class CachedText:
 
     def prepare(self, length: int, fresh: bool = False) -> None:
         """Move the context's start where generate puts it before drawing the token after tokens[:length]:
-        continuing from the current start, or as for a new prompt (fresh). A move empties the cache."""
-        if self.rolling:
+        continuing from the current start, or as for a new prompt (fresh). A move empties the cache. A rotary
+        model's context moves only when nothing it has cached can still matter."""
+        if self.rolling:  # the ring rolls on, but a token span back or more no longer matters (generate's rule)
+            if self.fed <= length - self.span:
+                self.start = length - self.span
+                self.cache.reset()
             return
         start = moved_start(0 if fresh else self.start, length, self.span, self.window)
         if start != self.start:

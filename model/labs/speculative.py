@@ -63,19 +63,31 @@ class PromptLookup:
         if not (is_integer(max_ngram) and max_ngram >= 1):
             raise ValueError(f"max_ngram must be an integer >= 1, got {max_ngram!r}")
         self.max_ngram = max_ngram
+        self.text: list[int] = []  # the text indexed so far
+        self.latest = [{} for _ in range(max_ngram + 1)]  # latest[n][n-gram]: where its latest occurrence ends
 
     def propose(self, tokens: list[int], k: int) -> tuple[list[int], None]:
         """Up to k tokens to follow `tokens` (none when its ending never occurred before), and no distribution: a
         point mass on each."""
+        self.index(tokens)
         for n in range(min(self.max_ngram, len(tokens) - 1), 0, -1):
-            ending = tokens[-n:]
-            for end in range(len(tokens) - 1, n - 1, -1):  # the latest occurrence ending before the last token
-                if tokens[end - n:end] == ending:
-                    proposals = tokens[end:end + k]
-                    while len(proposals) < k:  # the repeat goes on: copy what was just proposed
-                        proposals.append(proposals[len(proposals) - (len(tokens) - end)])
-                    return proposals, None
+            end = self.latest[n].get(tuple(tokens[-n:]))  # the latest occurrence ending before the last token
+            if end is not None:
+                proposals = tokens[end:end + k]
+                while len(proposals) < k:  # the repeat goes on: copy what was just proposed
+                    proposals.append(proposals[len(proposals) - (len(tokens) - end)])
+                return proposals, None
         return [], None
+
+    def index(self, tokens: list[int]) -> None:
+        """Index the n-grams that end before tokens' last token, extending the index of the text it continues (a
+        text that does not continue it is indexed afresh), so that a long prompt is read once."""
+        if len(tokens) < len(self.text) or tokens[:len(self.text)] != self.text:
+            self.text, self.latest = [], [{} for _ in range(self.max_ngram + 1)]
+        for end in range(max(len(self.text) - 1, 1), len(tokens)):  # the occurrences that end at `end`
+            for n in range(1, min(self.max_ngram, end) + 1):
+                self.latest[n][tuple(tokens[end - n:end])] = end
+        self.text = list(tokens)
 
     def keep(self, length: int) -> None:
         """Nothing to roll back."""
