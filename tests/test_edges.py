@@ -1053,16 +1053,19 @@ def test_the_gpu_preset_compiled_trains_a_few_steps_at_a_tiny_size(tmp_path, dat
     assert torch.load(tmp_path / "runs/gpu/last.pt", weights_only=True)["training"]["step"] == 4
 
 
-@pytest.mark.parametrize("kv_cache", [None, "int8"])
-def test_the_memory_check_counts_the_cache_the_decoder_really_builds(monkeypatch, kv_cache):
+@pytest.mark.parametrize("kv_cache, draft", [(None, None), ("int8", None), (None, "lookup")])
+def test_the_memory_check_counts_the_cache_the_decoder_really_builds(monkeypatch, kv_cache, draft):
+    """The cache as the decoder builds it: in its dtype, with speculative decoding's spare slots for k drafts."""
     import sample
     from model.labs.quantize import to_precision
 
     model = to_precision(random_model(), "bf16")
-    cache = model.new_kv_cache(1, dtype=torch.int8 if kv_cache else None)
+    spare = 3 if draft else 0
+    cache = model.new_kv_cache(1, max_len=model.config.block_size + spare, dtype=torch.int8 if kv_cache else None)
     need = cache.nbytes + (1 + 10) * 8  # a one-token prompt, 10 more
     assert cache.dtype == (torch.int8 if kv_cache else torch.float32)  # float32 on the CPU, even at bf16
-    args = argparse.Namespace(num_samples=1, max_new_tokens=10, kv_cache=kv_cache)
+    args = argparse.Namespace(num_samples=1, max_new_tokens=10, kv_cache=kv_cache, draft=draft,
+                              speculate_k=spare or None)
     for memory, fits in ((2 * need, True), (2 * need - 2, False)):  # sample.py may use half of it
         monkeypatch.setattr(os, "sysconf", lambda name: memory if name == "SC_PHYS_PAGES" else 1)
         if fits:
