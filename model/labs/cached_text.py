@@ -1,7 +1,7 @@
 """One row of text and a model's KV cache over it, fed only as far as each call needs: what speculative decoding
-(model/speculative.py) and a conversation (model/conversation.py) build on.
+(model/labs/speculative.py) and a conversation (model/labs/conversation.py) build on.
 
-Past block_size it follows generate's rules (model/generate.py): a rotary model's ring rolls on, and a
+Past block_size it follows generate's rules (model/labs/generate.py): a rotary model's ring rolls on, and a
 learned-position model's context jumps forward to its last `window` tokens, its cache refilled. The tokens
 already fed stay in the cache until the text is cut back (truncate), which rolls the cache back past them.
 """

@@ -62,7 +62,7 @@ def decoder_loss(model: GPT, tokens: torch.Tensor, *, prompt_len: int, cache: Ri
 def teacher_forced_loss(model: GPT, tokens: torch.Tensor, *, prompt_len: int, window: int | None = None,
                         chunk: int = 256) -> float:
     """decoder_loss's mean cross-entropy computed with full forwards, no cache, under the context rule that
-    generate_tokens follows (model/generate.py): with rotary positions each layer attends its last block_size
+    generate_tokens follows (model/labs/generate.py): with rotary positions each layer attends its last block_size
     tokens, so a logit depends on at most n_layer * (block_size - 1) tokens before it; with learned positions the
     context tokens[start:] jumps to the last `window` tokens whenever it would pass block_size."""
     c = model.config
