@@ -7,6 +7,7 @@
     python sample.py --precision int8                  # int8 weights, quantized when loaded: fastest on CPU
     python sample.py --kv-cache int8                   # int8 keys and values: about a quarter of the cache
     python sample.py --temperature 0 --draft lookup    # speculative decoding: the same text, fewer model passes
+    python sample.py --draft ngram --temperature 0.8   # ... drafts from the training text's character counts
     python sample.py --draft runs/<small run> --speculate-k 4   # ... with a smaller checkpoint as the draft
     python sample.py --interactive --temperature 0     # type a line, the model continues the text; Ctrl-D ends
 
@@ -35,10 +36,11 @@ import torch
 from data import CharVocab, DataError, UnknownCharacterError, read_regular_file
 from model import GPT, Sampling, generate_tokens, kv_cache_bytes_per_token
 from model.labs.conversation import Conversation
+from model.labs.ngram_draft import NGramTable
 from model.labs.speculative import PromptLookup, SpeculativeStats, speculative_generate
 from model.labs.quantize import DECODING_PRECISIONS
 from model.labs.ring_cache import kv_cache_dtype
-from runtime.checkpoint import find_latest_checkpoint, load_model, resolve_checkpoint, trained_on
+from runtime.checkpoint import find_latest_checkpoint, load_model, resolve_checkpoint, trained_on, training_text
 from runtime.devices import (DEFAULT_THREADS, choose_device, environment_threads, fastest_threads, memory_of,
                               thread_counts)
 from runtime.errors import (CheckpointError, OneLineErrorParser, UsageError, check_standard_streams, fail, mistakes,
@@ -90,8 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--read-all-slots", action="store_true",
                         help="attend every slot of the cache through the ring's mask (model/labs/ring_cache.py), "
                              "as compiled and GPU steps do (eagerly on the CPU the filled slots are read)")
-    parser.add_argument("--draft", metavar="PATH|lookup",
-                        help="speculative decoding: a checkpoint with the same vocabulary (a smaller model) or "
+    parser.add_argument("--draft", metavar="PATH|ngram|lookup",
+                        help="speculative decoding: a checkpoint with the same vocabulary (a smaller model), "
+                             "ngram (what followed the last few characters in the training text, counted) or "
                              "lookup (the text's own continuation of its last few characters) proposes "
                              "--speculate-k characters, which the model checks in one pass; the same text when "
                              "greedy, the same distribution when sampling")
@@ -177,9 +180,17 @@ def check_combinations(args) -> None:
                 raise UsageError(f"{option} applies to plain decoding, not to {mode}: drop one of them")
 
 
-def load_draft(args, model: GPT, vocab: CharVocab, device: torch.device) -> GPT | PromptLookup:
+def load_draft(args, model: GPT, vocab: CharVocab, contents: dict,
+               device: torch.device) -> GPT | NGramTable | PromptLookup:
     if args.draft == "lookup":
         return PromptLookup()
+    if args.draft == "ngram":
+        try:
+            data = training_text(contents)
+        except DataError as e:
+            raise UsageError(f"--draft ngram counts the text the checkpoint was trained on: {one_line(e)}; use "
+                             f"--draft lookup or a draft checkpoint") from None
+        return NGramTable(torch.from_numpy(data.train.astype("int64")), model.config.vocab_size)
     try:
         draft, draft_vocab, _ = load_model(resolve_checkpoint(Path(args.draft)), device, precision=args.precision)
     except CheckpointError as e:
@@ -319,7 +330,7 @@ def sample(args) -> None:
     model, vocab, contents = load_model(path, device, precision=args.precision)
     prompt_ids = encode_prompt(vocab, prompt)
     check_memory(args, len(prompt_ids), model, device)
-    draft = load_draft(args, model, vocab, device) if args.draft else None
+    draft = load_draft(args, model, vocab, contents, device) if args.draft else None
     threads = choose_threads(args, model, prompt_ids, device)  # before anything is timed or sampled
 
     generator = torch.Generator(device)

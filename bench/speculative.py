@@ -1,12 +1,15 @@
 """Speculative decoding against plain cached decoding, batch 1, in one run.
 
-    python bench/speculative.py --checkpoint runs/<date>_<time>                      # prompt lookup as the draft
+    python bench/speculative.py --checkpoint runs/<date>_<time>                      # prompt lookup and n-gram drafts
     python bench/speculative.py --checkpoint runs/<big> --draft runs/<small>         # also a draft checkpoint
     python bench/speculative.py --ceiling-only                                       # the verification pass alone
 
 Decoding: --new-tokens new tokens after "ROMEO:" from --checkpoint, plain cached decoding (model/labs/generate.py) and
-speculative decoding (model/labs/speculative.py) with prompt lookup and with --draft, for each k, at temperature 0 and
-0.8. Each figure is the median of --repeats runs with their spread (min-max); every ratio is taken within this run.
+speculative decoding (model/labs/speculative.py) with prompt lookup, with the n-gram draft counted over the
+checkpoint's training text (its train split: model/labs/ngram_draft.py) and with --draft, for each k, at
+temperature 0 and 0.8. Each figure is the median of --repeats runs with their spread (min-max). Plain and
+speculative decoding run in turns, and "x plain" is the median of the ratios of each pair: a host whose speed
+drifts moves both alike.
 Greedy speculative text is checked against plain greedy text; sampled text differs by design (the same
 distribution, other draws), so at 0.8 the acceptance rate and the tokens per model pass are what to read.
 
@@ -16,7 +19,9 @@ A draft that is always right, and free, would decode (k + 1) / that ratio times 
 """
 
 import dataclasses
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -25,8 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.configs import host, model_config, run_tool  # noqa: E402
 from bench.decode import fmt, rates, timings  # noqa: E402
 from model import GPT, GREEDY, Sampling, generate  # noqa: E402
+from model.labs.ngram_draft import NGramTable  # noqa: E402
 from model.labs.speculative import PromptLookup, SpeculativeStats, speculative_generate  # noqa: E402
-from runtime.checkpoint import existing_checkpoint, load_model  # noqa: E402
+from runtime.checkpoint import existing_checkpoint, load_model, training_text  # noqa: E402
 from runtime.errors import OneLineErrorParser, positive_int  # noqa: E402
 
 BENCH_PROMPT = "ROMEO:"
@@ -46,25 +52,39 @@ def sampling_at(temperature: float) -> Sampling:
     return GREEDY if temperature == 0 else Sampling(temperature=temperature)
 
 
+def paired_ratios(plain, speculative, n: int, repeats: int):
+    """tok/s of each, and their ratio per pair, each a (median, min, max): the two run in turns, so that a host
+    whose speed drifts during the run moves both alike."""
+    plain(), speculative()  # warm-up
+    plain_s, spec_s = [], []
+    for _ in range(repeats):
+        for fn, seconds in ((plain, plain_s), (speculative, spec_s)):
+            start = time.perf_counter()
+            fn()
+            seconds.append(time.perf_counter() - start)
+    ratios = sorted(p / s for p, s in zip(plain_s, spec_s))
+    return rates(n, plain_s), rates(n, spec_s), (statistics.median(ratios), ratios[0], ratios[-1])
+
+
 def decoding_table(model, vocab, drafts: dict, n: int, repeats: int) -> None:
     prompt = torch.tensor([vocab.encode(BENCH_PROMPT)])
-    print(f"| temperature | decoding | k | acceptance | tokens per model pass | tok/s | x plain | identical text |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| temperature | draft | k | acceptance | tokens per model pass | plain tok/s | speculative tok/s "
+          "| x plain | identical text |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for temperature in TEMPERATURES:
         def plain():
             return generate(model, prompt, n, sampling=sampling_at(temperature),
                             generator=torch.Generator().manual_seed(0))[0, prompt.size(1):].tolist()
         plain_text = plain()
-        plain_rate = rates(n, timings(plain, repeats, sync=lambda: None))
-        print(f"| {temperature} | plain cached | - | - | 1.00 | {fmt(plain_rate)} | 1.00 | - |", flush=True)
         for name, draft in drafts.items():
             for k in KS:
                 text, stats = speculative_run(model, prompt, n, draft, k, temperature)
-                rate = rates(n, timings(lambda: speculative_run(model, prompt, n, draft, k, temperature),
-                                        repeats, sync=lambda: None))
+                plain_rate, rate, ratio = paired_ratios(
+                    plain, lambda: speculative_run(model, prompt, n, draft, k, temperature), n, repeats)
                 same = ("yes" if text == plain_text else "NO") if temperature == 0 else "-"
                 print(f"| {temperature} | {name} | {k} | {stats.acceptance_rate:.0%} | {stats.tokens_per_pass:.2f} "
-                      f"| {fmt(rate)} | {rate[0] / plain_rate[0]:.2f} | {same} |", flush=True)
+                      f"| {fmt(plain_rate)} | {fmt(rate)} | {ratio[0]:.2f} ({ratio[1]:.2f}-{ratio[2]:.2f}) "
+                      f"| {same} |", flush=True)
 
 
 @torch.no_grad()
@@ -111,8 +131,13 @@ def main() -> None:
     print(f"# speculative decoding benchmark: {host()}, torch {torch.__version__}, {torch.get_num_threads()} "
           f"threads, cpu, batch 1, median (min-max) of {args.repeats}")
     if not args.ceiling_only:
-        model, vocab, _ = load_model(args.checkpoint, torch.device("cpu"))
+        model, vocab, contents = load_model(args.checkpoint, torch.device("cpu"))
         drafts = {"prompt lookup": PromptLookup()}
+        start = time.perf_counter()
+        table = NGramTable(torch.from_numpy(training_text(contents).train.astype("int64")), model.config.vocab_size)
+        print(f"\nthe n-gram draft's table: order {table.order}, min_count {table.min_count}, "
+              f"{table.nbytes / 2**20:.1f} MiB, counted in {time.perf_counter() - start:.2f} s")
+        drafts[f"n-gram, order {table.order}"] = table
         if args.draft:
             draft, draft_vocab, _ = load_model(args.draft, torch.device("cpu"))
             if draft_vocab != vocab:

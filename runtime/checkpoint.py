@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from data import CharVocab, DataError, PreparedData
+from data import SHAKESPEARE, CharVocab, DataError, PreparedData, prepare_shakespeare, prepare_text
 from model import GPT, GPTConfig
 from model.labs.quantize import to_precision
 
@@ -186,6 +186,23 @@ def load_model(path, device="cpu", prefer: str = "best.pt", precision: str = "fp
         raise CheckpointError(f"{resolve_checkpoint(path, prefer)} holds NaN or infinite weights (in "
                               f"{', '.join(broken[:3])}{', ...' if len(broken) > 3 else ''}); use another checkpoint")
     return to_precision(model.to(device), precision), vocab, contents
+
+
+def training_text(contents: dict) -> PreparedData:
+    """The text a checkpoint's model was trained on, prepared where its run prepared it (tiny_shakespeare is
+    downloaded if absent). A DataError when the checkpoint does not record one, or the text has changed since."""
+    text = contents.get("text")
+    if not text:
+        raise DataError("the checkpoint does not record the text it was trained on")
+    data_settings = contents.get("training", {}).get("config", {}).get("data", {})
+    root, val_fraction = data_settings.get("root", "datasets"), data_settings.get("val_fraction", 0.1)
+    if text["source"] == SHAKESPEARE:
+        data = prepare_shakespeare(Path(root) / SHAKESPEARE, val_fraction=val_fraction)
+    else:
+        data = prepare_text(text["source"], root, val_fraction=val_fraction)
+    if data.sha256 != text["sha256"]:
+        raise DataError(f"{text['source']} has changed since the checkpoint was trained on it")
+    return data
 
 
 def trained_on(contents: dict) -> str:

@@ -9,6 +9,7 @@ import torch
 from model import GREEDY
 from model.labs.conversation import Conversation
 from model.labs.decoder_loss import decoder_loss, teacher_forced_loss
+from model.labs.ngram_draft import NGramTable
 from model.labs.speculative import PromptLookup, speculative_generate
 from tiny_models import BLOCK_SIZE, random_model, random_tokens
 
@@ -70,6 +71,11 @@ def test_teacher_forced_loss_refuses_a_chunk_that_cannot_work(model):
 
 
 SAMPLING_CASES = {
+    "ngram table tokens outside the vocabulary": (lambda m: NGramTable([0, 5], 5), "tokens must hold"),
+    "ngram table of no tokens": (lambda m: NGramTable([], 5), "tokens must hold"),
+    "ngram table order negative": (lambda m: NGramTable([0], 5, order=-1), "order"),
+    "ngram table order past int64": (lambda m: NGramTable([0], 65, order=10), "order 10 is too long for 65 tokens"),
+    "ngram table min_count zero": (lambda m: NGramTable([0], 5, min_count=0), "min_count"),
     "speculative sampling a string": (
         lambda m: first(speculative_generate(m, random_tokens(1, 4), 3, draft=PromptLookup(), k=2, sampling="greedy")),
         "sampling"),

@@ -10,22 +10,28 @@ import pytest
 import torch
 
 import sample
-from data import CharVocab
+from data import CharVocab, prepare_text
 from model import GPT, GPTConfig, GREEDY, generate
 from model.labs.conversation import Conversation
 from runtime.checkpoint import build_checkpoint, load_model, save_checkpoint
-from test_sample import ENV, NEW_TOKENS, PROMPT, SAMPLE, VOCAB, assert_usage_error, run_sample, sample_ok, tiny_model
+from test_sample import (ENV, NEW_TOKENS, PROMPT, SAMPLE, TEXT, VOCAB, assert_usage_error, run_sample, sample_ok,
+                         tiny_model)
 
 REPLY = 40
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """The model, a draft trained less from another seed, and a model of another vocabulary."""
+    """The model, the model recording the text it was trained on (prepared under folder/datasets), a draft trained
+    less from another seed, and a model of another vocabulary."""
     folder = tmp_path_factory.mktemp("spec")
-    paths = {}
+    paths = {"folder": folder}
     for name, model in (("model", tiny_model(seed=0, train_steps=120)), ("draft", tiny_model(seed=1, train_steps=40))):
         paths[name] = save_checkpoint(build_checkpoint(model, VOCAB), folder / f"{name}.pt")
+    (folder / "text.txt").write_text(TEXT)
+    text = prepare_text(folder / "text.txt", folder / "datasets")
+    paths["model_with_text"] = save_checkpoint(build_checkpoint(load_model(paths["model"])[0], VOCAB, text=text),
+                                               folder / "model_with_text.pt")
     torch.manual_seed(0)
     other = GPT(GPTConfig(vocab_size=5, block_size=16, n_layer=1, n_head=1, n_embd=8)).eval()
     paths["other"] = save_checkpoint(build_checkpoint(other, CharVocab("abcde")), folder / "other.pt")
@@ -47,7 +53,28 @@ def test_speculative_greedy_text_equals_plain_greedy_text(checkpoints, plain_gre
     assert "draft acceptance " in summary and " tokens per model pass" in summary
 
 
+def test_the_ngram_draft_counts_the_training_text_and_keeps_the_greedy_text(checkpoints, plain_greedy):
+    result = sample_ok("--checkpoint", checkpoints["model_with_text"], "--prompt", PROMPT, "--temperature", 0,
+                       "--max-new-tokens", NEW_TOKENS, "--draft", "ngram", cwd=checkpoints["folder"])
+    assert result.stdout == plain_greedy
+    acceptance = int(result.stderr.splitlines()[-1].split("draft acceptance ")[1].split("%")[0])
+    assert acceptance > 100 / len(VOCAB)  # better than a uniform guess
+
+
+def test_the_ngram_draft_refuses_a_text_that_changed_since_training(checkpoints, tmp_path):
+    folder = tmp_path / "moved"
+    folder.mkdir()
+    (folder / "text.txt").write_text(TEXT + "more")
+    contents = load_model(checkpoints["model_with_text"])[2]
+    contents["text"]["source"] = str(folder / "text.txt")
+    changed = save_checkpoint(contents, folder / "changed.pt")
+    assert_usage_error(run_sample("--checkpoint", changed, "--draft", "ngram", cwd=folder),
+                       "--draft ngram counts the text the checkpoint was trained on", "has changed since")
+
+
 @pytest.mark.parametrize("args, fragments", [
+    (["--draft", "ngram"], ["--draft ngram counts the text the checkpoint was trained on: the checkpoint does not "
+                            "record the text it was trained on; use --draft lookup"]),
     (["--draft", "OTHER"], ["--draft", "another vocabulary (5 characters)", "(35)"]),
     (["--draft", "lookup", "--speculate-k", "0"], ["--speculate-k must be >= 1, got 0"]),
     (["--speculate-k", "2"], ["--speculate-k applies to speculative decoding: give --draft too"]),

@@ -10,6 +10,7 @@ import model.labs.speculative as speculative
 from model import GPT, GREEDY, Sampling, generate
 from model.labs.cached_text import CachedText
 from model.gpt import POSITIONS
+from model.labs.ngram_draft import NGramTable
 from model.labs.speculative import PromptLookup, SpeculativeStats, speculative_generate
 from tiny_models import BLOCK_SIZE, VOCAB, random_model, random_tokens, tiny_config
 
@@ -35,6 +36,10 @@ def make_draft(kind: str, model: GPT, pos_emb: str):
         return random_model(seed=7, pos_emb=other, block_size=BLOCK_SIZE // 2, n_layer=1)
     if kind == "perturbed":
         return perturbed(model, 0.03)
+    if kind == "ngram":  # counts of the model's own text from another prompt: it agrees with the model at times
+        text = generate(model, random_tokens(1, 1, seed=5), 500, sampling=Sampling(temperature=0.3),
+                        generator=torch.Generator().manual_seed(5))
+        return NGramTable(text, VOCAB, order=3, min_count=2)
     return PromptLookup()
 
 
@@ -43,7 +48,7 @@ def speculative_ids(model, prompt, n, **kwargs) -> list[int]:
 
 
 @pytest.mark.parametrize("pos_emb", POSITIONS)
-@pytest.mark.parametrize("kind", ["same", "unrelated", "perturbed", "lookup"])
+@pytest.mark.parametrize("kind", ["same", "unrelated", "perturbed", "lookup", "ngram"])
 def test_greedy_speculative_text_equals_plain_cached_greedy_text(pos_emb, kind):
     model = random_model(seed=0, pos_emb=pos_emb)
     prompt = random_tokens(1, PROMPT_LEN, seed=3)
@@ -60,6 +65,8 @@ def test_greedy_speculative_text_equals_plain_cached_greedy_text(pos_emb, kind):
             assert stats.acceptance_rate < 0.3
         elif kind == "perturbed":
             assert 0.2 < stats.acceptance_rate < 1.0
+        elif kind == "ngram":  # better than a uniform guess, not always right
+            assert 1 / VOCAB < stats.acceptance_rate < 1.0
         else:
             assert stats.drafted > 0 and stats.accepted > 0
 
@@ -88,6 +95,17 @@ SIGNIFICANCE = 1e-3  # a correct sampler fails this test with probability 0.001 
 N_SAMPLES = 400
 MODEL_SEED, DRAFT_SEED, PROMPT = 24, 29, torch.tensor([[2]])  # a one-token prompt: no prefill, fast
 LOOKUP_PROMPT = torch.tensor([[2, 0, 1, 2]])  # prompt lookup proposes the 0 that followed the earlier 2
+# counts whose q after PROMPT (0.6, 0.3, 0.1 after a 2) and after each next token differ from the model's p
+NGRAM_TEXT = [2, 0, 0, 2, 0, 1, 2, 0, 0, 2, 1, 0, 2, 0, 2, 2, 1, 1, 0, 2, 0, 2, 1, 0, 2, 0, 1, 2, 0, 0, 2]
+
+
+def distribution_test_draft(kind: str):
+    """(draft, prompt) for the distribution tests."""
+    if kind == "model":
+        return peaked_model(DRAFT_SEED), PROMPT
+    if kind == "ngram":
+        return NGramTable(NGRAM_TEXT, SMALL["vocab_size"], order=1, min_count=1), PROMPT
+    return PromptLookup(), LOOKUP_PROMPT
 
 
 def peaked_model(seed: int) -> GPT:
@@ -140,18 +158,22 @@ def sampled_counts(model, draft, prompt, n, k, sampling) -> torch.Tensor:
     ("model", Sampling(temperature=1.0)),
     ("model", Sampling(temperature=0.7, top_k=2, top_p=0.9)),  # each filter drops a token of p and of q
     ("lookup", Sampling(temperature=1.0)),
-], ids=["model", "model-filtered", "lookup"])
+    ("ngram", Sampling(temperature=1.0)),
+    ("ngram", Sampling(temperature=0.7, top_k=2, top_p=0.9)),
+], ids=["model", "model-filtered", "lookup", "ngram", "ngram-filtered"])
 def test_speculative_sampling_keeps_the_model_distribution(draft_kind, sampling):
     model = peaked_model(MODEL_SEED)
-    draft, prompt = (peaked_model(DRAFT_SEED), PROMPT) if draft_kind == "model" else (PromptLookup(), LOOKUP_PROMPT)
+    draft, prompt = distribution_test_draft(draft_kind)
     p_value = chi_square_p_value(sampled_counts(model, draft, prompt, 2, 1, sampling),
                                  exact_joint(model, prompt, 2, sampling))
     assert p_value > SIGNIFICANCE
 
 
-def test_three_tokens_from_two_drafts_per_pass_keep_the_model_distribution():
-    model, prompt, sampling = peaked_model(MODEL_SEED), PROMPT, Sampling(temperature=1.0)
-    counts = sampled_counts(model, peaked_model(DRAFT_SEED), prompt, 3, 2, sampling)
+@pytest.mark.parametrize("draft_kind", ["model", "ngram"])
+def test_three_tokens_from_two_drafts_per_pass_keep_the_model_distribution(draft_kind):
+    model, sampling = peaked_model(MODEL_SEED), Sampling(temperature=1.0)
+    draft, prompt = distribution_test_draft(draft_kind)
+    counts = sampled_counts(model, draft, prompt, 3, 2, sampling)
     assert chi_square_p_value(counts, exact_joint(model, prompt, 3, sampling)) > SIGNIFICANCE
 
 
@@ -272,7 +294,8 @@ def test_a_wrapped_ring_refuses_to_roll_back_past_what_it_still_holds():
     (dict(k=True), "got True"),
     (dict(k=2.0), "got 2.0"),
     (dict(draft=random_model(seed=1, vocab_size=VOCAB + 1)), "draft has a vocabulary of 14 tokens, the model 13"),
-    (dict(draft="lookup"), "draft must be a GPT with the model's vocabulary or PromptLookup(), got str"),
+    (dict(draft="lookup"), "draft must be a GPT with the model's vocabulary, an NGramTable or PromptLookup(), got str"),
+    (dict(draft=NGramTable([0, 1], VOCAB + 1)), "draft counts 14 tokens, the model has 13"),
     (dict(draft=random_model(seed=1).train()), "draft is in training mode"),
     (dict(idx=random_tokens(2, 4)), "speculative decoding decodes one row: idx has 2 rows"),
     (dict(idx=torch.tensor([[VOCAB]])), "outside the vocabulary"),
@@ -365,3 +388,37 @@ def test_a_conversation_with_a_rotary_model_reads_a_long_line_from_the_tokens_th
     fed = tokens_fed(monkeypatch)
     assert list(Conversation(model).reply(line, 8)) == expected
     assert sum(fed) <= span + 8, sum(fed)
+
+
+# --- the n-gram draft -------------------------------------------------------------------------------------------
+
+def followers_written_out(text: list[int], context: list[int], vocab: int, order: int, min_count: int):
+    """The n-gram draft's q by its definition: what followed the longest ending of context (at most order tokens)
+    that occurred at least min_count times in text, counted and normalised."""
+    for n in range(min(order, len(context)), -1, -1):
+        ending = context[len(context) - n:]
+        followers = [text[i + n] for i in range(len(text) - n) if text[i:i + n] == ending]
+        if n == 0 or len(followers) >= min_count:
+            return torch.bincount(torch.tensor(followers), minlength=vocab).float() / len(followers)
+
+
+@pytest.mark.parametrize("order, min_count", [(0, 1), (2, 1), (3, 2), (4, 3)])
+def test_the_ngram_draft_gives_the_counts_that_followed_the_longest_ending_seen_often_enough(order, min_count):
+    vocab = 4
+    text = torch.randint(0, vocab, (300,), generator=torch.Generator().manual_seed(order)).tolist()
+    table = NGramTable(text, vocab, order=order, min_count=min_count)
+    contexts = [[], [1], text[:7], text[100:110], [3, 3, 3, 3, 3], [0, 1, 2, 3, 0, 1]]
+    for context in contexts:
+        torch.testing.assert_close(table.distribution(context),
+                                   followers_written_out(text, context, vocab, order, min_count),
+                                   msg=f"context {context}")
+
+
+def test_the_ngram_draft_proposes_its_likeliest_tokens_when_greedy_and_draws_from_q_when_sampling():
+    from model.labs.ngram_draft import NGramDraft
+    table = NGramTable([0, 1, 2] * 10, 3, order=2)
+    assert NGramDraft(table, GREEDY, None, "cpu").propose([2, 0], 4) == ([1, 2, 0, 1], None)
+    proposals, q = NGramDraft(table, Sampling(temperature=1.0), torch.Generator().manual_seed(0),
+                              "cpu").propose([2, 0], 2)
+    assert proposals == [1, 2]  # the text never varies: q is a point mass
+    torch.testing.assert_close(q, torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]))

@@ -9,7 +9,8 @@ keeps the longest prefix it agrees with and rolls its cache back past the rest.
 At batch 1 a decoding step reads every weight to make one token; a verification pass reads them once for up to
 k + 1 tokens: the draft's proposals that the model keeps, and one token of the model's own after them.
 
-Drafts: another GPT with the same vocabulary (smaller, so cheaper; it keeps its own cache, rolled back alike), or
+Drafts: another GPT with the same vocabulary (smaller, so cheaper; it keeps its own cache, rolled back alike),
+an NGramTable of a text's counts (model/labs/ngram_draft.py: a table lookup per token, with a distribution), or
 PromptLookup, which proposes what followed the latest earlier occurrence of the text's last few tokens and costs
 nothing. Greedy (temperature 0) keeps draft tokens while they equal the model's argmax: the text is the model's
 own greedy text. Sampling keeps draft token x, drawn from the draft's q, with probability min(1, p(x) / q(x)),
@@ -32,6 +33,7 @@ import torch
 from ..gpt import GPT
 from .cached_text import CachedText
 from .generate import GREEDY, Sampling, check_arguments, check_sampling, is_integer
+from .ngram_draft import NGramDraft, NGramTable
 
 
 @dataclass
@@ -160,12 +162,14 @@ def verify(logits: torch.Tensor, proposals: list[int], q: torch.Tensor | None, s
 
 
 @torch.no_grad()
-def speculative_generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, draft: "GPT | PromptLookup",
+def speculative_generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *,
+                         draft: "GPT | NGramTable | PromptLookup",
                          k: int, sampling: Sampling = GREEDY, generator: torch.Generator | None = None,
                          window: int | None = None, stats: SpeculativeStats | None = None
                          ) -> Iterator[torch.Tensor]:
     """Yield the next token, (1,), max_new_tokens times, as generate_tokens does for one row, drafting k tokens
-    per model pass. draft: a GPT with the model's vocabulary (in eval mode, on its device), or PromptLookup().
+    per model pass. draft: a GPT with the model's vocabulary (in eval mode, on its device), an NGramTable of its
+    vocabulary, or PromptLookup().
     window: as in generate, for learned positions (the model's; a draft model keeps its default). stats: a
     SpeculativeStats to fill. Arguments that cannot work are a ValueError naming the argument.
     """
@@ -179,10 +183,15 @@ def speculative_generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, 
     if isinstance(draft, GPT):
         _check_draft(model, draft)
         proposer = ModelDraft(draft, k, sampling, generator)
+    elif isinstance(draft, NGramTable):
+        if draft.vocab_size != model.config.vocab_size:
+            raise ValueError(f"draft counts {draft.vocab_size} tokens, the model has {model.config.vocab_size}: "
+                             f"build the NGramTable with the model's vocab_size")
+        proposer = NGramDraft(draft, sampling, generator, idx.device)
     elif isinstance(draft, PromptLookup):
         proposer = draft
     else:
-        raise ValueError(f"draft must be a GPT with the model's vocabulary or PromptLookup(), got "
+        raise ValueError(f"draft must be a GPT with the model's vocabulary, an NGramTable or PromptLookup(), got "
                          f"{type(draft).__name__}")
     stats = stats if stats is not None else SpeculativeStats()
     target = CachedText(model, spare=k, window=window)
