@@ -166,6 +166,14 @@ def test_compiled_one_token_step_equals_eager_greedy_generation(model):
     assert torch.equal(compiled, generate(model, prompt, N_NEW, sampling=GREEDY))
 
 
+def test_a_compiled_step_is_compiled_once_for_generations_of_other_lengths(model):
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    for prompt_len, n_new in ((5, N_NEW), (3, N_NEW + 7), (9, 4)):
+        generate(model, random_tokens(2, prompt_len), n_new, sampling=GREEDY, compile=True)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
 # --- arguments that cannot work are a ValueError naming them -----------------------------------------------
 
 def bad_generate_call(model, case):

@@ -152,7 +152,11 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampl
             while fed < length:  # a prompt longer than the ring: one chunk fills it, then a token at a time
                 room = block_size - (fed - first)  # tokens that still fit before the ring first wraps
                 n = length - fed if length - fed <= room else max(room, 1)
-                logits = (one_token_step if n == 1 else model.decode_step)(buffer[:, fed:fed + n], cache)
+                if n == 1:  # a tensor of its own: a slice of buffer has buffer's strides, which a compiled step
+                    # would be recompiled for whenever max_new_tokens changes
+                    logits = one_token_step(buffer[:, fed:fed + 1].clone(memory_format=torch.contiguous_format), cache)
+                else:
+                    logits = model.decode_step(buffer[:, fed:fed + n], cache)
                 fed += n
         else:
             logits = model(buffer[:, first:length], n_pad=context_pad)[0][:, -1]

@@ -50,6 +50,11 @@ class NGramTable:
 
     def distribution(self, context: Sequence[int]) -> torch.Tensor:
         """q (vocab_size,): the next token's distribution after context (see the module)."""
+        counts = self.follower_counts(context)
+        return torch.from_numpy(counts / counts.sum()).float()
+
+    def follower_counts(self, context: Sequence[int]) -> np.ndarray:
+        """(vocab_size,) float64: how often each token followed the ending of context that q counts."""
         V, longest = self.vocab_size, min(self.order, len(context))
         number, bounds = 0, [V, 2 * V]  # the followers of the last n tokens: codes in [V (V^n + number), + V)
         for n in range(1, longest + 1):
@@ -59,8 +64,7 @@ class NGramTable:
         totals = self.cumulative[ends[1::2]] - self.cumulative[ends[::2]]  # followers of each n
         n = next(n for n in range(longest, -1, -1) if n == 0 or totals[n] >= self.min_count)
         lo, hi = ends[2 * n], ends[2 * n + 1]
-        followers = np.bincount(self.keys[lo:hi] % V, weights=self.counts[lo:hi], minlength=V)
-        return torch.from_numpy(followers / totals[n]).float()
+        return np.bincount(self.keys[lo:hi] % V, weights=self.counts[lo:hi], minlength=V)
 
     @property
     def nbytes(self) -> int:
@@ -78,12 +82,18 @@ class NGramDraft:
         greedy)."""
         text, dists = list(tokens), []
         for _ in range(k):
-            q = self.table.distribution(text).to(self.device)  # where the model's p and the generator are
+            counts = self.table.follower_counts(text)
             if self.sampling.greedy:
-                text.append(int(q.argmax()))
-            else:
-                dists.append(self.sampling.probs(q.log()[None]))
-                text.append(int(torch.multinomial(dists[-1], 1, generator=self.generator)))
+                text.append(int(counts.argmax()))
+                continue
+            with np.errstate(divide="ignore"):  # log 0 = -inf: a token never seen after this context
+                log_q = torch.from_numpy(np.log(counts)).to(self.device, torch.float32)  # log q, plus a constant
+            q = self.sampling.probs(log_q[None])  # (1, vocab_size), where the model's p and the generator are
+            dists.append(q)
+            # an exponential race, argmax q / E with each E ~ Exp(1), wins token i with probability q_i, in a
+            # third of multinomial's time; E is kept above 0 so that a token of q = 0 never wins
+            race = torch.empty_like(q).exponential_(generator=self.generator).clamp_(min=torch.finfo(q.dtype).tiny)
+            text.append(int((q / race).argmax()))
         return text[len(tokens):], torch.cat(dists) if dists else None
 
     def keep(self, length: int) -> None:

@@ -149,16 +149,20 @@ def verify(logits: torch.Tensor, proposals: list[int], q: torch.Tensor | None, s
             kept += 1
         return kept, best[kept]
     p = sampling.probs(logits)  # (n + 1, vocab_size)
-    for i, token in enumerate(proposals):
-        q_i = q[i] if q is not None else torch.nn.functional.one_hot(torch.tensor(token, device=p.device),
-                                                                     p.size(-1)).float()
-        if torch.rand((), generator=generator, device=p.device) < acceptance_probability(p[i, token], q_i[token]):
-            continue
-        residual = (p[i] - q_i).clamp(min=0)  # what p has beyond q: a rejection draws from it alone
-        if not residual.sum() > 0:  # p and q equal up to rounding: nothing beyond q, so p itself
-            residual = p[i]
-        return i, int(torch.multinomial(residual, 1, generator=generator))
-    return len(proposals), int(torch.multinomial(p[-1], 1, generator=generator))
+    n = len(proposals)
+    tokens = torch.tensor(proposals, dtype=torch.long, device=p.device)
+    q = q if q is not None else torch.nn.functional.one_hot(tokens, p.size(-1)).float()  # point masses
+    rows = torch.arange(n, device=p.device)
+    # every draft's own uniform draw at once: the same law as drawing each after the one before it is kept
+    keep = torch.rand(n, generator=generator, device=p.device) < acceptance_probability(p[rows, tokens],
+                                                                                      q[rows, tokens])
+    kept = int(keep.cumprod(dim=0).sum())  # the drafts before the first rejection
+    if kept == n:
+        return n, int(torch.multinomial(p[-1], 1, generator=generator))
+    residual = (p[kept] - q[kept]).clamp(min=0)  # what p has beyond q: a rejection draws from it alone
+    if not residual.sum() > 0:  # p and q equal up to rounding: nothing beyond q, so p itself
+        residual = p[kept]
+    return kept, int(torch.multinomial(residual, 1, generator=generator))
 
 
 @torch.no_grad()
