@@ -16,6 +16,7 @@ from runtime.errors import fail, mistakes  # noqa: E402
 from training.config import Settings, register, validate  # noqa: E402
 
 TINY_SHAKESPEARE_VOCAB_SIZE = 65  # its distinct characters; the data itself is not needed to time a model
+MODEL_SHAPES = sorted(path.stem for path in (REPO / "conf" / "model").glob("*.yaml"))  # model=<shape> choices
 
 
 def compose_config(*overrides: str) -> DictConfig:

@@ -1,11 +1,12 @@
 """Decode speed at fp32, bf16 and int8: the KV cache against each precision's weight-matmul bound, in one run.
 
     python bench/decode.py                                    # the classic shakespeare-char shape, on CPU
+    python bench/decode.py --shape small                      # the cpu preset's shape (conf/model/small.yaml)
     python bench/decode.py --checkpoint runs/<date>_<time>    # also the val-loss change of bf16 and int8
     python bench/decode.py --profile                          # also where one-token steps spend their time
 
 Greedy generation from a random-weight model of the classic shape (conf/model/classic.yaml: 6 layers,
-6 heads, 384 wide, block 256; vocab 65): speed does not depend on the weights. Tokens/s counts new tokens of
+6 heads, 384 wide, block 256; vocab 65), or of --shape small: speed does not depend on the weights. Tokens/s counts new tokens of
 every row (16-token prompt, 240 new). The bound times only the matmuls of every Linear, as that precision
 computes them (model/labs/quantize.py), for one token per row, back to back: what a step would cost with no
 attention, norms, activations or Python at all. Each figure is the median of --repeats runs, with their
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.configs import model_config, run_tool, shakespeare  # noqa: E402
+from bench.configs import MODEL_SHAPES, host, model_config, run_tool, shakespeare  # noqa: E402
 from data import Batches  # noqa: E402
 from model import GPT, GREEDY, generate  # noqa: E402
 from model.labs.quantize import DECODING_PRECISIONS, Int8Linear, to_precision  # noqa: E402
@@ -106,6 +107,8 @@ def fmt(r) -> str:
 def main() -> None:
     parser = OneLineErrorParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--shape", choices=MODEL_SHAPES, default="classic",
+                        help="the model's shape, from conf/model/ (default: %(default)s)")
     parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--compile", action="store_true", help="torch.compile the one-token step")
     parser.add_argument("--checkpoint", type=existing_checkpoint,
@@ -116,8 +119,9 @@ def main() -> None:
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     torch.manual_seed(0)
-    fp32_state = GPT(model_config("classic")).state_dict()
-    print(f"# decode benchmark: {torch.__version__}, device {device}, {torch.get_num_threads()} threads, classic "
+    fp32_state = GPT(model_config(args.shape)).state_dict()
+    print(f"# decode benchmark: {host()}, torch {torch.__version__}, device {device}, {torch.get_num_threads()} "
+          f"threads, {args.shape} "
           f"shape, prompt {PROMPT_LEN}, {NEW_TOKENS} new, greedy, median (min-max) of {args.repeats}"
           f"{', compiled step' if args.compile else ''}")
     print("| precision | cached tok/s, batch 1 | cached tok/s, batch 8 | weight-matmul bound tok/s, batch 1 "
@@ -125,7 +129,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     fp32_b1, profiles = None, []
     for precision in DECODING_PRECISIONS:
-        model = GPT(model_config("classic"))
+        model = GPT(model_config(args.shape))
         model.load_state_dict(fp32_state)
         model = to_precision(model.to(device), precision)
         b1 = decode_rates(model, 1, args.repeats, sync, args.compile)
