@@ -128,7 +128,7 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampl
     span, window = context_limits(model.config, window)
     if use_cache:
         cache = cache if cache is not None else model.new_kv_cache(idx.size(0))
-        one_token_step = torch.compile(model.decode_step, fullgraph=True) if compile else model.decode_step
+        one_token_step = compiled_step(model) if compile else model.decode_step
     # the whole sequence, filled as it grows: seq = buffer[:, :length]
     buffer = torch.cat([idx, idx.new_empty(idx.size(0), max_new_tokens)], dim=1)
     length = idx.size(1)
@@ -152,11 +152,7 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampl
             while fed < length:  # a prompt longer than the ring: one chunk fills it, then a token at a time
                 room = block_size - (fed - first)  # tokens that still fit before the ring first wraps
                 n = length - fed if length - fed <= room else max(room, 1)
-                if n == 1:  # a tensor of its own: a slice of buffer has buffer's strides, which a compiled step
-                    # would be recompiled for whenever max_new_tokens changes
-                    logits = one_token_step(buffer[:, fed:fed + 1].clone(memory_format=torch.contiguous_format), cache)
-                else:
-                    logits = model.decode_step(buffer[:, fed:fed + n], cache)
+                logits = (one_token_step if n == 1 else model.decode_step)(buffer[:, fed:fed + n], cache)
                 fed += n
         else:
             logits = model(buffer[:, first:length], n_pad=context_pad)[0][:, -1]
@@ -164,6 +160,13 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampl
         buffer[:, length] = next_ids
         length += 1
         yield next_ids
+
+
+def compiled_step(model: GPT):
+    """model.decode_step compiled for one token per row. It is fed a copy of its tokens: a slice of generate's buffer
+    has the buffer's strides, for which the step would be compiled again whenever max_new_tokens changes."""
+    step = torch.compile(model.decode_step, fullgraph=True)
+    return lambda idx, cache: step(idx.clone(memory_format=torch.contiguous_format), cache)
 
 
 def default_window(block_size: int) -> int:
