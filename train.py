@@ -37,8 +37,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from data import (SHAKESPEARE, Batches, DataError, PreparedData, UnknownCharacterError, prepare_shakespeare,
-                  prepare_text)
+from data import Batches, DataError, PreparedData, UnknownCharacterError, prepare_training_text
 from model import GPT
 from training.budget import process_started
 from runtime.checkpoint import resolve_checkpoint, trained_on
@@ -156,10 +155,7 @@ def prepare_data(settings, resumed: dict | None = None) -> PreparedData:
     resumed checkpoint was trained on."""
     dc = settings.data
     try:
-        if dc.text is None:
-            data = prepare_shakespeare(Path(dc.root) / SHAKESPEARE, val_fraction=dc.val_fraction)
-        else:
-            data = prepare_text(dc.text, dc.root, val_fraction=dc.val_fraction)
+        data = prepare_training_text(dc.text, dc.root, val_fraction=dc.val_fraction)
     except DataError as e:
         raise ConfigError(str(e)) from None
     for split in ("train", "val"):  # found now rather than at the first evaluation

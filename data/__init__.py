@@ -10,9 +10,10 @@ Bad input raises DataError (UnknownCharacterError for text outside the vocabular
 
 from .batches import Batches
 from .errors import DataError, UnknownCharacterError
-from .prepare import (SHA256, SHAKESPEARE, SOURCE_URL, PreparedData, prepare_shakespeare, prepare_text,
-                      read_regular_file)
+from .prepare import (DATASETS, SHA256, SHAKESPEARE, SOURCE_URL, VAL_FRACTION, PreparedData,
+                      prepare_shakespeare, prepare_text, prepare_training_text, read_regular_file)
 from .vocab import CharVocab
 
-__all__ = ["Batches", "CharVocab", "DataError", "PreparedData", "SHA256", "SHAKESPEARE", "SOURCE_URL",
-           "UnknownCharacterError", "prepare_shakespeare", "prepare_text", "read_regular_file"]
+__all__ = ["Batches", "CharVocab", "DATASETS", "DataError", "PreparedData", "SHA256", "SHAKESPEARE", "SOURCE_URL",
+           "UnknownCharacterError", "VAL_FRACTION", "prepare_shakespeare", "prepare_text",
+           "prepare_training_text", "read_regular_file"]

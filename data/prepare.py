@@ -36,6 +36,8 @@ from .errors import DataError
 from .vocab import CharVocab
 
 SHAKESPEARE = "tiny_shakespeare"
+DATASETS = "datasets"  # where prepared texts go unless told otherwise
+VAL_FRACTION = 0.1  # the last tenth of the text
 SOURCE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 FORMAT = "kvgpt-chars-uint16-v2"  # bump when the layout of the prepared files changes
@@ -55,7 +57,16 @@ class PreparedData:
     sha256: str  # the text file's
 
 
-def prepare_shakespeare(root, url: str = SOURCE_URL, sha256: str = SHA256, val_fraction: float = 0.1) -> PreparedData:
+def prepare_training_text(text=None, datasets_dir=DATASETS, val_fraction: float = VAL_FRACTION) -> PreparedData:
+    """The text a run trains on: tiny_shakespeare when text is None (in datasets_dir/tiny_shakespeare/), else your
+    own file at the path `text`."""
+    if text is None:
+        return prepare_shakespeare(Path(datasets_dir) / SHAKESPEARE, val_fraction=val_fraction)
+    return prepare_text(text, datasets_dir, val_fraction=val_fraction)
+
+
+def prepare_shakespeare(root, url: str = SOURCE_URL, sha256: str = SHA256,
+                        val_fraction: float = VAL_FRACTION) -> PreparedData:
     """Obtain and verify root/input.txt (downloading `url` when it is absent), encode it unless root already holds
     files encoded from the same text with the same split, and open the train and val tokens as memmaps."""
     _check_val_fraction(val_fraction)
@@ -76,7 +87,7 @@ def prepare_shakespeare(root, url: str = SOURCE_URL, sha256: str = SHA256, val_f
         return _prepared(root, _decode(text_bytes, source), source, SHAKESPEARE, sha256, val_fraction)
 
 
-def prepare_text(path, datasets_dir, val_fraction: float = 0.1) -> PreparedData:
+def prepare_text(path, datasets_dir, val_fraction: float = VAL_FRACTION) -> PreparedData:
     """Your own UTF-8 text file at path, encoded in datasets_dir/<its name>-<its sha256's first 12 digits>/ unless
     that folder already holds it encoded with the same split; the train and val tokens as memmaps."""
     _check_val_fraction(val_fraction)

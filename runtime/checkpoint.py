@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from data import SHAKESPEARE, CharVocab, DataError, PreparedData, prepare_shakespeare, prepare_text
+from data import (DATASETS, SHAKESPEARE, VAL_FRACTION, CharVocab, DataError, PreparedData,
+                  prepare_training_text)
 from model import GPT, GPTConfig
 from model.labs.quantize import to_precision
 
@@ -195,11 +196,9 @@ def training_text(contents: dict) -> PreparedData:
     if not text:
         raise DataError("the checkpoint does not record the text it was trained on")
     data_settings = contents.get("training", {}).get("config", {}).get("data", {})
-    root, val_fraction = data_settings.get("root", "datasets"), data_settings.get("val_fraction", 0.1)
-    if text["source"] == SHAKESPEARE:
-        data = prepare_shakespeare(Path(root) / SHAKESPEARE, val_fraction=val_fraction)
-    else:
-        data = prepare_text(text["source"], root, val_fraction=val_fraction)
+    data = prepare_training_text(None if text["source"] == SHAKESPEARE else text["source"],
+                                 data_settings.get("root", DATASETS),
+                                 val_fraction=data_settings.get("val_fraction", VAL_FRACTION))
     if data.sha256 != text["sha256"]:
         raise DataError(f"{text['source']} has changed since the checkpoint was trained on it")
     return data

@@ -16,6 +16,7 @@ from hydra.errors import HydraException
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
+from data import DATASETS, VAL_FRACTION
 from model import GPTConfig
 from runtime.devices import choose_device
 from runtime.errors import ConfigError, one_line
@@ -38,8 +39,8 @@ def _require(owner, ok, what: str, *names: str) -> None:
 @dataclass
 class DataConfig:
     text: str | None = None  # a UTF-8 text file of your own to train on; None: tiny_shakespeare (downloaded)
-    root: str = "datasets"  # prepared data goes in root/tiny_shakespeare/, or root/<text's name>-<its hash>/
-    val_fraction: float = 0.1  # the last 10% of the text; data/ checks it when it reads the text
+    root: str = DATASETS  # prepared data goes in root/tiny_shakespeare/, or root/<text's name>-<its hash>/
+    val_fraction: float = VAL_FRACTION  # the last 10% of the text; data/ checks it when it reads the text
 
 
 @dataclass
