@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from data import CharVocab, DataError, UnknownCharacterError, read_regular_file
-from model import GPT, Sampling, generate_tokens, kv_cache_bytes_per_token
+from model import GPT, Sampling, generate_tokens, kv_cache_bytes
 from model.labs.conversation import Conversation
 from model.labs.ngram_draft import NGramTable
 from model.labs.speculative import PromptLookup, SpeculativeStats, speculative_generate
@@ -120,7 +120,7 @@ def check_memory(args, prompt_len: int, model, device: torch.device) -> None:
     if spare > block_size:
         raise UsageError(f"--speculate-k must be at most the model's block_size, {block_size}: a pass verifies "
                          f"the drafts within one context; got {spare}")
-    cache_bytes = (block_size + spare) * kv_cache_bytes_per_token(model.config, cache_dtype)
+    cache_bytes = kv_cache_bytes(model.config, cache_dtype, block_size + spare)
     per_sample = cache_bytes + (prompt_len + args.max_new_tokens) * torch.long.itemsize
     memory = memory_of(device)
     if args.num_samples * per_sample > MEMORY_SHARE * memory:

@@ -7,10 +7,11 @@
     python bench/kv_designs.py train --designs mha int8   # only these designs
 
 speed: the classic shape (conf/model/classic.yaml: 6 layers, 6 heads, 384 wide, block 256), random weights, fp32,
-for n_kv_head 6, 3, 2, 1 with kv_share 1 and 2, and the int8 cache. Decoding with the context filled to block_size:
-a prefill of block_size - STEPS tokens, then STEPS one-token steps timed, at batch 1 and 64. Designs take turns
-within each repeat, and each ratio to plain multi-head attention (MHA, fp32 cache) is taken within its repeat:
-median (min-max) of --repeats.
+for n_kv_head 6, 3, 2, 1 with kv_share 1 and 2, the int8 cache, local layers, a learned sink and latent attention
+(CLASSIC).
+Decoding with the context filled to block_size: a prefill of block_size - STEPS tokens, then STEPS one-token
+steps timed, at batch 1 and 64. Designs take turns within each repeat, and each ratio to plain multi-head
+attention (MHA, fp32 cache) is taken within its repeat: median (min-max) of --repeats.
 
 train: each design trained by `python train.py preset=cpu` (same steps, each seed), and its best.pt measured:
 parameters, cache bytes per token, best val loss (median and spread over seeds), val loss through the decoder
@@ -47,10 +48,19 @@ TRAINED = {"mha": ("MHA (the preset)", [], None), "gqa": ("GQA, n_kv_head=2", ["
            "mqa": ("MQA, n_kv_head=1", ["model.n_kv_head=1"], None),
            "share2": ("kv_share=2", ["model.kv_share=2"], None),
            "share2-mqa": ("kv_share=2 + MQA", ["model.kv_share=2", "model.n_kv_head=1"], None),
+           "local": ("LLLG, local_window=32", ["model.window_pattern=LLLG", "model.local_window=32"], None),
+           "sink": ("learned sink", ["model.learned_sink=true"], None),
+           "mla64": ("MLA, kv_latent=64 (MQA's cache)", ["model.kv_latent=64"], None),
+           "mla128": ("MLA, kv_latent=128 (GQA 2's cache)", ["model.kv_latent=128"], None),
            "int8": ("MHA, int8 cache", [], torch.int8)}
-CLASSIC = [("MHA", 6, 1, None), ("GQA 3", 3, 1, None), ("GQA 2", 2, 1, None), ("MQA", 1, 1, None),
-           ("MHA, int8 cache", 6, 1, torch.int8), ("MQA, int8 cache", 1, 1, torch.int8),
-           ("MHA, kv_share=2", 6, 2, None), ("MQA, kv_share=2", 1, 2, None)]
+LOCAL = dict(window_pattern="LLLLLG", local_window=64)  # the classic shape's 6 layers, one of them global
+CLASSIC = [("MHA", {}, None), ("GQA 3", dict(n_kv_head=3), None), ("GQA 2", dict(n_kv_head=2), None),
+           ("MQA", dict(n_kv_head=1), None), ("MHA, int8 cache", {}, torch.int8),
+           ("MQA, int8 cache", dict(n_kv_head=1), torch.int8), ("MHA, kv_share=2", dict(kv_share=2), None),
+           ("MQA, kv_share=2", dict(n_kv_head=1, kv_share=2), None), ("LLLLLG, local_window=64", LOCAL, None),
+           ("LLLLLG + MQA", dict(LOCAL, n_kv_head=1), None), ("learned sink", dict(learned_sink=True), None),
+           ("MLA, kv_latent=128", dict(kv_latent=128), None), ("MLA, kv_latent=256", dict(kv_latent=256), None),
+           ("MLA 128 + LLLLLG", dict(LOCAL, kv_latent=128), None)]
 
 
 @torch.no_grad()
@@ -61,7 +71,11 @@ def decode_seconds(model: GPT, batch_size: int, cache_dtype, step=None) -> float
     block = model.config.block_size
     cache = model.new_kv_cache(batch_size, dtype=cache_dtype)
     prompt = torch.randint(0, model.config.vocab_size, (batch_size, block - STEPS))
-    logits = model.decode_step(prompt, cache)
+    fed = 0
+    while fed < prompt.size(1):  # in the chunks the cache takes: local layers' rings take shorter ones
+        n = min(prompt.size(1) - fed, cache.longest_chunk())
+        logits = model.decode_step(prompt[:, fed:fed + n], cache)
+        fed += n
     start = time.perf_counter()
     for _ in range(STEPS):
         logits = step(logits.argmax(dim=-1, keepdim=True), cache)
@@ -80,9 +94,9 @@ def speed(args) -> None:
     # every design's decode_step is one function to torch.compile: allow a compiled version per design and batch
     torch._dynamo.config.recompile_limit = 4 * len(CLASSIC) * len(BATCHES)
     models = {}
-    for name, n_kv_head, kv_share, dtype in CLASSIC:
+    for name, overrides, dtype in CLASSIC:
         torch.manual_seed(0)
-        config = dataclasses.replace(model_config("classic"), n_kv_head=n_kv_head, kv_share=kv_share)
+        config = dataclasses.replace(model_config("classic"), **overrides)
         model = GPT(config).eval()
         # static shapes: a step compiled for each batch size, as sample.py --compile compiles one for its batch
         step = torch.compile(model.decode_step, fullgraph=True, dynamic=False) if args.compile else None
@@ -105,7 +119,7 @@ def speed(args) -> None:
         c = model.config
         per_token = kv_cache_bytes_per_token(c, dtype or torch.float32)
         ratios = {b: [t / m for t, m in zip(tok_s[name, b], tok_s["MHA", b])] for b in BATCHES}
-        print(f"| {name} | {per_token:,} | {64 * c.block_size * per_token / 2**20:.1f} | "
+        print(f"| {name} | {per_token:,.0f} | {64 * c.block_size * per_token / 2**20:.1f} | "
               f"{model.num_params() * 4 / 2**20:.1f} | {rate(tok_s[name, 1])} | {rate(tok_s[name, 64])} | "
               f"{median_spread(ratios[1])} | {median_spread(ratios[64])} |")
     int8 = [t / m for t, m in zip(tok_s["MHA, int8 cache", 64], tok_s["MHA", 64])]
@@ -152,7 +166,7 @@ def train(args) -> None:
         model = models[0]
         tok_s = {b: [b * STEPS / decode_seconds(model, b, cache_dtype) for _ in range(args.repeats)] for b in BATCHES}
         timed = [s for s in seconds if s is not None]
-        print(f"| {name} | {model.num_params():,} | {kv_cache_bytes_per_token(model.config, cache_dtype or torch.float32):,} | "
+        print(f"| {name} | {model.num_params():,} | {kv_cache_bytes_per_token(model.config, cache_dtype or torch.float32):,.0f} | "
               f"{median_spread(best, 4)} | {median_spread(through, 4)} | {median_spread(forced, 4)} | "
               f"{median_spread(timed, 0) if timed else 'reused'} | {rate(tok_s[1])} | {rate(tok_s[64])} |", flush=True)
         if cache_dtype is None:

@@ -6,8 +6,8 @@ from .gpt import GPT, GPTConfig
 from .kv_cache import KVCache, LayerKV, greedy_decode
 from .labs.generate import GREEDY, Sampling, generate, generate_tokens
 from .labs.multihead import MultiHeadAttention
-from .labs.ring_cache import RingKVCache, kv_cache_bytes_per_token
+from .labs.ring_cache import RingKVCache, kv_cache_bytes, kv_cache_bytes_per_token
 
 __all__ = ["GPT", "GPTConfig", "GREEDY", "CausalSelfAttention", "KVCache", "LayerKV", "MultiHeadAttention",
            "RingKVCache", "Sampling", "causal_mask", "generate", "generate_tokens", "greedy_decode",
-           "kv_cache_bytes_per_token"]
+           "kv_cache_bytes", "kv_cache_bytes_per_token"]

@@ -28,6 +28,11 @@ class GPTConfig:
     pos_emb: str = "learned"  # learned: a trained vector per position (GPT-2); rope: rotary positions
     n_kv_head: int | None = None  # key/value heads (None: n_head); 1 is multi-query attention
     kv_share: int = 1  # adjacent layers that share one set of keys and values
+    window_pattern: str = "G"  # tiled over the layers: L attends its last local_window tokens, G all (labs/local_global.py)
+    local_window: int | None = None  # how many tokens a local layer sees, itself included
+    learned_sink: bool = False  # a trained sink logit per head in every softmax (labs/learned_sink.py)
+    kv_latent: int | None = None  # multi-head latent attention: the latent's width per token (labs/latent.py)
+    kv_latent_rope: int = 0  # with rotary positions, the width of its rotary key, shared by every head
 
     @property
     def head_dim(self) -> int:
@@ -60,11 +65,36 @@ class GPTConfig:
         if self.pos_emb == "rope" and self.head_dim % 2:
             raise ValueError(f"rope turns channel pairs: the head width n_embd / n_head = "
                              f"{self.head_dim} must be even")
+        if not isinstance(self.learned_sink, bool):
+            raise ValueError(f"learned_sink must be true or false, got {self.learned_sink!r}")
+        from .labs.latent import check_latent
+        from .labs.local_global import check_window_pattern
+        check_window_pattern(self)
+        check_latent(self)
+
+    @property
+    def plain_attention(self) -> bool:
+        """Whether every layer's attention is the plain one (model/attention.py), with no smaller cache's design."""
+        return (self.n_kv_head == self.n_head and self.kv_share == 1 and self.local_window is None
+                and not self.learned_sink and self.kv_latent is None)
+
+    @property
+    def rotary_dim(self) -> int:
+        """The channels that rotary positions turn in each head: head_dim, or a latent's rotary key (labs/latent.py)."""
+        return self.head_dim if self.kv_latent is None else self.kv_latent_rope
+
+    @property
+    def kv_cache_heads(self) -> tuple[int, int]:
+        """(heads, width) per token of a cache layer's keys, and of its values."""
+        if self.kv_latent is None:
+            return self.n_kv_head, self.head_dim
+        from .labs.latent import cache_layout
+        return cache_layout(self)
 
 
 def attention_layers(config: GPTConfig) -> list[nn.Module]:
-    """Each block's attention: the plain one, or a smaller cache's design."""
-    if config.n_kv_head == config.n_head and config.kv_share == 1:
+    """Each block's attention: the plain one, or the designs of model/labs/."""
+    if config.plain_attention:
         return [CausalSelfAttention(config, kv_layer=i) for i in range(config.n_layer)]
     from .labs.shared_kv import design_attention_layers
     return design_attention_layers(config)
@@ -157,7 +187,7 @@ class GPT(nn.Module):
         if self.wpe is not None:
             x = x + self.wpe(pos)
         else:
-            rope = rotary(pos, c.head_dim)  # turns queries and keys in every layer
+            rope = rotary(pos, c.rotary_dim)  # turns queries and keys in every layer
         x = self.drop(x)
         for block in self.blocks:
             kv = cache.layer(block.attn.kv_layer, slots, n_read) if cache is not None else None
@@ -175,8 +205,9 @@ class GPT(nn.Module):
     def kv_cache_shape(self, batch_size: int) -> dict:
         """The plain KVCache's arguments for batch_size rows of block_size tokens: KVCache(**shape)."""
         c = self.config
-        return dict(n_kv_layer=c.n_kv_layer, batch_size=batch_size, n_kv_head=c.n_kv_head, max_len=c.block_size,
-                    head_dim=c.head_dim, dtype=self.attention_dtype, device=self.wte.weight.device)
+        n_kv_head, head_dim = c.kv_cache_heads
+        return dict(n_kv_layer=c.n_kv_layer, batch_size=batch_size, n_kv_head=n_kv_head, max_len=c.block_size,
+                    head_dim=head_dim, dtype=self.attention_dtype, device=self.wte.weight.device)
 
     def new_kv_cache(self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None, *,
                      read_all_slots: bool = False):

@@ -3,6 +3,7 @@ values (kv_share), and an int8 cache. Each is proven where it differs from plain
 written out here from the weights, against torch's own grouped-query attention, and through the cache at every
 step, past block_size and with left padding, on both ways a step reads the cache."""
 
+import dataclasses
 import math
 import re
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import GPT, GREEDY, MultiHeadAttention, Sampling, generate, kv_cache_bytes_per_token
+from model import GPT, GREEDY, MultiHeadAttention, Sampling, generate, kv_cache_bytes, kv_cache_bytes_per_token
 from model.labs import int8_cache
 from model.attention import rotary, rotate
 from model.labs.decoder_loss import decoder_loss, teacher_forced_loss
@@ -26,27 +27,51 @@ DESIGNS = {
     "share2": dict(kv_share=2),
     "gqa-share2": dict(n_kv_head=2, kv_share=2),
     "mqa-share4": dict(n_kv_head=1, kv_share=4),
+    "local": dict(window_pattern="LLLG", local_window=5),  # Gemma's pattern, a window of 5 in a block of 16
+    "sink": dict(learned_sink=True),
+    "local-sink-gqa": dict(window_pattern="LG", local_window=3, learned_sink=True, n_kv_head=2),
+    "local-mqa-share2": dict(window_pattern="GGLL", local_window=6, n_kv_head=1, kv_share=2),
+    # with rotary positions, a rotary key of LATENT_ROPE beside the latent; no biases: decoding absorbs the
+    # up-projections (with biases it expands the latents, as the forward pass does, and test_latent_local_sink.py
+    # checks the two forms against each other)
+    "mla": dict(kv_latent=8, bias=False),
+    "mla-local-sink": dict(kv_latent=10, window_pattern="LLG", local_window=4, learned_sink=True, bias=False),
 }
+LATENT_ROPE = 4
 N_NEW = 3 * BLOCK_SIZE
 ATOL = 1e-5
 
 
 def design_model(design: str, pos_emb: str, seed=0) -> GPT:
-    return random_model(seed=seed, **SHAPE, **DESIGNS[design], pos_emb=pos_emb)
+    rope_key = dict(kv_latent_rope=LATENT_ROPE) if "kv_latent" in DESIGNS[design] and pos_emb == "rope" else {}
+    model = random_model(seed=seed, **SHAPE, **DESIGNS[design], **rope_key, pos_emb=pos_emb)
+    if model.config.learned_sink:  # trained sinks are far from their zero start: some heads rest, some do not
+        with torch.no_grad():
+            for block in model.blocks:
+                block.attn.sink.copy_(torch.tensor([-3.0, 0.0, 2.0, 4.0]))
+    return model
+
+
+def is_local(config, layer: int) -> bool:
+    """window_pattern, tiled over the layers from the first."""
+    return config.window_pattern[layer % len(config.window_pattern)] == "L"
 
 
 def reference_logits(model: GPT, seq: torch.Tensor, n_pad: torch.Tensor | None = None) -> torch.Tensor:
     """Logits (B, T, vocab) of a forward over seq written out from the weights, one head at a time. Key/value head
     h serves query heads h * g .. h * g + g - 1 (g = n_head / n_kv_head); a layer that projects no keys and values
-    uses those of the last layer that did. Query i attends keys i - block_size < j <= i that are not left padding
-    (a padding query sees only itself); positions count from each row's first real token."""
+    uses those of the last layer that did. Query i attends keys i - reach < j <= i that are not left padding (a
+    padding query sees only itself), reach being block_size, or local_window in a local layer; positions count from
+    each row's first real token. A learned sink is one more score per head in the softmax, whose weight is dropped."""
     c = model.config
     B, T = seq.shape
     n_pad = torch.zeros(B, dtype=torch.long) if n_pad is None else n_pad
     pos = (torch.arange(T)[None, :] - n_pad[:, None]).clamp(min=0)  # (B, T)
     i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
-    band = (j <= i) & (j > i - c.block_size)  # (T, T)
-    allowed = (band[None] & (j[None] >= n_pad[:, None, None])) | (i == j)[None]  # (B, T, T)
+
+    def allowed(reach):  # (B, T, T)
+        band = (j <= i) & (j > i - reach)  # (T, T)
+        return (band[None] & (j[None] >= n_pad[:, None, None])) | (i == j)[None]
     hd, group = c.n_embd // c.n_head, c.n_head // c.n_kv_head
     x = model.wte(seq) + (model.wpe(pos) if c.pos_emb == "learned" else 0)
     cos, sin = rotary(pos, hd) if c.pos_emb == "rope" else (None, None)  # (B, 1, T, hd), proven in test_rope
@@ -54,7 +79,9 @@ def reference_logits(model: GPT, seq: torch.Tensor, n_pad: torch.Tensor | None =
         h = block.ln_1(x)
         out = F.linear(h, block.attn.qkv.weight, block.attn.qkv.bias)
         q = out[..., :c.n_embd].view(B, T, c.n_head, hd).transpose(1, 2)  # (B, nh, T, hd)
-        if layer % c.kv_share == 0:
+        if c.kv_latent is not None:
+            q, k, v = latent_queries_keys_values(model, block, out, pos)
+        elif layer % c.kv_share == 0:
             kv_width = c.n_kv_head * hd
             k = out[..., c.n_embd:c.n_embd + kv_width].view(B, T, c.n_kv_head, hd).transpose(1, 2)
             v = out[..., c.n_embd + kv_width:].view(B, T, c.n_kv_head, hd).transpose(1, 2)
@@ -62,16 +89,44 @@ def reference_logits(model: GPT, seq: torch.Tensor, n_pad: torch.Tensor | None =
                 k = rotate(k, cos, sin)
         else:
             assert out.size(-1) == c.n_embd  # a sharing layer projects queries only
-        if cos is not None:
+        if cos is not None and c.kv_latent is None:
             q = rotate(q, cos, sin)
         heads = []
+        seen = allowed(c.local_window if is_local(c, layer) else c.block_size)
         for head in range(c.n_head):
             kv = head // group
-            scores = q[:, head] @ k[:, kv].transpose(-2, -1) / math.sqrt(hd)  # (B, T, T)
-            heads.append(scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1) @ v[:, kv])
+            scores = q[:, head] @ k[:, kv].transpose(-2, -1) / math.sqrt(q.size(-1))  # (B, T, T)
+            scores = scores.masked_fill(~seen, float("-inf"))
+            if c.learned_sink:
+                sink = block.attn.sink[head].expand(B, T, 1)
+                weights = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+            else:
+                weights = scores.softmax(dim=-1)
+            heads.append(weights @ v[:, kv])
         x = x + block.attn.out_proj(torch.cat(heads, dim=-1))
         x = x + block.mlp(block.ln_2(x))
     return model.lm_head(model.ln_f(x))
+
+
+def latent_queries_keys_values(model, block, out, pos):
+    """Multi-head latent attention's queries, keys and values (B, nh, T, width) from the fused projection's output
+    `out`: each head's query is a content part (head_dim) and a rotary part (kv_latent_rope); its key is the latent
+    projected up (head_dim) beside the rotary key, which every head shares; its value is the latent projected up."""
+    c = model.config
+    B, T, _ = out.shape
+    hd, d_c, d_r = c.head_dim, c.kv_latent, c.kv_latent_rope
+    q_width = c.n_head * (hd + d_r)
+    q = out[..., :q_width].view(B, T, c.n_head, hd + d_r).transpose(1, 2)
+    latent, rotary_key = out[..., q_width:q_width + d_c], out[..., q_width + d_c:]
+    assert out.size(-1) == q_width + d_c + d_r and rotary_key.size(-1) == d_r
+    up = F.linear(latent, block.attn.up.weight, block.attn.up.bias)  # (B, T, 2 * n_embd): keys, then values
+    keys, v = (t.view(B, T, c.n_head, hd).transpose(1, 2) for t in up.split(c.n_embd, dim=-1))
+    rotary_key = rotary_key[:, None].expand(B, c.n_head, T, d_r)
+    if c.pos_emb == "rope":
+        cos, sin = rotary(pos, d_r)
+        q = torch.cat([q[..., :hd], rotate(q[..., hd:], cos, sin)], dim=-1)
+        rotary_key = rotate(rotary_key, cos, sin)
+    return q, torch.cat([keys, rotary_key], dim=-1), v
 
 
 # --- the forward pass --------------------------------------------------------------------------------------
@@ -142,12 +197,23 @@ def test_a_plain_model_with_each_key_value_head_repeated_gives_the_same_logits(n
 
 # --- through the cache, at every step ----------------------------------------------------------------------
 
+def prefill(model, prompt, cache):
+    """Feed the prompt in the longest chunks the cache takes (a local layer's ring takes local_window at first);
+    the last logits."""
+    fed = 0
+    while fed < prompt.size(1):
+        n = min(prompt.size(1) - fed, cache.longest_chunk())
+        logits = model.decode_step(prompt[:, fed:fed + n], cache)
+        fed += n
+    return logits
+
+
 def cached_steps(model, prompt, n_pad, n_new, read_all_slots):
-    """Greedy decoding straight through one cache (one prefill, then a token per step, the ring rolling past
-    block_size): the sequence and each step's last logits."""
+    """Greedy decoding straight through one cache (a prefill in the chunks it takes, then a token per step, the ring
+    rolling past block_size): the sequence and each step's last logits."""
     cache = model.new_kv_cache(prompt.size(0), read_all_slots=read_all_slots)
     cache.reset(n_pad)
-    seq, logits = prompt, [model.decode_step(prompt, cache)]
+    seq, logits = prompt, [prefill(model, prompt, cache)]
     for _ in range(n_new):
         seq = torch.cat([seq, logits[-1].argmax(dim=-1, keepdim=True)], dim=1)
         logits.append(model.decode_step(seq[:, -1:], cache))
@@ -230,7 +296,7 @@ def test_int8_quantizer_follows_the_absmax_formula():
 
 
 @pytest.mark.parametrize("pos_emb", ["learned", "rope"])
-@pytest.mark.parametrize("design", ["mha", "gqa-share2"])
+@pytest.mark.parametrize("design", ["mha", "gqa-share2", "local-sink-gqa", "mla-local-sink"])
 def test_int8_cache_logits_stay_within_tolerance_of_fp32_and_greedy_agrees_where_it_must(design, pos_emb):
     """Teacher-forced through both caches, left-padded rows, past block_size for rope: the int8 cache's logits
     stay within INT8_ATOL of the fp32 cache's, and the argmax agrees wherever fp32's top two logits are further
@@ -242,7 +308,7 @@ def test_int8_cache_logits_stay_within_tolerance_of_fp32_and_greedy_agrees_where
     int8 = model.new_kv_cache(3, dtype=torch.int8)
     assert isinstance(int8, Int8KVCache) and int8.dtype == torch.int8 and int8.k[0].dtype == torch.int8
     int8.reset(n_pad)
-    int8_logits = [model.decode_step(seq[:, :7], int8)] + [model.decode_step(seq[:, t:t + 1], int8)
+    int8_logits = [prefill(model, seq[:, :7], int8)] + [model.decode_step(seq[:, t:t + 1], int8)
                                                            for t in range(7, seq.size(1) - 1)]
     decisive = 0
     for got, want in zip(int8_logits, fp32_logits[:-1], strict=True):
@@ -299,10 +365,12 @@ def test_int8_cache_decodes_a_batch_in_blocks_of_rows_as_it_does_all_at_once(mon
     torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=0)
 
 
-def test_compiled_step_through_an_int8_cache_equals_the_eager_one():
+@pytest.mark.parametrize("design", ["gqa-share2", "local-sink-gqa", "mla-local-sink"])
+def test_compiled_step_through_an_int8_cache_equals_the_eager_one(design):
     """torch.compile fuses the int8 keys' conversion into attention's kernels: the same logits at every step, past
-    block_size, with ragged rows, grouped-query attention and layers that share keys and values."""
-    model = design_model("gqa-share2", "rope")
+    block_size, with ragged rows, grouped-query attention and layers that share keys and values, or local layers and
+    a learned sink."""
+    model = design_model(design, "rope")
     prompt, n_pad = random_tokens(2, 7, seed=6), torch.tensor([0, 3])
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -310,7 +378,7 @@ def test_compiled_step_through_an_int8_cache_equals_the_eager_one():
     for name, step in (("eager", model.decode_step), ("compiled", torch.compile(model.decode_step, fullgraph=True))):
         cache = model.new_kv_cache(2, dtype=torch.int8)
         cache.reset(n_pad)
-        out = [model.decode_step(prompt, cache)]
+        out = [prefill(model, prompt, cache)]
         out += [step(out[-1].argmax(-1, keepdim=True), cache) for _ in range(BLOCK_SIZE + 3)]
         logits[name] = torch.stack(out)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # the step did go through the compiler
@@ -329,23 +397,32 @@ def test_int8_cache_generates_with_ragged_rows_past_block_size_for_both_position
 
 # --- the cache's size -----------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("spare", [0, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("design", ["mha", *DESIGNS])
-def test_cache_bytes_follow_the_formula_and_shrink_as_the_design_says(design, dtype):
+def test_cache_bytes_follow_the_formula_and_shrink_as_the_design_says(design, dtype, spare):
     overrides = {} if design == "mha" else DESIGNS[design]
     model = random_model(**SHAPE, **overrides)
     c = model.config
-    cache = model.new_kv_cache(3, dtype=dtype)
-    assert cache.nbytes == 3 * BLOCK_SIZE * kv_cache_bytes_per_token(c, dtype)
-    held = [b for name, b in cache.named_buffers() if re.fullmatch(r"(k|v|k_scale|v_scale)\d+", name)]
+    cache = model.new_kv_cache(3, max_len=BLOCK_SIZE + spare, dtype=dtype)
+    assert cache.nbytes == 3 * kv_cache_bytes(c, dtype, BLOCK_SIZE + spare)
+    held = [b for name, b in cache.named_buffers() if re.fullmatch(r"(local\.)?(k|v|k_scale|v_scale)\d+", name)]
     assert len(held) == c.n_kv_layer * (4 if dtype == torch.int8 else 2)
     assert cache.nbytes == sum(b.nbytes for b in held)
-    mha_fp32 = 2 * c.n_layer * 3 * BLOCK_SIZE * c.n_embd * 4  # today's: every layer, every head, float32
-    if dtype == torch.int8:  # a byte per value, and a float32 scale per token, head and layer, for keys and values
-        expected = 2 * (c.n_layer // c.kv_share) * 3 * BLOCK_SIZE * c.n_kv_head * (6 + 4)
+    # slots per cache layer: block_size (and the spare ones), or a local layer's window (and the spare ones)
+    slots = sum(BLOCK_SIZE + spare if not is_local(c, layer) else c.local_window + spare
+                for layer in range(0, c.n_layer, c.kv_share))
+    if c.kv_latent is not None:  # the latent alone (learned positions), in two halves, each with its int8 scale
+        expected = 3 * slots * (c.kv_latent * dtype.itemsize + (2 * 4 if dtype == torch.int8 else 0))
+    elif dtype == torch.int8:  # a byte per value, and a float32 scale per token, head and layer, for keys and values
+        expected = 2 * 3 * slots * c.n_kv_head * (6 + 4)
     else:
-        expected = mha_fp32 * c.n_kv_head / c.n_head / c.kv_share * dtype.itemsize / 4
+        expected = 2 * 3 * slots * c.n_kv_head * 6 * dtype.itemsize
     assert cache.nbytes == expected
+    assert kv_cache_bytes_per_token(c, dtype) == kv_cache_bytes(c, dtype) / BLOCK_SIZE
+    if c.local_window is not None:  # what the local layers save
+        assert kv_cache_bytes(c, dtype) < kv_cache_bytes(dataclasses.replace(c, window_pattern="G",
+                                                                             local_window=None), dtype)
 
 
 # --- settings that cannot work ----------------------------------------------------------------------------------
@@ -371,7 +448,7 @@ def test_a_cache_of_another_design_is_refused():
 # --- loss through the decoder -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("pos_emb", ["learned", "rope"])
-@pytest.mark.parametrize("design", ["mha", "gqa-share2"])
+@pytest.mark.parametrize("design", ["mha", "gqa-share2", "local-sink-gqa", "mla"])
 def test_loss_through_the_decoder_equals_teacher_forced_loss_for_an_exact_cache(design, pos_emb):
     model = random_model(**SHAPE, pos_emb=pos_emb) if design == "mha" else design_model(design, pos_emb)
     tokens = random_tokens(3, 5 * BLOCK_SIZE, seed=5)

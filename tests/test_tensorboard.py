@@ -47,7 +47,8 @@ SCALARS = {"loss/train", "loss/train_eval", "loss/val", "loss/val_best", "optim/
 MUON_LR = "optim/lr_muon"  # in every run but ADAMW_RUN
 ATTENTION = {f"sample/attention/layer{layer}" for layer in range(2)}  # each layer's two heads in one image
 HPARAMS = ["optim.name", "optim.lr", "optim.muon_lr", "train.max_iters", "model.n_layer", "model.n_embd",
-           "model.n_head", "model.n_kv_head", "model.kv_share", "model.block_size", "model.pos_emb", "model.dropout", "model.bias", "optim.decay",
+           "model.n_head", "model.n_kv_head", "model.kv_share", "model.window_pattern", "model.local_window", "model.learned_sink",
+           "model.kv_latent", "model.kv_latent_rope", "model.block_size", "model.pos_emb", "model.dropout", "model.bias", "optim.decay",
            "optim.min_lr", "optim.weight_decay", "optim.muon_weight_decay", "train.batch_size",
            "train.grad_accum_steps", "train.threads", "train.seed", "device", "precision"]
 HPARAMS_SHOWN = 5  # the HParams dashboard shows the first five columns until a reader picks others

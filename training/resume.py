@@ -1,5 +1,6 @@
 """Continuing a run: the checkpoint train.resume names, checked to fit the config it continues with."""
 
+import dataclasses
 
 import torch
 
@@ -37,7 +38,9 @@ def load_resume_checkpoint(path, config: dict, optim: OptimConfig, length_named:
     theirs = {"train.ema_decay": None, **flatten(state["config"])}  # one saved before the setting existed: no average
     if theirs.get("model.n_kv_head") is None:  # saved before the smaller caches: every head its keys and values
         theirs["model.n_kv_head"] = theirs.get("model.n_head")
-    theirs.setdefault("model.kv_share", 1)  # and every layer its own
+    for field in dataclasses.fields(GPTConfig):  # a model field saved before it existed: its default, then as now
+        if field.default is not dataclasses.MISSING:
+            theirs.setdefault(f"model.{field.name}", field.default)
     differ = [key for key in theirs
               if key.startswith(MUST_MATCH) and key not in kept and ours.get(key) != theirs[key]]
     if differ:

@@ -38,7 +38,8 @@ DEVICE_TYPES = ("cpu", "cuda", "mps")
 # rates, the steps they are scheduled over, the depth) and offers the others. TensorBoard orders columns by name,
 # hence the numbered names.
 HPARAMS = ("optim.name", "optim.lr", "optim.muon_lr", "train.max_iters", "model.n_layer", "model.n_embd",
-           "model.n_head", "model.n_kv_head", "model.kv_share", "model.block_size", "model.pos_emb", "model.dropout",
+           "model.n_head", "model.n_kv_head", "model.kv_share", "model.window_pattern",
+           "model.local_window", "model.learned_sink", "model.kv_latent", "model.kv_latent_rope", "model.block_size", "model.pos_emb", "model.dropout",
            "model.bias", "optim.decay", "optim.min_lr", "optim.weight_decay", "optim.muon_weight_decay",
            "train.batch_size", "train.grad_accum_steps", "train.threads", "train.seed", "device", "precision")
 # the string hparams' every possible value
@@ -213,13 +214,13 @@ class Summaries:
                 info.type = api_pb2.DATA_TYPE_BOOL
                 info.domain_discrete.extend([False, True])
                 value = Value(bool_value=value)
-            elif isinstance(value, str):
+            elif isinstance(value, str):  # a setting without fixed choices (window_pattern) gets no domain
                 info.type = api_pb2.DATA_TYPE_STRING
-                info.domain_discrete.extend(CHOICES[key])
+                info.domain_discrete.extend(CHOICES.get(key, ()))
                 value = Value(string_value=value)
-            elif isinstance(value, int):  # no domain: the dashboard filters it by a regular expression
+            elif value is None or isinstance(value, int):  # no domain: the dashboard filters it by a regular expression
                 info.type = api_pb2.DATA_TYPE_STRING
-                value = Value(string_value=str(value))
+                value = Value(string_value="none" if value is None else str(value))
             else:  # no interval: any run's value passes the dashboard's filter
                 info.type = api_pb2.DATA_TYPE_FLOAT64
                 value = Value(number_value=value)

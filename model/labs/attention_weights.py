@@ -24,9 +24,17 @@ def keeping_weights(model):
         weights.append(w)
         return w @ v
 
+    def with_sink(sink):  # a learned sink's weights sum to less than 1 (model/labs/learned_sink.py)
+        def explicit_with_sink(q, k, v, attn_mask):
+            from .learned_sink import sink_attention
+            y, w = sink_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask, sink)
+            weights.append(w)
+            return y
+        return explicit_with_sink
+
     attentions = [block.attn for block in model.blocks]
     for attn in attentions:
-        attn.attend = explicit
+        attn.attend = with_sink(attn.sink) if hasattr(attn, "sink") else explicit
     try:
         yield weights
     finally:

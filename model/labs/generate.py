@@ -149,9 +149,8 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampl
                 if length == idx.size(1) and _same_rows(idx) and length - first <= block_size:
                     logits = _prefill_once(model, buffer[:1, first:length], cache)  # every row the same prompt
                     fed = length
-            while fed < length:  # a prompt longer than the ring: one chunk fills it, then a token at a time
-                room = block_size - (fed - first)  # tokens that still fit before the ring first wraps
-                n = length - fed if length - fed <= room else max(room, 1)
+            while fed < length:  # a prompt longer than the ring: the chunks it takes, then a token at a time
+                n = 1 if length - fed == 1 else min(length - fed, cache.longest_chunk())
                 logits = (one_token_step if n == 1 else model.decode_step)(buffer[:, fed:fed + n], cache)
                 fed += n
         else:
@@ -197,7 +196,11 @@ def _prefill_once(model: GPT, prompt: torch.Tensor, cache: RingKVCache) -> torch
     """Prefill prompt (1, T) into a one-row cache like `cache`, copy it to all of cache's rows; the last logits,
     (B, vocab_size)."""
     one = model.new_kv_cache(1, cache.max_len, cache.dtype, read_all_slots=cache.read_all_slots)
-    logits = model.decode_step(prompt, one)
+    fed = 0
+    while fed < prompt.size(1):  # in the chunks the cache takes: shorter ones for local layers' rings
+        n = min(prompt.size(1) - fed, one.longest_chunk())
+        logits = model.decode_step(prompt[:, fed:fed + n], one)
+        fed += n
     cache.fill_from(one)
     return logits.expand(cache.batch_size, -1)
 
@@ -252,10 +255,14 @@ def check_cache(model: GPT, cache, batch_size: int) -> None:
     c = model.config
     if not isinstance(cache, RingKVCache):
         raise ValueError(f"cache must be a RingKVCache from model.new_kv_cache, got {type(cache).__name__}")
-    layers, (_, heads, _, head_dim) = len(cache.k), cache.k[0].shape
-    if (layers, heads, head_dim, cache.reach) != (c.n_kv_layer, c.n_kv_head, c.head_dim, c.block_size):
+    local = getattr(cache, "local", None)  # the local layers' ring (model/labs/local_global.py)
+    layers, (_, heads, _, head_dim) = len(cache.k) + (len(local.k) if local is not None else 0), cache.k[0].shape
+    window = local.reach if local is not None else None
+    if (layers, heads, head_dim, cache.reach, window) != (c.n_kv_layer, *c.kv_cache_heads, c.block_size,
+                                                          c.local_window):
         raise ValueError(f"cache was made for another model shape ({layers} layers of {heads} key/value heads of "
-                         f"{head_dim}, reach {cache.reach}); use model.new_kv_cache({batch_size})")
+                         f"{head_dim}, reach {cache.reach}, local window {window}); use "
+                         f"model.new_kv_cache({batch_size})")
     if cache.batch_size != batch_size or cache.max_len < c.block_size:
         raise ValueError(f"cache holds {cache.batch_size} rows of {cache.max_len} tokens; this generation "
                          f"needs {batch_size} rows of at least block_size={c.block_size}: use "

@@ -90,9 +90,10 @@ def rows(t, r: slice):
     return t if t is None or t.dim() < 4 or t.size(0) == 1 else t[r]
 
 
-def int8_attention(q, k: Quantized, v: Quantized, mask=None, need_weights: bool = False):
+def int8_attention(q, k: Quantized, v: Quantized, mask=None, need_weights: bool = False, sink=None):
     """softmax(q (s k)ᵀ / √hs, masked) (s v) with the scales folded in: q (B, nh, T_q, hs); mask bool
-    (broadcast to (B, nh, T_q, T_k)) or None for causal. A query with no key gets zeros.
+    (broadcast to (B, nh, T_q, T_k)) or None for causal. A query with no key gets zeros. sink (nh,): a learned
+    sink's logits, a column of the softmax whose weight is dropped (model/labs/learned_sink.py).
     Returns (y (B, nh, T_q, hs_v), weights (B, nh, T_q, T_k) or None)."""
     (k, k_scale), (v, v_scale) = k, v
     B, nh, T_q, hs = q.shape
@@ -106,7 +107,7 @@ def int8_attention(q, k: Quantized, v: Quantized, mask=None, need_weights: bool 
             for i in range(0, B, rows_per_block):
                 part = lambda t: rows(t, slice(i, i + rows_per_block))  # noqa: E731
                 blocks.append(int8_attention(part(q), Quantized(part(k), part(k_scale)),
-                                             Quantized(part(v), part(v_scale)), part(mask), need_weights))
+                                             Quantized(part(v), part(v_scale)), part(mask), need_weights, sink))
             return torch.cat([y for y, _ in blocks]), torch.cat([w for _, w in blocks]) if need_weights else None
     # the query heads that read one key/value head go side by side, as g * T_q rows of queries
     q = q.reshape(B, n_kv, nh // n_kv * T_q, hs)  # (B, n_kv, g * T_q, hs)
@@ -117,7 +118,10 @@ def int8_attention(q, k: Quantized, v: Quantized, mask=None, need_weights: bool 
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(hs) * k_scale.transpose(-2, -1)  # (B, n_kv, g * T_q, T_k)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    weights = scores.softmax(dim=-1)
+    if sink is not None:  # each query head's rows: g of them per key/value head, T_q each
+        sink = sink.to(scores.dtype).view(1, n_kv, nh // n_kv, 1, 1).expand(B, -1, -1, T_q, 1)
+        scores = torch.cat([scores, sink.reshape(B, n_kv, -1, 1)], dim=-1)
+    weights = scores.softmax(dim=-1)[..., :T_k]
     if mask is not None:  # a row with every key masked is all NaN after softmax
         weights = weights.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
     y = (weights * v_scale.transpose(-2, -1)) @ v  # (B, n_kv, g * T_q, hs_v)

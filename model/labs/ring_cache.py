@@ -143,15 +143,32 @@ def new_kv_cache(model, batch_size: int, max_len: int | None = None, dtype: torc
     shape = model.kv_cache_shape(batch_size)
     shape.update(max_len=max_len or shape["max_len"], reach=model.config.block_size, read_all_slots=read_all_slots)
     dtype = kv_cache_dtype(model, dtype)
-    if dtype == torch.int8:
+    int8 = dtype == torch.int8  # an int8 cache's dtype argument is what attention computes in: shape's
+    shape = shape if int8 else {**shape, "dtype": dtype}
+    if model.config.local_window is not None:  # local layers keep their own, shorter ring
+        from .local_global import new_windowed_cache
+        return new_windowed_cache(model.config, shape, int8)
+    if int8:
         from .int8_cache import Int8KVCache
         return Int8KVCache(**shape)
-    return RingKVCache(**{**shape, "dtype": dtype})
+    return RingKVCache(**shape)
 
 
-def kv_cache_bytes_per_token(config, dtype: torch.dtype) -> int:
-    """Bytes a KV cache of `dtype` holds per token and row: keys and values, for every layer that projects them
-    (n_layer / kv_share) and each key/value head; int8 adds one KV_SCALE_DTYPE scale per token and head to each."""
+def kv_cache_bytes(config, dtype: torch.dtype, max_len: int | None = None) -> int:
+    """Bytes a cache from new_kv_cache(model, 1, max_len, dtype) holds: keys and values for every layer that
+    projects them (n_layer / kv_share), each head the cache holds (config.kv_cache_heads) and each slot. A layer has max_len slots (default
+    block_size), a local one local_window + max_len - block_size (model/labs/local_global.py). int8 adds one
+    KV_SCALE_DTYPE scale per token and head to each."""
     from .int8_cache import KV_SCALE_DTYPE
-    per_head = config.head_dim * dtype.itemsize + (KV_SCALE_DTYPE.itemsize if dtype == torch.int8 else 0)
-    return 2 * config.n_kv_layer * config.n_kv_head * per_head
+    from .local_global import local_kv_layers
+    max_len = max_len or config.block_size
+    heads, width = config.kv_cache_heads
+    per_slot = 2 * heads * (width * dtype.itemsize + (KV_SCALE_DTYPE.itemsize if dtype == torch.int8 else 0))
+    slots = [config.local_window + max_len - config.block_size if local else max_len
+             for local in local_kv_layers(config)]
+    return per_slot * sum(slots)
+
+
+def kv_cache_bytes_per_token(config, dtype: torch.dtype) -> float:
+    """kv_cache_bytes per token of a full context (block_size tokens): what the cache costs per token it serves."""
+    return kv_cache_bytes(config, dtype) / config.block_size

@@ -1,0 +1,210 @@
+"""Latent attention (kv_latent), local layers (window_pattern, local_window) and a learned sink, where they differ
+from the other designs: the sink against torch's SDPA given the sink as one more key, the latent cache's size, the
+plain cache, speculative decoding's rollbacks and the absorbed decoding of latents against recomputation, and
+settings that cannot work. test_kv_designs.py runs each through every other cache path against a forward written
+out from the weights."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import GREEDY, CausalSelfAttention, KVCache, generate, greedy_decode, kv_cache_bytes
+from model.labs.attention_weights import keeping_weights
+from model.labs.latent import LatentAttention
+from model.labs.learned_sink import sink_attention
+from model.labs.speculative import SpeculativeStats, speculative_generate
+from test_kv_designs import ATOL, DESIGNS, SHAPE, design_model, prefill, recorded_logits, reference_logits
+from tiny_models import BLOCK_SIZE, random_model, random_tokens
+
+WINDOWED = [name for name, fields in DESIGNS.items() if "local_window" in fields]
+HEAD_DIM = SHAPE["n_embd"] // SHAPE["n_head"]
+
+
+@pytest.mark.parametrize("n_kv_head", [4, 2, 1])
+def test_sink_attention_equals_sdpa_with_the_sink_as_a_zero_value_key(n_kv_head):
+    """A sink logit s is a key whose score is s and whose value is 0: SDPA over the keys and one such extra key,
+    its score set through a float mask, gives the same output; rows that see no key get 0 (only the sink)."""
+    torch.manual_seed(0)
+    B, nh, T_q, T_k, hs = 2, 4, 3, 7, 6
+    q, k, v = torch.randn(B, nh, T_q, hs), torch.randn(B, n_kv_head, T_k, hs), torch.randn(B, n_kv_head, T_k, hs)
+    sink = torch.tensor([-2.0, 0.0, 1.0, 3.0])
+    mask = torch.rand(B, 1, T_q, T_k) > 0.3
+    mask[1, :, 0] = False  # a query that sees no key
+    y, weights = sink_attention(q, k, v, mask, sink)
+    zero = torch.zeros(B, n_kv_head, 1, hs)
+    k_sink, v_sink = torch.cat([k, zero], dim=2), torch.cat([v, zero], dim=2)  # q · 0 = 0, plus the sink as a bias
+    bias = torch.cat([torch.zeros(B, nh, T_q, T_k).masked_fill(~mask, float("-inf")),
+                      sink.view(1, nh, 1, 1).expand(B, nh, T_q, 1)], dim=-1)
+    expected = F.scaled_dot_product_attention(q, k_sink, v_sink, attn_mask=bias, enable_gqa=n_kv_head < nh)
+    torch.testing.assert_close(y, expected, atol=1e-6, rtol=1e-5)
+    assert torch.equal(y[1, :, 0], torch.zeros(nh, hs))
+    assert (weights.sum(-1) < 1).all()  # the sink takes its share of every row
+
+
+def test_the_new_designs_do_change_the_model():
+    """A local layer and a sink each change the logits of a model with the same other weights."""
+    seq = random_tokens(2, BLOCK_SIZE)
+    plain = random_model(**SHAPE)
+    for design in ("local", "sink"):
+        model = design_model(design, "learned")
+        model.load_state_dict({**model.state_dict(), **plain.state_dict()}, strict=False)
+        assert (model(seq)[0] - plain(seq)[0]).abs().max() > 1e-2, design
+
+
+@pytest.mark.parametrize("pos_emb", ["learned", "rope"])
+@pytest.mark.parametrize("design", WINDOWED)
+def test_the_plain_cache_of_greedy_decode_serves_local_layers_by_their_band(design, pos_emb):
+    """greedy_decode's plain KVCache holds block_size slots in order for every layer: a local layer reads only its
+    band of them. Every step's logits equal the written-out forward's, and greedy_decode follows their argmax."""
+    model = design_model(design, pos_emb)
+    seq = random_tokens(2, BLOCK_SIZE, seed=1)
+    cache = KVCache(**model.kv_cache_shape(2))
+    logits = [model.decode_step(seq[:, :4], cache)] + [model.decode_step(seq[:, t:t + 1], cache)
+                                                       for t in range(4, BLOCK_SIZE)]
+    torch.testing.assert_close(torch.stack(logits, dim=1), reference_logits(model, seq)[:, 3:], atol=ATOL, rtol=0)
+    greedy = greedy_decode(model, seq[:, :4], BLOCK_SIZE - 4)
+    assert torch.equal(greedy[:, 4:], reference_logits(model, greedy)[:, 3:-1].argmax(-1))
+
+
+@pytest.mark.parametrize("pos_emb", ["learned", "rope"])
+@pytest.mark.parametrize("design", ["local-sink-gqa", "local-mqa-share2", "mla-local-sink"])
+def test_speculative_rollbacks_of_local_rings_keep_greedy_text_equal_to_generate(design, pos_emb):
+    """A draft proposes, the model verifies k + 1 tokens at once and rolls both caches back past the rejected ones:
+    the local layers' short rings (local_window + k slots) roll back exactly, so the text is generate's."""
+    model = design_model(design, pos_emb)
+    draft = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    prompt = random_tokens(1, 9, seed=3)
+    n = 3 * BLOCK_SIZE + 5
+    plain = generate(model, prompt, n, sampling=GREEDY)[0, 9:].tolist()
+    for k in (1, 3, 6):
+        stats = SpeculativeStats()
+        ids = torch.cat(list(speculative_generate(model, prompt, n, draft=draft, k=k, stats=stats))).tolist()
+        assert ids == plain, f"k={k}"
+        assert 0 < stats.accepted < stats.drafted  # some rounds rolled back
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (dict(window_pattern="LXG", local_window=3), "window_pattern must be letters L (local) and G (global)"),
+    (dict(window_pattern="", local_window=3), "window_pattern must be letters"),
+    (dict(window_pattern="LG"), "local_window must be an integer in [1, block_size - 1 = 15], got None"),
+    (dict(window_pattern="LG", local_window=16), "got 16"),
+    (dict(window_pattern="LG", local_window=True), "got True"),
+    (dict(local_window=4), "local_window applies to local layers, and window_pattern 'G' has none"),
+    (dict(window_pattern="L", local_window=4), "makes every layer local: give at least one G"),
+    (dict(window_pattern="LG", local_window=4, kv_share=2), "kv_share 2 groups layers that window_pattern 'LG' "
+                                                            "makes local and global"),
+    (dict(learned_sink=1), "learned_sink must be true or false, got 1"),
+    (dict(kv_latent=0), "kv_latent must be an integer of at least 1, got 0"),
+    (dict(kv_latent_rope=4), "kv_latent_rope applies to multi-head latent attention: give kv_latent"),
+    (dict(kv_latent=8, kv_latent_rope=4), "kv_latent_rope is the width of a rotary key, and pos_emb is learned"),
+    (dict(kv_latent=8, pos_emb="rope"), "needs kv_latent_rope, the width of its rotary key: an even integer of at "
+                                        "least 2, got 0"),
+    (dict(kv_latent=8, pos_emb="rope", kv_latent_rope=3), "got 3"),
+    (dict(kv_latent=7), "kv_latent \\+ kv_latent_rope = 7 must be even"),
+    (dict(kv_latent=8, n_kv_head=2), "kv_latent replaces the key/value heads: it does not combine with n_kv_head"),
+    (dict(kv_latent=8, kv_share=2), "it does not combine with n_kv_head or kv_share"),
+])
+def test_latent_window_and_sink_settings_that_cannot_work_are_refused(overrides, fragment):
+    with pytest.raises(ValueError, match=fragment.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        random_model(**SHAPE, **overrides)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
+@pytest.mark.parametrize("pos_emb", ["learned", "rope"])
+def test_a_latent_cache_holds_the_latent_and_the_rotary_key_and_nothing_else(pos_emb, dtype):
+    """Per token and layer: kv_latent values, and kv_latent_rope more with rotary positions, whatever n_head is
+    (int8: a byte each, and a float32 scale for each of the two halves). A latent of 2 * head_dim holds what
+    multi-query attention's one key and one value hold."""
+    rope = dict(kv_latent_rope=4) if pos_emb == "rope" else {}
+    model = random_model(**SHAPE, kv_latent=2 * HEAD_DIM, pos_emb=pos_emb, **rope)
+    cache = model.new_kv_cache(3, dtype=dtype)
+    width = 2 * HEAD_DIM + (4 if pos_emb == "rope" else 0)
+    per_token = width * dtype.itemsize + (2 * 4 if dtype == torch.int8 else 0)
+    assert cache.nbytes == 3 * BLOCK_SIZE * SHAPE["n_layer"] * per_token == 3 * kv_cache_bytes(model.config, dtype)
+    mqa = random_model(**SHAPE, n_kv_head=1, pos_emb=pos_emb)
+    if pos_emb == "learned":
+        assert cache.nbytes == mqa.new_kv_cache(3, dtype=dtype).nbytes
+
+
+def test_a_cache_made_without_local_rings_is_refused_for_a_model_with_local_layers():
+    model = design_model("local", "rope")
+    plain = random_model(**SHAPE, pos_emb="rope")
+    with pytest.raises(ValueError, match="another model shape .* local window None"):
+        generate(model, random_tokens(1, 3), 2, cache=plain.new_kv_cache(1))
+
+
+def test_a_prompt_longer_than_the_local_window_is_fed_in_chunks_the_rings_take():
+    """decode_step refuses a chunk that a local ring cannot hold, naming the figures; generate feeds such a prompt
+    in chunks, and its logits are those of a full forward."""
+    model = design_model("local", "learned")
+    prompt = random_tokens(2, 12, seed=4)
+    with pytest.raises(ValueError, match="a chunk of 12 tokens must fit in the cache before it first wraps \\(5 slots"):
+        model.decode_step(prompt, model.new_kv_cache(2))
+    out = generate(model, prompt, 3, sampling=GREEDY)
+    assert torch.equal(out, generate(model, prompt, 3, sampling=GREEDY, use_cache=False))
+    assert torch.equal(out[:, 12], model(prompt)[0][:, -1].argmax(-1))
+    same = prompt[:1].expand(3, -1)  # read once at batch 1, then copied to every row
+    assert torch.equal(generate(model, same, 3, sampling=GREEDY), out[:1].expand(3, -1))
+
+
+def test_attention_maps_of_a_sink_model_keep_the_logits_and_leave_the_sink_its_share():
+    """TensorBoard's attention maps (model/labs/attention_weights.py) swap in an explicit attention: with a sink it
+    must be the sink's, giving the forward's own logits and rows that sum to less than 1."""
+    model = design_model("local-sink-gqa", "rope")
+    seq = random_tokens(2, BLOCK_SIZE, seed=2)
+    with keeping_weights(model) as weights:
+        logits = model(seq)[0]
+    torch.testing.assert_close(logits, model(seq)[0], atol=ATOL, rtol=0)
+    assert len(weights) == SHAPE["n_layer"] and all((w.sum(-1) < 1).all() for w in weights)
+
+
+@pytest.mark.parametrize("read_all_slots", [False, True], ids=["filled slots", "all slots, masked"])
+def test_a_padded_one_row_cache_copied_to_every_row_keeps_its_local_rings_padding(read_all_slots):
+    """fill_from copies both rings and what each knows of the rows' padding: every row then decodes as the padded
+    row would, past block_size."""
+    model = design_model("local-sink-gqa", "rope")
+    prompt = random_tokens(1, 3, seed=6)  # two of padding, still in the local rings of 3 slots
+    one = model.new_kv_cache(1, read_all_slots=read_all_slots)
+    one.reset(torch.tensor([2]))
+    prefill(model, prompt, one)
+    three = model.new_kv_cache(3, read_all_slots=read_all_slots)
+    three.fill_from(one)
+    seq = torch.cat([prompt, random_tokens(1, 2 * BLOCK_SIZE, seed=7)], dim=1)
+    steps = torch.stack([model.decode_step(seq[:, t:t + 1].expand(3, 1), three) for t in range(3, seq.size(1))], 1)
+    reference = reference_logits(model, seq, torch.tensor([2]))[:, 3:]
+    torch.testing.assert_close(steps, reference.expand(3, -1, -1), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("pos_emb", ["learned", "rope"])
+@pytest.mark.parametrize("design", ["mla", "mla-local-sink"])
+def test_decoding_with_absorbed_up_projections_equals_the_naive_expansion(design, pos_emb, monkeypatch):
+    """Decoding reads the cached latents through the queries and the output (the absorbed form); the naive form
+    projects every cached latent up to keys and values. Both give the same logits at every step, past block_size."""
+    model = design_model(design, pos_emb)
+    assert all(block.attn.up.bias is None for block in model.blocks)  # the absorbed form's condition
+    prompt, n_pad = random_tokens(2, 7, seed=8), [0, 3]
+    absorbed = torch.stack(recorded_logits(model, monkeypatch, idx=prompt, max_new_tokens=2 * BLOCK_SIZE,
+                                           sampling=GREEDY, n_pad=n_pad)[1])
+    monkeypatch.setattr(LatentAttention, "forward", CausalSelfAttention.forward)  # the naive expansion throughout
+    naive = torch.stack(recorded_logits(model, monkeypatch, idx=prompt, max_new_tokens=2 * BLOCK_SIZE,
+                                        sampling=GREEDY, n_pad=n_pad)[1])
+    torch.testing.assert_close(absorbed, naive, atol=ATOL, rtol=0)
+
+
+def test_latent_attention_with_biases_decodes_by_the_naive_expansion():
+    """A bias in the up-projection adds q · b to every score, which the absorbed form leaves out: with biases,
+    decoding expands the latents, and its logits are the written-out forward's."""
+    model = random_model(**SHAPE, kv_latent=8, pos_emb="rope", kv_latent_rope=4, learned_sink=True)
+    with torch.no_grad():  # biases that matter (they start at 0), and sinks that make q · b matter too
+        for block in model.blocks:
+            block.attn.up.bias.normal_(0.0, 0.5)
+            block.attn.sink.normal_(0.0, 2.0)
+    seq = random_tokens(2, BLOCK_SIZE, seed=9)
+    cache = model.new_kv_cache(2)
+    steps = [model.decode_step(seq[:, t:t + 1], cache) for t in range(BLOCK_SIZE)]
+    torch.testing.assert_close(torch.stack(steps, 1), reference_logits(model, seq), atol=ATOL, rtol=0)
