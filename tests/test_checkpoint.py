@@ -32,7 +32,13 @@ def test_build_checkpoint_and_load_model_round_trip(tmp_path):
         assert torch.equal(loaded.state_dict()[name], weight)
 
 
-@pytest.mark.parametrize("design", [dict(n_head=2, n_kv_head=1), dict(n_layer=2, kv_share=2)])
+DESIGN_FIELDS = ("n_kv_head", "kv_share", "window_pattern", "local_window", "learned_sink", "kv_latent",
+                 "kv_latent_rope")
+
+
+@pytest.mark.parametrize("design", [dict(n_head=2, n_kv_head=1), dict(n_layer=2, kv_share=2),
+                                    dict(n_layer=2, window_pattern="LG", local_window=2), dict(learned_sink=True),
+                                    dict(kv_latent=4, pos_emb="rope", kv_latent_rope=2)])
 def test_a_checkpoint_records_the_cache_design_and_one_written_before_it_loads_as_plain_attention(tmp_path, design):
     torch.manual_seed(0)
     model = GPT(GPTConfig(**{**dict(vocab_size=3, block_size=4, n_layer=1, n_head=2, n_embd=4), **design}))
@@ -44,10 +50,10 @@ def test_a_checkpoint_records_the_cache_design_and_one_written_before_it_loads_a
     # a checkpoint from before the fields existed: plain multi-head attention, every layer its own keys and values
     plain = GPT(GPTConfig(vocab_size=3, block_size=4, n_layer=1, n_head=2, n_embd=4))
     old = build_checkpoint(plain, CharVocab("abc"))
-    old["model_config"] = {k: v for k, v in old["model_config"].items() if k not in ("n_kv_head", "kv_share")}
+    old["model_config"] = {k: v for k, v in old["model_config"].items() if k not in DESIGN_FIELDS}
     save_checkpoint(old, tmp_path / "last.pt")
     loaded, _, _ = load_model(tmp_path / "last.pt", "cpu")
-    assert (loaded.config.n_kv_head, loaded.config.kv_share) == (2, 1)
+    assert loaded.config == plain.config and loaded.config.plain_attention
     idx = torch.tensor([[0, 1, 2]])
     assert torch.equal(loaded(idx)[0], plain(idx)[0])
 

@@ -689,19 +689,22 @@ def test_resuming_on_another_text_is_refused(tmp_path, data_root, short_run):
 
 
 @pytest.mark.parametrize("design", [["model.n_kv_head=1"], ["model.kv_share=2"],
-                                    ["model.n_kv_head=1", "model.kv_share=2"]])
+                                    ["model.n_kv_head=1", "model.kv_share=2"], ["model.learned_sink=true"],
+                                    ["model.kv_latent=8"]])
 def test_resuming_a_checkpoint_older_than_the_cache_designs_with_another_design_is_one_line(tmp_path, data_root,
                                                                                          short_run, design):
-    """A checkpoint saved before n_kv_head and kv_share existed holds multi-head attention with every layer its
-    own keys and values: another design is refused with the settings to add, as for a newer checkpoint."""
+    """A checkpoint saved before the cache designs existed holds multi-head attention with every layer its own
+    keys and values: another design is refused with the settings to add, as for a newer checkpoint."""
     old = torch.load(short_run / "last.pt", weights_only=True)
     for section in (old["model_config"], old["training"]["config"]["model"]):
-        del section["n_kv_head"], section["kv_share"]
+        for field in ("n_kv_head", "kv_share", "window_pattern", "local_window", "learned_sink", "kv_latent",
+                      "kv_latent_rope"):
+            del section[field]
     path = tmp_path / "old.pt"
     save_checkpoint(old, path)
     n_head = old["model_config"]["n_head"]
     with pytest.raises(ConfigError, match=r"^train.resume continues a run with other settings; add them to the "
-                                          r"command: .*model\.(n_kv_head|kv_share)="):
+                                          r"command: .*model\.(n_kv_head|kv_share|learned_sink|kv_latent)="):
         train.main(config(tmp_path, data_root, *SHORT, *design, f"train.resume={path}"), tmp_path / "runs/resumed")
     assert train.main(config(tmp_path, data_root, *SHORT, f"model.n_kv_head={n_head}", "model.kv_share=1",
                              f"train.resume={path}"), tmp_path / "runs/same") is not None  # the same design resumes
