@@ -208,3 +208,18 @@ def test_latent_attention_with_biases_decodes_by_the_naive_expansion():
     cache = model.new_kv_cache(2)
     steps = [model.decode_step(seq[:, t:t + 1], cache) for t in range(BLOCK_SIZE)]
     torch.testing.assert_close(torch.stack(steps, 1), reference_logits(model, seq), atol=ATOL, rtol=0)
+
+
+def test_a_compiled_step_of_the_new_designs_equals_the_eager_one_past_block_size(monkeypatch):
+    """torch.compile runs the one-token step of latent attention, local layers and a sink through both rings, every
+    slot read through its mask: the logits of every step equal the eager step's, with ragged rows, past block_size.
+    (test_kv_designs.py compiles them over the int8 cache too.)"""
+    model = design_model("mla-local-sink", "rope")
+    prompt, n_pad = random_tokens(2, 7, seed=10), [0, 3]
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    kwargs = dict(idx=prompt, max_new_tokens=2 * BLOCK_SIZE, sampling=GREEDY, n_pad=n_pad)
+    compiled = torch.stack(recorded_logits(model, monkeypatch, compile=True, **kwargs)[1])
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # the step did go through the compiler
+    eager = torch.stack(recorded_logits(model, monkeypatch, **kwargs)[1])
+    torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=0)
