@@ -58,7 +58,9 @@ CLASSIC = [("MHA", {}, None), ("GQA 3", dict(n_kv_head=3), None), ("GQA 2", dict
            ("MQA", dict(n_kv_head=1), None), ("MHA, int8 cache", {}, torch.int8),
            ("MQA, int8 cache", dict(n_kv_head=1), torch.int8), ("MHA, kv_share=2", dict(kv_share=2), None),
            ("MQA, kv_share=2", dict(n_kv_head=1, kv_share=2), None), ("LLLLLG, local_window=64", LOCAL, None),
-           ("LLLLLG + MQA", dict(LOCAL, n_kv_head=1), None), ("learned sink", dict(learned_sink=True), None),
+           ("LLLLLG + MQA", dict(LOCAL, n_kv_head=1), None),
+           ("LLLLGG + MQA, kv_share=2", dict(window_pattern="LLLLGG", local_window=64, n_kv_head=1, kv_share=2), None),
+           ("learned sink", dict(learned_sink=True), None),
            ("MLA, kv_latent=128", dict(kv_latent=128), None), ("MLA, kv_latent=256", dict(kv_latent=256), None),
            ("MLA 128 + LLLLLG", dict(LOCAL, kv_latent=128), None)]
 
