@@ -36,6 +36,7 @@ from bench.configs import REPO, host, model_config, run_tool, shakespeare  # noq
 from bench.curve import read_curve  # noqa: E402
 from model import GPT, kv_cache_bytes_per_token  # noqa: E402
 from model.labs.decoder_loss import decoder_loss, teacher_forced_loss  # noqa: E402
+from model.labs.generate import prefill  # noqa: E402
 from runtime.checkpoint import load_model  # noqa: E402
 from runtime.errors import OneLineErrorParser, positive_int  # noqa: E402
 
@@ -73,11 +74,7 @@ def decode_seconds(model: GPT, batch_size: int, cache_dtype, step=None) -> float
     block = model.config.block_size
     cache = model.new_kv_cache(batch_size, dtype=cache_dtype)
     prompt = torch.randint(0, model.config.vocab_size, (batch_size, block - STEPS))
-    fed = 0
-    while fed < prompt.size(1):  # in the chunks the cache takes: local layers' rings take shorter ones
-        n = min(prompt.size(1) - fed, cache.longest_chunk())
-        logits = model.decode_step(prompt[:, fed:fed + n], cache)
-        fed += n
+    logits = prefill(model, prompt, cache)
     start = time.perf_counter()
     for _ in range(STEPS):
         logits = step(logits.argmax(dim=-1, keepdim=True), cache)

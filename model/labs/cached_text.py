@@ -11,7 +11,7 @@ import math
 import torch
 
 from ..gpt import GPT
-from .generate import context_limits, moved_start
+from .generate import context_limits, moved_start, prefill
 
 
 class CachedText:
@@ -56,9 +56,8 @@ class CachedText:
         """Feed tokens[fed:end] through the model, the last n of them in one pass; their logits (n, vocab_size),
         each the prediction of the token after it."""
         self.prepare(end - n + 1)
-        while self.fed < end - n:  # what the cache lacks before them, in the longest chunks it takes
-            chunk = min(end - n - self.fed, self.cache.longest_chunk())
-            self.model.decode_step(self._ids(self.fed, self.fed + chunk), self.cache)
+        if self.fed < end - n:  # what the cache lacks before them
+            prefill(self.model, self._ids(self.fed, end - n), self.cache)
         return self.model(self._ids(end - n, end), cache=self.cache)[0][0]
 
     def truncate(self, length: int) -> None:

@@ -12,8 +12,8 @@ Past block_size. The model attends at most block_size tokens back, so each row's
   last block_size tokens, so the last token still depends on up to n_layer * (block_size - 1) tokens before it,
   through the earlier layers: that is the context kept.
 - Learned positions: cached keys carry their absolute positions and cannot slide. When the next token would not
-  fit, start jumps forward so that only the last `window` tokens remain (default block_size // 2, at least 1), and the cache
-  is refilled with one prefill over them: O(1) forward passes per token, amortised. window = block_size refills
+  fit, start jumps forward so that only the last `window` tokens remain (default block_size // 2, at least 1), and
+  the cache is refilled with one prefill over them: O(1) forward passes per token, amortised. window = block_size refills
   at every step, which is exactly the classic crop to the last block_size tokens.
 use_cache=False runs a full forward over the very same context at every step.
 
@@ -149,10 +149,11 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampl
                 if length == idx.size(1) and _same_rows(idx) and length - first <= block_size:
                     logits = _prefill_once(model, buffer[:1, first:length], cache)  # every row the same prompt
                     fed = length
-            while fed < length:  # a prompt longer than the ring: the chunks it takes, then a token at a time
-                n = 1 if length - fed == 1 else min(length - fed, cache.longest_chunk())
-                logits = (one_token_step if n == 1 else model.decode_step)(buffer[:, fed:fed + n], cache)
-                fed += n
+            if length - fed == 1:
+                logits = one_token_step(buffer[:, fed:length], cache)
+            elif fed < length:
+                logits = prefill(model, buffer[:, fed:length], cache)
+            fed = length
         else:
             logits = model(buffer[:, first:length], n_pad=context_pad)[0][:, -1]
         next_ids = sampling.next_token(logits, generator)  # (B,)
@@ -192,15 +193,22 @@ def _same_rows(idx: torch.Tensor) -> bool:
     return idx.size(0) > 1 and bool((idx == idx[:1]).all())
 
 
+def prefill(model: GPT, tokens: torch.Tensor, cache: RingKVCache) -> torch.Tensor:
+    """Feed tokens (B, T) through cache in the longest chunks it takes (local layers' rings take shorter ones);
+    the last token's logits, (B, vocab_size)."""
+    fed = 0
+    while fed < tokens.size(1):
+        n = min(tokens.size(1) - fed, cache.longest_chunk())
+        logits = model.decode_step(tokens[:, fed:fed + n], cache)
+        fed += n
+    return logits
+
+
 def _prefill_once(model: GPT, prompt: torch.Tensor, cache: RingKVCache) -> torch.Tensor:
     """Prefill prompt (1, T) into a one-row cache like `cache`, copy it to all of cache's rows; the last logits,
     (B, vocab_size)."""
     one = model.new_kv_cache(1, cache.max_len, cache.dtype, read_all_slots=cache.read_all_slots)
-    fed = 0
-    while fed < prompt.size(1):  # in the chunks the cache takes: shorter ones for local layers' rings
-        n = min(prompt.size(1) - fed, one.longest_chunk())
-        logits = model.decode_step(prompt[:, fed:fed + n], one)
-        fed += n
+    logits = prefill(model, prompt, one)
     cache.fill_from(one)
     return logits.expand(cache.batch_size, -1)
 

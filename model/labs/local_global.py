@@ -97,7 +97,7 @@ class LocalRing:
         self.local = self.ring_class(n_local, batch_size, n_kv_head, window + max_len - reach, head_dim, dtype,
                                      device, reach=window, read_all_slots=read_all_slots)
         # cache layer i: (whether it is local, its index in its ring)
-        self.where = [(is_local, sum(1 for other in local[:i] if other == is_local)) for i, is_local in enumerate(local)]
+        self.where = [(is_local, local[:i].count(is_local)) for i, is_local in enumerate(local)]
 
     @property
     def window(self) -> int:

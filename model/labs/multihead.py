@@ -129,6 +129,7 @@ class MultiHeadAttention(nn.Module):
             return self.qkv(x).split([self.qk_dim, self.k_dim, self.kv_v_dim], dim=-1)
         # the same weights, split: queries from x, keys and values from context
         w_q, w_kv = self.qkv.weight.split([self.qk_dim, self.k_dim + self.kv_v_dim])
-        b_q, b_kv = (None, None) if self.qkv.bias is None else self.qkv.bias.split([self.qk_dim, self.k_dim + self.kv_v_dim])
+        b_q, b_kv = (None, None) if self.qkv.bias is None else self.qkv.bias.split([self.qk_dim,
+                                                                                     self.k_dim + self.kv_v_dim])
         k, v = F.linear(context, w_kv, b_kv).split([self.k_dim, self.kv_v_dim], dim=-1)
         return F.linear(x, w_q, b_q), k, v

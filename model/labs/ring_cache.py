@@ -156,8 +156,9 @@ def new_kv_cache(model, batch_size: int, max_len: int | None = None, dtype: torc
 
 def kv_cache_bytes(config, dtype: torch.dtype, max_len: int | None = None) -> int:
     """Bytes a cache from new_kv_cache(model, 1, max_len, dtype) holds: keys and values for every layer that
-    projects them (n_layer / kv_share), each head the cache holds (config.kv_cache_heads) and each slot. A layer has max_len slots (default
-    block_size), a local one local_window + max_len - block_size (model/labs/local_global.py). int8 adds one
+    projects them (n_layer / kv_share), each head the cache holds (config.kv_cache_heads) and each slot. A layer
+    has max_len slots (default block_size), a local one local_window + max_len - block_size
+    (model/labs/local_global.py). int8 adds one
     KV_SCALE_DTYPE scale per token and head to each."""
     from .int8_cache import KV_SCALE_DTYPE
     from .local_global import local_kv_layers
