@@ -49,6 +49,10 @@ def design_model(design: str, pos_emb: str, seed=0) -> GPT:
         with torch.no_grad():
             for block in model.blocks:
                 block.attn.sink.copy_(torch.tensor([-3.0, 0.0, 2.0, 4.0]))
+    if model.config.kv_latent is not None:  # a trained norm's gain is far from its start at one
+        with torch.no_grad():
+            for block in model.blocks:
+                block.attn.latent_norm.weight.uniform_(0.5, 2.0)
     return model
 
 
@@ -111,7 +115,8 @@ def reference_logits(model: GPT, seq: torch.Tensor, n_pad: torch.Tensor | None =
 def latent_queries_keys_values(model, block, out, pos):
     """Multi-head latent attention's queries, keys and values (B, nh, T, width) from the fused projection's output
     `out`: each head's query is a content part (head_dim) and a rotary part (kv_latent_rope); its key is the latent
-    projected up (head_dim) beside the rotary key, which every head shares; its value is the latent projected up."""
+    projected up (head_dim) beside the rotary key, which every head shares; its value is the latent projected up.
+    The latent is layer-normalised first."""
     c = model.config
     B, T, _ = out.shape
     hd, d_c, d_r = c.head_dim, c.kv_latent, c.kv_latent_rope
@@ -119,6 +124,9 @@ def latent_queries_keys_values(model, block, out, pos):
     q = out[..., :q_width].view(B, T, c.n_head, hd + d_r).transpose(1, 2)
     latent, rotary_key = out[..., q_width:q_width + d_c], out[..., q_width + d_c:]
     assert out.size(-1) == q_width + d_c + d_r and rotary_key.size(-1) == d_r
+    norm = block.attn.latent_norm
+    mean, var = latent.mean(-1, keepdim=True), latent.var(-1, unbiased=False, keepdim=True)
+    latent = (latent - mean) / torch.sqrt(var + norm.eps) * norm.weight + (0 if norm.bias is None else norm.bias)
     up = F.linear(latent, block.attn.up.weight, block.attn.up.bias)  # (B, T, 2 * n_embd): keys, then values
     keys, v = (t.view(B, T, c.n_head, hd).transpose(1, 2) for t in up.split(c.n_embd, dim=-1))
     rotary_key = rotary_key[:, None].expand(B, c.n_head, T, d_r)

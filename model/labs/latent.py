@@ -6,10 +6,13 @@ head, is cached beside the latent, and each query head gets a rotary part of the
 Per token (kv_latent = d_c, kv_latent_rope = d_r, zero with learned positions):
 
     query   q_h = [q_h content (head_dim), q_h rotary (d_r)]      from x, per head
-    latent  c = down(x) (d_c),  rotary key r = down_r(x) (d_r)    cached: d_c + d_r values, whatever n_head is
+    latent  c = norm(down(x)) (d_c),  rotary key r = down_r(x) (d_r)    cached: d_c + d_r values, whatever n_head is
     key     k_h = [up_k,h(c) (head_dim), r (d_r)]                 the rotary key shared by every head
     value   v_h = up_v,h(c) (head_dim)
     score   q_h · k_h / √(head_dim + d_r)
+
+The latent is normalised before it is cached (DeepSeek-V2 applies an RMSNorm there; here the model's LayerNorm),
+so that keys and values, a product of two small matrices at initialisation, start at a useful scale.
 
 The cache is the plain ring: it holds the latent and the rotary key as one vector per token, split in two halves
 between its key and value buffers (cache_layout), so that every cache path, the int8 one included, serves it
@@ -60,11 +63,12 @@ class LatentAttention(CausalSelfAttention):
     def __init__(self, config, kv_layer: int):
         super().__init__(config, kv_layer)
         self.latent, self.rope_width = config.kv_latent, config.kv_latent_rope
+        self.latent_norm = nn.LayerNorm(config.kv_latent, bias=config.bias)
         self.up = nn.Linear(config.kv_latent, 2 * config.n_embd, bias=config.bias)  # each head's key and value
 
     def qkv_widths(self, config) -> list[int]:
         """Queries (a content and a rotary part per head), then the latent and the rotary key."""
-        return [config.n_head * (config.head_dim + config.kv_latent_rope), config.kv_latent + config.kv_latent_rope]
+        return [config.n_head * (config.head_dim + config.kv_latent_rope), config.kv_latent, config.kv_latent_rope]
 
     def forward(self, x, attn_mask=None, rope=None, kv=None):
         """Without a cache (training), or with biases in the up-projection, the naive expansion (project); while
@@ -99,12 +103,13 @@ class LatentAttention(CausalSelfAttention):
         the new tokens', written to kv and read back with the cached ones."""
         B, T, _ = x.shape
         nh, hs, d_r = self.n_head, self.head_dim, self.rope_width
-        q, z = self.qkv(x).split(self.widths, dim=-1)
+        q, latent, rotary_key = self.qkv(x).split(self.widths, dim=-1)
         q = q.view(B, T, nh, hs + d_r).transpose(1, 2)  # (B, nh, T, hs + d_r)
-        z = z[:, None]  # (B, 1, T, d_c + d_r): the latent, then the rotary key
+        latent, rotary_key = self.latent_norm(latent)[:, None], rotary_key[:, None]  # (B, 1, T, d_c), (B, 1, T, d_r)
         if rope is not None:  # the rotary parts turn; the rotary key before it is cached, as keys do
             q = torch.cat([q[..., :hs], rotate(q[..., hs:], *rope)], dim=-1)
-            z = torch.cat([z[..., :self.latent], rotate(z[..., self.latent:], *rope)], dim=-1)
+            rotary_key = rotate(rotary_key, *rope)
+        z = torch.cat([latent, rotary_key], dim=-1)  # (B, 1, T, d_c + d_r)
         if kv is not None:
             half = z.size(-1) // 2
             z = torch.cat([dequantized(t, x.dtype) for t in kv.update(z[..., :half], z[..., half:])], dim=-1)
