@@ -39,6 +39,7 @@ from model.labs.conversation import Conversation
 from model.labs.ngram_draft import NGramTable
 from model.labs.speculative import PromptLookup, SpeculativeStats, speculative_generate
 from model.labs.quantize import DECODING_PRECISIONS
+from model.labs.lowbit_cache import LOW_BITS, LowBitKVCache, lowbit_cache_bytes, new_lowbit_cache
 from model.labs.ring_cache import kv_cache_dtype
 from runtime.checkpoint import find_latest_checkpoint, load_model, resolve_checkpoint, trained_on, training_text
 from runtime.devices import (DEFAULT_THREADS, choose_device, environment_threads, fastest_threads, memory_of,
@@ -88,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--compile", action="store_true",
                        help="torch.compile the one-token decode step (the first steps pay for compiling)")
     parser.add_argument("--kv-cache", choices=KV_CACHES, help="how keys and values are stored: in the dtype "
-                        "attention computes in (float, the default), or int8 with a scale per token and head")
+                        "attention computes in (float, the default), int8 with a scale per token and head, or "
+                        "int4 / int2 in groups, the most recent tokens in float too (model/labs/lowbit_cache.py)")
     parser.add_argument("--read-all-slots", action="store_true",
                         help="attend every slot of the cache through the ring's mask (model/labs/ring_cache.py), "
                              "as compiled and GPU steps do (eagerly on the CPU the filled slots are read)")
@@ -108,19 +110,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 KV_CACHES = {"float": None, "int8": torch.int8}  # --kv-cache: model.new_kv_cache's dtype (None: attention's own)
+KV_CACHES.update({f"int{bits}": bits for bits in LOW_BITS})  # --kv-cache: new_lowbit_cache's bits
+
+
+def new_cache(args, model: GPT):
+    """The KV cache --kv-cache asks for, for --num-samples rows."""
+    kind = KV_CACHES[args.kv_cache or "float"]
+    if kind in LOW_BITS:
+        return new_lowbit_cache(model, args.num_samples, kind, read_all_slots=args.read_all_slots)
+    return model.new_kv_cache(args.num_samples, dtype=kind, read_all_slots=args.read_all_slots)
 
 
 def check_memory(args, prompt_len: int, model, device: torch.device) -> None:
     """Refuse up front samples whose KV cache (as the decoder builds it) and tokens (the int64 sequence it fills)
     would not fit, rather than run out of memory midway. Without the cache, the forward passes hold at least as
     much."""
-    cache_dtype = kv_cache_dtype(model, KV_CACHES[args.kv_cache or "float"])
+    kind = KV_CACHES[args.kv_cache or "float"]
     block_size = model.config.block_size
     spare = (args.speculate_k or SPECULATE_K) if args.draft else 0  # slots for the drafts a pass verifies
     if spare > block_size:
         raise UsageError(f"--speculate-k must be at most the model's block_size, {block_size}: a pass verifies "
                          f"the drafts within one context; got {spare}")
-    cache_bytes = kv_cache_bytes(model.config, cache_dtype, block_size + spare)
+    cache_bytes = lowbit_cache_bytes(model.config, kind) if kind in LOW_BITS else \
+        kv_cache_bytes(model.config, kv_cache_dtype(model, kind), block_size + spare)
     per_sample = cache_bytes + (prompt_len + args.max_new_tokens) * torch.long.itemsize
     memory = memory_of(device)
     if args.num_samples * per_sample > MEMORY_SHARE * memory:
@@ -167,6 +179,9 @@ def check_combinations(args) -> None:
         raise UsageError("--speculate-k applies to speculative decoding: give --draft too")
     if args.speculate_k is not None and args.speculate_k < 1:
         raise UsageError(f"--speculate-k must be >= 1, got {args.speculate_k}")
+    if args.compile and KV_CACHES.get(args.kv_cache) in LOW_BITS:
+        raise UsageError(f"--kv-cache {args.kv_cache} decodes eagerly (which groups it quantizes depends on the "
+                         f"tokens fed): drop --compile")
     if args.draft and args.interactive:
         raise UsageError("--draft applies to sampling, not to --interactive: drop one of them")
     if args.max_new_tokens < 0:
@@ -344,8 +359,10 @@ def sample(args) -> None:
         except ValueError as e:  # its messages name the argument, as the options do
             raise UsageError(e) from None
     use_cache = not args.no_kv_cache
-    cache = model.new_kv_cache(args.num_samples, dtype=KV_CACHES[args.kv_cache or "float"],
-                               read_all_slots=args.read_all_slots) if use_cache and not draft else None
+    try:
+        cache = new_cache(args, model) if use_cache and not draft else None
+    except ValueError as e:  # a low-bit cache for a model it cannot serve
+        raise UsageError(f"--kv-cache {args.kv_cache}: {e}") from None
     idx = torch.tensor([prompt_ids] * args.num_samples, dtype=torch.long, device=device)
     start = time.perf_counter()
     speculation = SpeculativeStats()
@@ -387,7 +404,9 @@ def sample(args) -> None:
 
     tokens = args.num_samples * args.max_new_tokens
     # the cache's own dtype: float32 on the CPU also at bf16 and int8 (model/attention.py: attention_dtype)
-    cache_size = f"KV cache {cache.nbytes / 2**20:.2f} MiB in {str(cache.dtype).removeprefix('torch.')}" \
+    stored = args.kv_cache if isinstance(cache, LowBitKVCache) else str(getattr(cache, "dtype", "")).removeprefix(
+        "torch.")
+    cache_size = f"KV cache {cache.nbytes / 2**20:.2f} MiB in {stored}" \
         if cache is not None else f"KV caches {speculation.cache_bytes / 2**20:.2f} MiB" if draft else "no cache"
     speculated = f", draft acceptance {speculation.acceptance_rate:.0%}, {speculation.tokens_per_pass:.2f} " \
         f"tokens per model pass" if draft else ""

@@ -2,6 +2,7 @@
 
     python bench/kv_designs.py speed                      # classic shape, random weights: memory and decode speed
     python bench/kv_designs.py speed --compile            # the same, with each one-token step compiled
+    python bench/kv_designs.py speed --designs smallest   # only these designs, beside MHA
     python bench/kv_designs.py train --seeds 1337 1 2     # each design trained with the cpu preset, then measured
     python bench/kv_designs.py train --runs-dir keep/     # keep the runs; a design already trained there is reused
     python bench/kv_designs.py train --designs mha int8   # only these designs
@@ -55,15 +56,21 @@ TRAINED = {"mha": ("MHA (the preset)", [], None), "gqa": ("GQA, n_kv_head=2", ["
            "mla128": ("MLA, kv_latent=128 (GQA 2's cache)", ["model.kv_latent=128"], None),
            "int8": ("MHA, int8 cache", [], torch.int8)}
 LOCAL = dict(window_pattern="LLLLLG", local_window=64)  # the classic shape's 6 layers, one of them global
-CLASSIC = [("MHA", {}, None), ("GQA 3", dict(n_kv_head=3), None), ("GQA 2", dict(n_kv_head=2), None),
-           ("MQA", dict(n_kv_head=1), None), ("MHA, int8 cache", {}, torch.int8),
-           ("MQA, int8 cache", dict(n_kv_head=1), torch.int8), ("MHA, kv_share=2", dict(kv_share=2), None),
-           ("MQA, kv_share=2", dict(n_kv_head=1, kv_share=2), None), ("LLLLLG, local_window=64", LOCAL, None),
-           ("LLLLLG + MQA", dict(LOCAL, n_kv_head=1), None),
-           ("LLLLGG + MQA, kv_share=2", dict(window_pattern="LLLLGG", local_window=64, n_kv_head=1, kv_share=2), None),
-           ("learned sink", dict(learned_sink=True), None),
-           ("MLA, kv_latent=128", dict(kv_latent=128), None), ("MLA, kv_latent=256", dict(kv_latent=256), None),
-           ("MLA 128 + LLLLLG", dict(LOCAL, kv_latent=128), None)]
+SMALLEST = dict(window_pattern="LLLLGG", local_window=64, n_kv_head=1, kv_share=2)  # shared layers pair L or G
+# key: (name, model overrides, KV cache dtype): the classic shape's designs
+CLASSIC = {"mha": ("MHA", {}, None), "gqa3": ("GQA 3", dict(n_kv_head=3), None),
+           "gqa2": ("GQA 2", dict(n_kv_head=2), None), "mqa": ("MQA", dict(n_kv_head=1), None),
+           "int8": ("MHA, int8 cache", {}, torch.int8), "mqa-int8": ("MQA, int8 cache", dict(n_kv_head=1), torch.int8),
+           "share2": ("MHA, kv_share=2", dict(kv_share=2), None),
+           "share2-mqa": ("MQA, kv_share=2", dict(n_kv_head=1, kv_share=2), None),
+           "local": ("LLLLLG, local_window=64", LOCAL, None),
+           "local-mqa": ("LLLLLG + MQA", dict(LOCAL, n_kv_head=1), None),
+           "smallest": ("LLLLGG + MQA, kv_share=2", SMALLEST, None),
+           "smallest-int8": ("LLLLGG + MQA, kv_share=2, int8 cache", SMALLEST, torch.int8),
+           "sink": ("learned sink", dict(learned_sink=True), None),
+           "mla128": ("MLA, kv_latent=128", dict(kv_latent=128), None),
+           "mla256": ("MLA, kv_latent=256", dict(kv_latent=256), None),
+           "mla128-local": ("MLA 128 + LLLLLG", dict(LOCAL, kv_latent=128), None)}
 
 
 @torch.no_grad()
@@ -93,7 +100,7 @@ def speed(args) -> None:
     # every design's decode_step is one function to torch.compile: allow a compiled version per design and batch
     torch._dynamo.config.recompile_limit = 4 * len(CLASSIC) * len(BATCHES)
     models = {}
-    for name, overrides, dtype in CLASSIC:
+    for name, overrides, dtype in (CLASSIC[key] for key in dict.fromkeys(["mha", *args.designs])):
         torch.manual_seed(0)
         config = dataclasses.replace(model_config("classic"), **overrides)
         model = GPT(config).eval()
@@ -121,8 +128,9 @@ def speed(args) -> None:
         print(f"| {name} | {per_token:,.0f} | {64 * c.block_size * per_token / 2**20:.1f} | "
               f"{model.num_params() * 4 / 2**20:.1f} | {rate(tok_s[name, 1])} | {rate(tok_s[name, 64])} | "
               f"{median_spread(ratios[1])} | {median_spread(ratios[64])} |")
-    int8 = [t / m for t, m in zip(tok_s["MHA, int8 cache", 64], tok_s["MHA", 64])]
-    print(f"\nint8 cache / fp32 cache at batch 64: {median_spread(int8)}")
+    if "MHA, int8 cache" in models:
+        int8 = [t / m for t, m in zip(tok_s["MHA, int8 cache", 64], tok_s["MHA", 64])]
+        print(f"\nint8 cache / fp32 cache at batch 64: {median_spread(int8)}")
 
 
 def train_run(overrides: list[str], seed: int, runs_dir: Path, extra: list[str]) -> tuple[Path, float | None]:
@@ -180,6 +188,8 @@ def main() -> None:
     s = sub.add_parser("speed", help="classic shape, random weights")
     s.add_argument("--repeats", type=positive_int, default=5)
     s.add_argument("--compile", action="store_true", help="torch.compile each design's one-token step")
+    s.add_argument("--designs", nargs="+", choices=list(CLASSIC), default=list(CLASSIC),
+                   help="the designs to time (default: all; MHA always, for the ratios)")
     t = sub.add_parser("train", help="each design trained with the cpu preset")
     t.add_argument("--seeds", type=int, nargs="+", default=[1337])
     t.add_argument("--runs-dir", type=Path, help="keep the runs here; reuse those already trained")

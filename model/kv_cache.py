@@ -81,6 +81,10 @@ class KVCache(nn.Module):
         return self.k0.size(0)
 
     @property
+    def head_dim(self) -> int:
+        return self.k0.size(-1)
+
+    @property
     def nbytes(self) -> int:
         """Bytes held by keys and values."""
         return sum(t.nbytes for t in self.k + self.v)

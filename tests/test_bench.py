@@ -60,6 +60,8 @@ def test_a_candidate_may_be_named_with_commas_and_spaces(tmp_path: Path):
     ("speculative.py", ["--ceiling-only", "--new-tokens", "-5"], ["--new-tokens", "got -5"]),
     ("rolling.py", ["--repeats", "many"], ["--repeats", "got 'many'"]),
     ("kv_designs.py", ["speed", "--repeats", "0"], ["--repeats", "got 0"]),
+    ("kv_budget.py", ["--checkpoint", "MISSING"], ["--checkpoint", "no checkpoint at"]),
+    ("kv_budget.py", ["--caches", "int3"], ["--caches", "'int3'"]),
     ("sample_speed.py", ["--repeats", "0"], ["--repeats", "got 0"]),
     ("train_throughput.py", ["--steps", "0"], ["--steps", "got 0"]),
 ])
@@ -73,3 +75,27 @@ def test_a_benchmark_given_a_mistake_says_so_in_one_line_with_status_2(tmp_path,
     assert len(lines) == 1 and lines[0].startswith(script) and ": error: " in lines[0], result.stderr
     for fragment in fragments:
         assert fragment in lines[0], lines[0]
+
+
+def test_the_kv_budget_harness_measures_a_cache_against_the_float_one():
+    """KL written as torch's kl_div computes it, top-1 agreement, loss by distance: zero KL for the float cache
+    against itself, some for a 2-bit one, and the loss through the decoder that decoder_loss gives."""
+    from bench.kv_budget import compare, stream_log_probs
+    from model.labs.decoder_loss import decoder_loss
+    from model.labs.lowbit_cache import new_lowbit_cache
+    from tiny_models import random_model, random_tokens
+    model = random_model(pos_emb="rope")
+    block = model.config.block_size
+    tokens, prompt_len = random_tokens(3, 9 * block + 4), 5
+    targets = tokens[:, prompt_len:]
+    reference = stream_log_probs(model, tokens, model.new_kv_cache(3), prompt_len)
+    same = compare(reference, reference, targets, prompt_len, block)
+    assert same["kl_mean"] == 0 and same["top1"] == 1
+    assert abs(same["loss"] - decoder_loss(model, tokens, prompt_len=prompt_len)) < 1e-5
+    assert same["loss@8x"] == pytest.approx(-reference[:, 8 * block - prompt_len:9 * block - prompt_len].gather(
+        -1, targets[:, 8 * block - prompt_len:9 * block - prompt_len, None]).mean().item())
+    lossy = stream_log_probs(model, tokens, new_lowbit_cache(model, 3, 2, group=8, residual=8), prompt_len)
+    figures = compare(reference, lossy, targets, prompt_len, block)
+    kl = torch.nn.functional.kl_div(lossy, reference, log_target=True, reduction="none").sum(-1)
+    assert figures["kl_mean"] == pytest.approx(kl.mean().item(), rel=1e-5) and figures["kl_mean"] > 1e-3
+    assert figures["kl_p99"] >= figures["kl_mean"] and 0 < figures["top1"] < 1

@@ -236,6 +236,8 @@ def unavailable_device() -> str:
     (["--top-k", "many"], ["--top-k", "'many'"]),
     (["--prompt", ""], ["--prompt", "empty"]),
     (["--compile", "--no-kv-cache"], ["--compile", "--no-kv-cache"]),
+    (["--kv-cache", "int3"], ["--kv-cache", "'int3'"]),
+    (["--kv-cache", "int4", "--compile"], ["--kv-cache int4 decodes eagerly", "drop --compile"]),
 ])
 def test_bad_option_values(checkpoint, args, fragments):
     assert_usage_error(run_sample("--checkpoint", checkpoint, *args), *fragments)
@@ -334,3 +336,16 @@ def test_compiled_step_gives_the_same_text(checkpoint, greedy):
     result = sample_ok("--checkpoint", checkpoint, "--prompt", PROMPT, "--temperature", 0,
                        "--max-new-tokens", NEW_TOKENS, "--compile")
     assert result.stdout == greedy.stdout
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_a_low_bit_cache_decodes_and_the_summary_names_it(checkpoint, bits):
+    """Its most recent tokens are exact (model/labs/lowbit_cache.py), so the first 32 characters are the float
+    cache's; the summary names the cache and its size."""
+    common = ["--checkpoint", checkpoint, "--prompt", PROMPT, "--temperature", 0, "--max-new-tokens", NEW_TOKENS]
+    plain = sample_ok(*common).stdout
+    result = sample_ok(*common, "--kv-cache", f"int{bits}", "--num-samples", 2)
+    assert result.stdout.startswith(PROMPT)
+    first = result.stdout.split(SEPARATOR)[0]
+    assert first[:len(PROMPT) + BLOCK_SIZE] == plain[:len(PROMPT) + BLOCK_SIZE]
+    assert re.search(rf"KV cache [\d.]+ MiB in int{bits} ", result.stderr.splitlines()[-1])

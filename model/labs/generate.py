@@ -33,6 +33,7 @@ import torch
 
 from ..gpt import GPT, GPTConfig
 from .int8_cache import Int8KVCache
+from .lowbit_cache import LowBitKVCache
 from .ring_cache import RingKVCache
 
 
@@ -207,7 +208,8 @@ def prefill(model: GPT, tokens: torch.Tensor, cache: RingKVCache) -> torch.Tenso
 def _prefill_once(model: GPT, prompt: torch.Tensor, cache: RingKVCache) -> torch.Tensor:
     """Prefill prompt (1, T) into a one-row cache like `cache`, copy it to all of cache's rows; the last logits,
     (B, vocab_size)."""
-    one = model.new_kv_cache(1, cache.max_len, cache.dtype, read_all_slots=cache.read_all_slots)
+    one = cache.one_row() if isinstance(cache, LowBitKVCache) else model.new_kv_cache(
+        1, cache.max_len, cache.dtype, read_all_slots=cache.read_all_slots)
     logits = prefill(model, prompt, one)
     cache.fill_from(one)
     return logits.expand(cache.batch_size, -1)
@@ -241,6 +243,9 @@ def check_arguments(model: GPT, idx, max_new_tokens, window=None, n_pad=None, us
         raise ValueError(f"window must be an integer in [1, block_size={block_size}], got {window!r}")
     if not use_cache and (cache is not None or compile):
         raise ValueError("cache and compile apply to cached decoding: pass use_cache=True, or neither of them")
+    if compile and isinstance(cache, LowBitKVCache):
+        raise ValueError("a low-bit KV cache decodes eagerly (which groups it quantizes depends on the tokens fed): "
+                         "drop compile")
     if cache is not None:
         check_cache(model, cache, B)
     if n_pad is None:
@@ -264,7 +269,8 @@ def check_cache(model: GPT, cache, batch_size: int) -> None:
     if not isinstance(cache, RingKVCache):
         raise ValueError(f"cache must be a RingKVCache from model.new_kv_cache, got {type(cache).__name__}")
     local = getattr(cache, "local", None)  # the local layers' ring (model/labs/local_global.py)
-    layers, (_, heads, _, head_dim) = len(cache.k) + (len(local.k) if local is not None else 0), cache.k[0].shape
+    layers = len(cache.k) + (len(local.k) if local is not None else 0)
+    heads, head_dim = cache.k[0].size(1), cache.head_dim
     window = local.reach if local is not None else None
     if (layers, heads, head_dim, cache.reach, window) != (c.n_kv_layer, *c.kv_cache_heads, c.block_size,
                                                           c.local_window):
@@ -275,6 +281,6 @@ def check_cache(model: GPT, cache, batch_size: int) -> None:
         raise ValueError(f"cache holds {cache.batch_size} rows of {cache.max_len} tokens; this generation "
                          f"needs {batch_size} rows of at least block_size={c.block_size}: use "
                          f"model.new_kv_cache({batch_size})")
-    if not (cache.dtype.is_floating_point or isinstance(cache, Int8KVCache)):
+    if not (cache.dtype.is_floating_point or isinstance(cache, (Int8KVCache, LowBitKVCache))):
         raise ValueError(f"cache holds {cache.dtype}: keys and values are floating point, or int8 through "
                          f"model.new_kv_cache({batch_size}, dtype=torch.int8)")

@@ -1,0 +1,129 @@
+"""The KV budget harness: one trained checkpoint, several caches, one table of what each costs.
+
+    python bench/kv_budget.py --checkpoint runs/RUN/best.pt                # every cache
+    python bench/kv_budget.py --checkpoint runs/RUN --caches float int4    # only these
+
+Each cache decodes the val split of the checkpoint's text through the real decoding loop (generate_tokens, fed the
+text's own tokens: model/labs/decoder_loss.py), STREAMS streams side by side, a prompt of --prompt-len tokens and
+then one token per step. Against the float cache, per cache:
+- loss through the decoder, the KL divergence of each step's next-token distribution from the float cache's (mean
+  and 99th percentile, in nats), and how often the most likely token is the same (top-1 agreement);
+- loss by distance into a stream: its first block_size tokens, and the block_size tokens from 2, 4 and 8 x
+  block_size on;
+- bytes the cache holds per row, and decode tokens/s at batch 1 and 64 with the context full.
+
+Python API: stream_log_probs(model, tokens, cache, prompt_len) gives every step's log-probabilities, and
+compare(reference, log_probs, targets) the figures above.
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.configs import host, run_tool  # noqa: E402
+from bench.kv_designs import rate  # noqa: E402
+from model.labs.generate import generate_tokens, prefill  # noqa: E402
+from model.labs.lowbit_cache import new_lowbit_cache  # noqa: E402
+from runtime.checkpoint import existing_checkpoint, load_model, training_text  # noqa: E402
+from runtime.errors import OneLineErrorParser, positive_int  # noqa: E402
+
+STREAMS = 64
+DISTANCES = (0, 2, 4, 8)  # loss over the block_size tokens from each multiple of block_size into a stream
+STEPS = 16  # one-token steps timed, the context full
+# name: the cache for a model, a batch size and the low-bit caches' settings (group, residual)
+CACHES = {"float": lambda model, b, lowbit: model.new_kv_cache(b),
+          "int8": lambda model, b, lowbit: model.new_kv_cache(b, dtype=torch.int8),
+          "int4": lambda model, b, lowbit: new_lowbit_cache(model, b, 4, **lowbit),
+          "int2": lambda model, b, lowbit: new_lowbit_cache(model, b, 2, **lowbit)}
+
+
+class Recorder:
+    """In place of a Sampling: feeds the text's own next tokens, and keeps each step's log-probabilities."""
+
+    def __init__(self, targets: torch.Tensor):
+        self.targets, self.steps = targets, []
+
+    def next_token(self, logits, generator=None):
+        self.steps.append(logits.float().log_softmax(dim=-1))
+        return self.targets[:, len(self.steps) - 1]
+
+
+@torch.no_grad()
+def stream_log_probs(model, tokens: torch.Tensor, cache, prompt_len: int) -> torch.Tensor:
+    """(B, N - prompt_len, vocab) log-probabilities of each next token of tokens (B, N) as cached decoding computes
+    them through `cache`, after a prompt of prompt_len tokens."""
+    recorder = Recorder(tokens[:, prompt_len:])
+    for _ in generate_tokens(model, tokens[:, :prompt_len], tokens.size(1) - prompt_len, sampling=recorder,
+                             cache=cache):
+        pass
+    return torch.stack(recorder.steps, dim=1)
+
+
+def compare(reference: torch.Tensor, log_probs: torch.Tensor, targets: torch.Tensor, prompt_len: int,
+            block_size: int) -> dict:
+    """What a cache's log-probabilities (B, S, vocab) cost against the reference's, for targets (B, S)."""
+    kl = (reference.exp() * (reference - log_probs)).sum(dim=-1).flatten()  # KL(reference ‖ cache) per step
+    loss = -log_probs.gather(-1, targets[..., None])[..., 0]  # (B, S)
+    figures = {"loss": loss.mean().item(), "kl_mean": kl.mean().item(), "kl_p99": kl.quantile(0.99).item(),
+               "top1": (reference.argmax(-1) == log_probs.argmax(-1)).float().mean().item()}
+    for k in DISTANCES:  # step j predicts the token at position prompt_len + j
+        first, last = max(k * block_size - prompt_len, 0), (k + 1) * block_size - prompt_len
+        figures[f"loss@{k}x"] = loss[:, first:last].mean().item() if last <= loss.size(1) else float("nan")
+    return figures
+
+
+@torch.no_grad()
+def decode_rate(model, cache) -> float:
+    """Tokens/s of STEPS one-token steps through cache, its context filled to block_size first."""
+    b, block = cache.batch_size, model.config.block_size
+    logits = prefill(model, torch.randint(0, model.config.vocab_size, (b, block - STEPS)), cache)
+    start = time.perf_counter()
+    for _ in range(STEPS):
+        logits = model.decode_step(logits.argmax(dim=-1, keepdim=True), cache)
+    return b * STEPS / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = OneLineErrorParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", type=existing_checkpoint, required=True, help="a run directory or .pt file")
+    parser.add_argument("--caches", nargs="+", choices=list(CACHES), default=list(CACHES))
+    parser.add_argument("--prompt-len", type=positive_int, default=64)
+    parser.add_argument("--stream-len", type=positive_int, default=1_000_000,
+                        help="cut each stream to this many tokens")
+    parser.add_argument("--group", type=positive_int, help="the int4 and int2 caches' group (default: theirs)")
+    parser.add_argument("--residual", type=positive_int,
+                        help="the int4 and int2 caches' recent tokens in full precision (default: theirs)")
+    parser.add_argument("--repeats", type=positive_int, default=5, help="decode speed: median (min-max) of these")
+    args = parser.parse_args()
+    model, _, contents = load_model(args.checkpoint, "cpu")
+    lowbit = {key: value for key, value in (("group", args.group), ("residual", args.residual)) if value}
+    new_cache = lambda name, batch_size: CACHES[name](model, batch_size, lowbit)  # noqa: E731
+    block = model.config.block_size
+    val = training_text(contents).val
+    n = len(val) // STREAMS * STREAMS
+    tokens = torch.from_numpy(val[:n].astype("int64")).view(STREAMS, -1)[:, :args.stream_len]
+    targets = tokens[:, args.prompt_len:]
+    reference = stream_log_probs(model, tokens, new_cache("float", STREAMS), args.prompt_len)
+    print(f"# KV caches of {args.checkpoint} ({model.config.pos_emb} positions, block_size {block}): {host()}, "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads; {STREAMS} val streams of {tokens.size(1)} "
+          f"tokens, prompt {args.prompt_len}; low-bit caches {lowbit or 'as default'}; KL from the float cache's "
+          f"distribution; decode median (min-max) of {args.repeats}")
+    print("| cache | bytes per row | loss through the decoder | KL mean | KL p99 | top-1 agreement | "
+          + " | ".join(f"loss from {k} x block_size" for k in DISTANCES) + " | tok/s batch 1 | tok/s batch 64 |")
+    print("|---" * (8 + len(DISTANCES)) + "|")
+    for name in args.caches:
+        log_probs = reference if name == "float" else stream_log_probs(model, tokens, new_cache(name, STREAMS),
+                                                                       args.prompt_len)
+        f = compare(reference, log_probs, targets, args.prompt_len, block)
+        speed = {b: [decode_rate(model, new_cache(name, b)) for _ in range(args.repeats)] for b in (1, 64)}
+        print(f"| {name} | {new_cache(name, 1).nbytes:,} | {f['loss']:.4f} | {f['kl_mean']:.2e} | "
+              f"{f['kl_p99']:.2e} | {f['top1']:.2%} | " + " | ".join(f"{f[f'loss@{k}x']:.4f}" for k in DISTANCES)
+              + f" | {rate(speed[1])} | {rate(speed[64])} |", flush=True)
+
+
+if __name__ == "__main__":
+    run_tool(main)
