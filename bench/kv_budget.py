@@ -10,10 +10,13 @@ then one token per step. Against the float cache, per cache:
   and 99th percentile, in nats), and how often the most likely token is the same (top-1 agreement);
 - loss by distance into a stream: its first block_size tokens, and the block_size tokens from 2, 4 and 8 x
   block_size on;
+- recall: a random string of RECALL_LEN letters, placed early in a block_size-token stream and repeated at its
+  end; the loss and top-1 accuracy of the repeat after its first RECALL_CUE letters. A cache that keeps what
+  matters keeps the first copy; one that keeps only the recent tokens loses it;
 - bytes the cache holds per row, and decode tokens/s at batch 1 and 64 with the context full.
 
-Python API: stream_log_probs(model, tokens, cache, prompt_len) gives every step's log-probabilities, and
-compare(reference, log_probs, targets) the figures above.
+Python API: stream_log_probs(model, tokens, cache, prompt_len) gives every step's log-probabilities,
+compare(reference, log_probs, targets, ...) the figures above, and recall_text and recall the recall task's.
 """
 
 import argparse
@@ -34,6 +37,7 @@ from runtime.errors import OneLineErrorParser, positive_int  # noqa: E402
 STREAMS = 64
 DISTANCES = (0, 2, 4, 8)  # loss over the block_size tokens from each multiple of block_size into a stream
 STEPS = 16  # one-token steps timed, the context full
+RECALL_LEN, RECALL_CUE, RECALL_AT = 12, 2, 16  # the random string, the letters of its repeat given, where it starts
 # name: the cache for a model, a batch size and the low-bit caches' settings (group, residual)
 CACHES = {"float": lambda model, b, lowbit: model.new_kv_cache(b),
           "int8": lambda model, b, lowbit: model.new_kv_cache(b, dtype=torch.int8),
@@ -76,6 +80,27 @@ def compare(reference: torch.Tensor, log_probs: torch.Tensor, targets: torch.Ten
     return figures
 
 
+def recall_text(val: torch.Tensor, letters: list[int], rows: int, block_size: int, seed: int = 0) -> torch.Tensor:
+    """(rows, block_size) tokens: val text, with one random string of RECALL_LEN letters per row at RECALL_AT and
+    again at the end, where every layer still sees the first copy."""
+    g = torch.Generator().manual_seed(seed)
+    letters = torch.tensor(letters)
+    tokens = val[:rows * block_size].view(rows, block_size).clone()
+    string = letters[torch.randint(0, len(letters), (rows, RECALL_LEN), generator=g)]
+    tokens[:, RECALL_AT:RECALL_AT + RECALL_LEN] = string
+    tokens[:, -RECALL_LEN:] = string
+    return tokens
+
+
+def recall(log_probs: torch.Tensor, tokens: torch.Tensor, prompt_len: int) -> tuple[float, float]:
+    """The loss and top-1 accuracy of the repeat's letters after its first RECALL_CUE, from log-probabilities of
+    tokens[:, prompt_len:]."""
+    first = tokens.size(1) - RECALL_LEN + RECALL_CUE - prompt_len
+    log_probs, targets = log_probs[:, first:], tokens[:, prompt_len + first:]
+    loss = -log_probs.gather(-1, targets[..., None]).mean().item()
+    return loss, (log_probs.argmax(-1) == targets).float().mean().item()
+
+
 @torch.no_grad()
 def decode_rate(model, cache) -> float:
     """Tokens/s of STEPS one-token steps through cache, its context filled to block_size first."""
@@ -99,7 +124,7 @@ def main() -> None:
                         help="the int4 and int2 caches' recent tokens in full precision (default: theirs)")
     parser.add_argument("--repeats", type=positive_int, default=5, help="decode speed: median (min-max) of these")
     args = parser.parse_args()
-    model, _, contents = load_model(args.checkpoint, "cpu")
+    model, vocab, contents = load_model(args.checkpoint, "cpu")
     lowbit = {key: value for key, value in (("group", args.group), ("residual", args.residual)) if value}
     new_cache = lambda name, batch_size: CACHES[name](model, batch_size, lowbit)  # noqa: E731
     block = model.config.block_size
@@ -108,21 +133,26 @@ def main() -> None:
     tokens = torch.from_numpy(val[:n].astype("int64")).view(STREAMS, -1)[:, :args.stream_len]
     targets = tokens[:, args.prompt_len:]
     reference = stream_log_probs(model, tokens, new_cache("float", STREAMS), args.prompt_len)
+    letters = vocab.encode("".join(c for c in "abcdefghijklmnopqrstuvwxyz" if c in vocab.chars))
+    recalled = recall_text(torch.from_numpy(val.astype("int64")), letters, STREAMS, block)
     print(f"# KV caches of {args.checkpoint} ({model.config.pos_emb} positions, block_size {block}): {host()}, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads; {STREAMS} val streams of {tokens.size(1)} "
           f"tokens, prompt {args.prompt_len}; low-bit caches {lowbit or 'as default'}; KL from the float cache's "
           f"distribution; decode median (min-max) of {args.repeats}")
     print("| cache | bytes per row | loss through the decoder | KL mean | KL p99 | top-1 agreement | "
-          + " | ".join(f"loss from {k} x block_size" for k in DISTANCES) + " | tok/s batch 1 | tok/s batch 64 |")
-    print("|---" * (8 + len(DISTANCES)) + "|")
+          + " | ".join(f"loss from {k} x block_size" for k in DISTANCES)
+          + " | recall loss | recall top-1 | tok/s batch 1 | tok/s batch 64 |")
+    print("|---" * (10 + len(DISTANCES)) + "|")
     for name in args.caches:
         log_probs = reference if name == "float" else stream_log_probs(model, tokens, new_cache(name, STREAMS),
                                                                        args.prompt_len)
         f = compare(reference, log_probs, targets, args.prompt_len, block)
+        recall_loss, recall_top1 = recall(stream_log_probs(model, recalled, new_cache(name, STREAMS), RECALL_AT),
+                                          recalled, RECALL_AT)
         speed = {b: [decode_rate(model, new_cache(name, b)) for _ in range(args.repeats)] for b in (1, 64)}
         print(f"| {name} | {new_cache(name, 1).nbytes:,} | {f['loss']:.4f} | {f['kl_mean']:.2e} | "
               f"{f['kl_p99']:.2e} | {f['top1']:.2%} | " + " | ".join(f"{f[f'loss@{k}x']:.4f}" for k in DISTANCES)
-              + f" | {rate(speed[1])} | {rate(speed[64])} |", flush=True)
+              + f" | {recall_loss:.3f} | {recall_top1:.0%} | {rate(speed[1])} | {rate(speed[64])} |", flush=True)
 
 
 if __name__ == "__main__":

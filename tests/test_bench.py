@@ -99,3 +99,21 @@ def test_the_kv_budget_harness_measures_a_cache_against_the_float_one():
     kl = torch.nn.functional.kl_div(lossy, reference, log_target=True, reduction="none").sum(-1)
     assert figures["kl_mean"] == pytest.approx(kl.mean().item(), rel=1e-5) and figures["kl_mean"] > 1e-3
     assert figures["kl_p99"] >= figures["kl_mean"] and 0 < figures["top1"] < 1
+
+
+def test_the_recall_task_repeats_its_string_at_the_end_and_scores_only_the_repeat():
+    from bench.kv_budget import RECALL_AT, RECALL_CUE, RECALL_LEN, recall, recall_text
+    block, letters = 64, [3, 4, 5, 6]
+    tokens = recall_text(torch.arange(1000) % 50 + 10, letters, rows=3, block_size=block)
+    assert tokens.shape == (3, block)
+    assert torch.equal(tokens[:, RECALL_AT:RECALL_AT + RECALL_LEN], tokens[:, -RECALL_LEN:])
+    assert set(tokens[:, -RECALL_LEN:].flatten().tolist()) <= set(letters)
+    assert torch.equal(tokens[:, :RECALL_AT], (torch.arange(3 * block) % 50 + 10).view(3, block)[:, :RECALL_AT])
+    # log-probabilities sure of the text's own next token everywhere but the scored letters
+    log_probs = torch.full((3, block - RECALL_AT, 60), -20.0)
+    log_probs.scatter_(-1, tokens[:, RECALL_AT:, None], 0.0)
+    assert recall(log_probs, tokens, RECALL_AT) == (0.0, 1.0)
+    scored = slice(block - RECALL_LEN + RECALL_CUE - RECALL_AT, None)
+    log_probs[:, scored] = torch.full((60,), -60.0).log_softmax(-1)  # uniform over the scored letters only
+    loss, top1 = recall(log_probs, tokens, RECALL_AT)
+    assert loss == pytest.approx(torch.tensor(60.0).log().item()) and top1 < 0.2
