@@ -2,6 +2,11 @@
 
     python bench/kv_budget.py --checkpoint runs/RUN/best.pt                # every cache
     python bench/kv_budget.py --checkpoint runs/RUN --caches float int4    # only these
+    python bench/kv_budget.py --checkpoint runs/RUN --caches window sinks --budgets 0.5 0.25
+
+The caches: float (the reference), int8, int4 and int2 (model/labs/lowbit_cache.py), and, for rotary models, a
+budget of slots as a fraction of block_size: window (the last tokens only) and sinks (SINKS first tokens, then
+the last ones: model/labs/sink_cache.py).
 
 Each cache decodes the val split of the checkpoint's text through the real decoding loop (generate_tokens, fed the
 text's own tokens: model/labs/decoder_loss.py), STREAMS streams side by side, a prompt of --prompt-len tokens and
@@ -31,18 +36,23 @@ from bench.configs import host, run_tool  # noqa: E402
 from bench.kv_designs import rate  # noqa: E402
 from model.labs.generate import generate_tokens, prefill  # noqa: E402
 from model.labs.lowbit_cache import new_lowbit_cache  # noqa: E402
+from model.labs.sink_cache import new_sink_cache  # noqa: E402
 from runtime.checkpoint import existing_checkpoint, load_model, training_text  # noqa: E402
-from runtime.errors import OneLineErrorParser, positive_int  # noqa: E402
+from runtime.errors import OneLineErrorParser, UsageError, positive_int  # noqa: E402
 
 STREAMS = 64
 DISTANCES = (0, 2, 4, 8)  # loss over the block_size tokens from each multiple of block_size into a stream
 STEPS = 16  # one-token steps timed, the context full
 RECALL_LEN, RECALL_CUE, RECALL_AT = 12, 2, 16  # the random string, the letters of its repeat given, where it starts
-# name: the cache for a model, a batch size and the low-bit caches' settings (group, residual)
-CACHES = {"float": lambda model, b, lowbit: model.new_kv_cache(b),
-          "int8": lambda model, b, lowbit: model.new_kv_cache(b, dtype=torch.int8),
-          "int4": lambda model, b, lowbit: new_lowbit_cache(model, b, 4, **lowbit),
-          "int2": lambda model, b, lowbit: new_lowbit_cache(model, b, 2, **lowbit)}
+SINKS = 4  # StreamingLLM's count
+# name: the cache for a model, a batch size, the low-bit caches' settings (group, residual) and a budget of slots
+CACHES = {"float": lambda model, b, lowbit, budget: model.new_kv_cache(b),
+          "int8": lambda model, b, lowbit, budget: model.new_kv_cache(b, dtype=torch.int8),
+          "int4": lambda model, b, lowbit, budget: new_lowbit_cache(model, b, 4, **lowbit),
+          "int2": lambda model, b, lowbit, budget: new_lowbit_cache(model, b, 2, **lowbit),
+          "window": lambda model, b, lowbit, budget: new_sink_cache(model, b, sinks=0, window=budget),
+          "sinks": lambda model, b, lowbit, budget: new_sink_cache(model, b, sinks=SINKS, window=budget - SINKS)}
+BUDGETED = ("window", "sinks")
 
 
 class Recorder:
@@ -115,19 +125,30 @@ def decode_rate(model, cache) -> float:
 def main() -> None:
     parser = OneLineErrorParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", type=existing_checkpoint, required=True, help="a run directory or .pt file")
-    parser.add_argument("--caches", nargs="+", choices=list(CACHES), default=list(CACHES))
+    parser.add_argument("--caches", nargs="+", choices=list(CACHES),
+                        help="default: every one the model can use (window and sinks need rotary positions)")
     parser.add_argument("--prompt-len", type=positive_int, default=64)
     parser.add_argument("--stream-len", type=positive_int, default=1_000_000,
                         help="cut each stream to this many tokens")
     parser.add_argument("--group", type=positive_int, help="the int4 and int2 caches' group (default: theirs)")
     parser.add_argument("--residual", type=positive_int,
                         help="the int4 and int2 caches' recent tokens in full precision (default: theirs)")
+    parser.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25, 0.125],
+                        help="window and sinks: slots as fractions of block_size")
     parser.add_argument("--repeats", type=positive_int, default=5, help="decode speed: median (min-max) of these")
     args = parser.parse_args()
     model, vocab, contents = load_model(args.checkpoint, "cpu")
     lowbit = {key: value for key, value in (("group", args.group), ("residual", args.residual)) if value}
-    new_cache = lambda name, batch_size: CACHES[name](model, batch_size, lowbit)  # noqa: E731
     block = model.config.block_size
+    names = args.caches or [name for name in CACHES if name not in BUDGETED or model.config.pos_emb == "rope"]
+    policies = [(name, budget) for name in names
+                for budget in ([round(f * block) for f in args.budgets] if name in BUDGETED else [None])]
+    for name, budget in policies:  # refused before anything is measured, in one line
+        try:
+            CACHES[name](model, 1, lowbit, budget)
+        except ValueError as e:
+            raise UsageError(f"--caches {name}{f' at a budget of {budget} slots' if budget else ''}: {e}") from None
+    new_cache = lambda name, batch_size, budget=None: CACHES[name](model, batch_size, lowbit, budget)  # noqa: E731
     val = training_text(contents).val
     n = len(val) // STREAMS * STREAMS
     tokens = torch.from_numpy(val[:n].astype("int64")).view(STREAMS, -1)[:, :args.stream_len]
@@ -143,14 +164,15 @@ def main() -> None:
           + " | ".join(f"loss from {k} x block_size" for k in DISTANCES)
           + " | recall loss | recall top-1 | tok/s batch 1 | tok/s batch 64 |")
     print("|---" * (10 + len(DISTANCES)) + "|")
-    for name in args.caches:
-        log_probs = reference if name == "float" else stream_log_probs(model, tokens, new_cache(name, STREAMS),
-                                                                       args.prompt_len)
+    for name, budget in policies:
+        log_probs = reference if name == "float" else stream_log_probs(
+            model, tokens, new_cache(name, STREAMS, budget), args.prompt_len)
         f = compare(reference, log_probs, targets, args.prompt_len, block)
-        recall_loss, recall_top1 = recall(stream_log_probs(model, recalled, new_cache(name, STREAMS), RECALL_AT),
-                                          recalled, RECALL_AT)
-        speed = {b: [decode_rate(model, new_cache(name, b)) for _ in range(args.repeats)] for b in (1, 64)}
-        print(f"| {name} | {new_cache(name, 1).nbytes:,} | {f['loss']:.4f} | {f['kl_mean']:.2e} | "
+        recall_loss, recall_top1 = recall(stream_log_probs(model, recalled, new_cache(name, STREAMS, budget),
+                                                           RECALL_AT), recalled, RECALL_AT)
+        speed = {b: [decode_rate(model, new_cache(name, b, budget)) for _ in range(args.repeats)] for b in (1, 64)}
+        label = name if budget is None else f"{name}, {budget} slots"
+        print(f"| {label} | {new_cache(name, 1, budget).nbytes:,} | {f['loss']:.4f} | {f['kl_mean']:.2e} | "
               f"{f['kl_p99']:.2e} | {f['top1']:.2%} | " + " | ".join(f"{f[f'loss@{k}x']:.4f}" for k in DISTANCES)
               + f" | {recall_loss:.3f} | {recall_top1:.0%} | {rate(speed[1])} | {rate(speed[64])} |", flush=True)
 

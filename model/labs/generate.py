@@ -34,6 +34,7 @@ import torch
 from ..gpt import GPT, GPTConfig
 from .int8_cache import Int8KVCache
 from .lowbit_cache import LowBitKVCache
+from .sink_cache import SinkKVCache
 from .ring_cache import RingKVCache
 
 
@@ -208,7 +209,7 @@ def prefill(model: GPT, tokens: torch.Tensor, cache: RingKVCache) -> torch.Tenso
 def _prefill_once(model: GPT, prompt: torch.Tensor, cache: RingKVCache) -> torch.Tensor:
     """Prefill prompt (1, T) into a one-row cache like `cache`, copy it to all of cache's rows; the last logits,
     (B, vocab_size)."""
-    one = cache.one_row() if isinstance(cache, LowBitKVCache) else model.new_kv_cache(
+    one = cache.one_row() if isinstance(cache, (LowBitKVCache, SinkKVCache)) else model.new_kv_cache(
         1, cache.max_len, cache.dtype, read_all_slots=cache.read_all_slots)
     logits = prefill(model, prompt, one)
     cache.fill_from(one)
@@ -243,9 +244,9 @@ def check_arguments(model: GPT, idx, max_new_tokens, window=None, n_pad=None, us
         raise ValueError(f"window must be an integer in [1, block_size={block_size}], got {window!r}")
     if not use_cache and (cache is not None or compile):
         raise ValueError("cache and compile apply to cached decoding: pass use_cache=True, or neither of them")
-    if compile and isinstance(cache, LowBitKVCache):
-        raise ValueError("a low-bit KV cache decodes eagerly (which groups it quantizes depends on the tokens fed): "
-                         "drop compile")
+    if compile and isinstance(cache, (LowBitKVCache, SinkKVCache)):
+        raise ValueError(f"a {'low-bit' if isinstance(cache, LowBitKVCache) else 'sink'} KV cache decodes eagerly: "
+                         f"drop compile")
     if cache is not None:
         check_cache(model, cache, B)
     if n_pad is None:
@@ -272,12 +273,13 @@ def check_cache(model: GPT, cache, batch_size: int) -> None:
     layers = len(cache.k) + (len(local.k) if local is not None else 0)
     heads, head_dim = cache.k[0].size(1), cache.head_dim
     window = local.reach if local is not None else None
-    if (layers, heads, head_dim, cache.reach, window) != (c.n_kv_layer, *c.kv_cache_heads, c.block_size,
-                                                          c.local_window):
+    budget = isinstance(cache, SinkKVCache)  # sees a budget of tokens, fewer than block_size (sink_cache.py)
+    reach = c.block_size if not budget else cache.reach
+    if (layers, heads, head_dim, cache.reach, window) != (c.n_kv_layer, *c.kv_cache_heads, reach, c.local_window):
         raise ValueError(f"cache was made for another model shape ({layers} layers of {heads} key/value heads of "
                          f"{head_dim}, reach {cache.reach}, local window {window}); use "
                          f"model.new_kv_cache({batch_size})")
-    if cache.batch_size != batch_size or cache.max_len < c.block_size:
+    if cache.batch_size != batch_size or cache.max_len < reach:
         raise ValueError(f"cache holds {cache.batch_size} rows of {cache.max_len} tokens; this generation "
                          f"needs {batch_size} rows of at least block_size={c.block_size}: use "
                          f"model.new_kv_cache({batch_size})")

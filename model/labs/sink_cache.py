@@ -1,0 +1,108 @@
+"""What attention sinks add to the ring (ring_cache.py), after StreamingLLM (Xiao et al., 2023): a cache of a fixed
+budget that keeps the first `sinks` tokens of a text and a ring of its last `window` tokens, for generation of any
+length. sinks=0 is the plain sliding window of the same budget.
+
+Models park attention they do not need on the first tokens. A window that drops them moves that weight onto
+tokens that never had it, and the text falls apart; keeping a few restores it. StreamingLLM gives tokens their
+positions within the cache, so that no distance exceeds what the model trained on. With rotary positions only
+distances count, and the window's keep theirs. The sinks are the exception: once the cache is full, sink i sits
+sinks + window - 1 - i before the newest token. So their keys, cached turned to positions 0 .. sinks - 1, turn on
+by how far the window has moved at every step (a rotation's angles add up).
+
+    cache = new_sink_cache(model, batch_size=1, sinks=4, window=60)
+    ids = generate(model, prompt, 10_000, cache=cache)
+
+Rotary positions only: a learned position is part of every key, and cannot move. Rows start together (no left
+padding). Once full, the cache takes one token per pass; it decodes eagerly and cannot roll back.
+"""
+
+import torch
+
+from ..attention import rotary, rotate
+from .ring_cache import RingKVCache
+
+
+class SinkLayerKV:
+    """One layer's view of a sink cache during one forward pass (LayerKV's update and read)."""
+
+    def __init__(self, cache: "SinkKVCache", i: int, slots: torch.Tensor, n_read: int | None):
+        self.cache, self.slots, self.n_read = cache, slots, n_read
+        self.k, self.v, self.k_sink = (getattr(cache, f"{name}{i}") for name in ("k", "v", "k_sink"))
+
+    def update(self, k_new, v_new):
+        """Write the new keys/values (B, n_kv, t, hs) into their slots, turn the sinks' keys to where they sit
+        now; return what attention reads."""
+        c, t = self.cache, k_new.size(2)
+        first, S = int(c.pos), c.sinks
+        if first < S:  # new sinks: their keys as they came, turned to their own positions
+            n = min(S - first, t)
+            self.k_sink[:, :, first:first + n] = k_new[:, :, :n].to(self.k_sink.dtype)
+        self.k.index_copy_(2, self.slots, k_new.to(self.k.dtype))
+        self.v.index_copy_(2, self.slots, v_new.to(self.v.dtype))
+        moved = first + t - c.max_len  # how far the newest token is past the last slot's position
+        if moved > 0 and S:
+            cos, sin = rotary(torch.tensor([moved], device=k_new.device), k_new.size(-1))
+            self.k[:, :, :S] = rotate(self.k_sink, cos, sin)
+        return self.k[:, :, :self.n_read], self.v[:, :, :self.n_read]
+
+
+class SinkKVCache(RingKVCache):
+    """Slots 0 .. sinks - 1 hold the first tokens; the other `window` slots are a ring of the last ones."""
+
+    def __init__(self, n_kv_layer: int, batch_size: int, n_kv_head: int, head_dim: int, dtype=torch.float32,
+                 device=None, *, sinks: int, window: int):
+        super().__init__(n_kv_layer, batch_size, n_kv_head, sinks + window, head_dim, dtype, device)
+        self.sinks, self.window = sinks, window
+        self.add_layer_buffers(("k_sink",), (batch_size, n_kv_head, sinks, head_dim), dtype, device)
+
+    def reset(self, n_pad=None) -> None:
+        if n_pad is not None and bool((n_pad > 0).any()):
+            raise ValueError("a sink cache keeps each row's first tokens: its rows must start together, with no "
+                             "left padding")
+        super().reset()
+
+    def longest_chunk(self) -> int:
+        """Tokens up to the full cache in one pass, then one at a time: each new token moves the sinks."""
+        return max(self.max_len - len(self), 1)
+
+    def for_tokens(self, t: int):
+        fed = len(self)
+        if t > self.longest_chunk():
+            raise ValueError(f"a sink cache of {self.max_len} slots with {fed} tokens fed takes "
+                             f"{self.longest_chunk()} tokens in one pass, not {t}")
+        new = self.pos + self.slot_ids[:t]  # (t,) the new tokens' numbers: their positions
+        if fed + t <= self.max_len:
+            return new, None, new, fed + t  # filling up: token n in slot n, the plain cache's rule
+        return new, None, self.sinks + (new - self.sinks) % self.window, None  # one token sees every slot
+
+    def layer(self, i: int, slots: torch.Tensor, n_read: int | None) -> SinkLayerKV:
+        if torch.compiler.is_compiling():
+            raise ValueError("a sink cache decodes eagerly: drop compile")
+        return SinkLayerKV(self, i, slots, n_read)
+
+    def one_row(self) -> "SinkKVCache":
+        """An empty cache like this one, of one row: generate prefills a prompt shared by every row into it."""
+        return SinkKVCache(self.n_kv_layer, 1, self.k0.size(1), self.head_dim, self.dtype, self.device,
+                           sinks=self.sinks, window=self.window)
+
+    def rollback(self, n: int) -> None:
+        if n:
+            raise ValueError("a sink cache cannot roll back: its ring has overwritten the tokens before the last "
+                             "ones; decode without speculation")
+
+
+def new_sink_cache(model, batch_size: int, *, sinks: int, window: int) -> SinkKVCache:
+    """An empty cache for batch_size rows of model that keeps the first `sinks` tokens and the last `window`."""
+    from .generate import is_integer
+    c = model.config
+    if c.pos_emb != "rope" or c.kv_latent is not None or c.local_window is not None:
+        raise ValueError("attention sinks move their keys by rotary positions: they need pos_emb=rope, and "
+                         "neither latent attention nor local layers")
+    if not (is_integer(sinks) and sinks >= 0 and is_integer(window) and window >= 1):
+        raise ValueError(f"sinks must be an integer >= 0 and window one >= 1, got sinks={sinks!r}, window={window!r}")
+    if sinks + window > c.block_size:
+        raise ValueError(f"sinks + window = {sinks + window} is more than the block_size={c.block_size} tokens the "
+                         f"model sees: the full cache holds them all")
+    shape = model.kv_cache_shape(batch_size)
+    del shape["max_len"]
+    return SinkKVCache(**shape, sinks=sinks, window=window)

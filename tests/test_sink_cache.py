@@ -1,0 +1,127 @@
+"""Attention sinks and the sliding window (model/labs/sink_cache.py): cached decoding against a forward written out
+here, with StreamingLLM's positions within the cache, past many wraps of the ring; the full budget against the
+full cache; the settings that cannot work."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import GREEDY, generate
+from model.labs.generate import generate_tokens
+from model.labs.sink_cache import new_sink_cache
+from tiny_models import random_model, random_tokens
+
+
+def streaming_reference(model, seq: torch.Tensor, sinks: int, window: int) -> torch.Tensor:
+    """Logits (B, T, vocab) where token p attends tokens j <= p with j < sinks or j > p - window. Positions are the
+    cache's: while p < sinks + window they are the tokens' own; after, token p sits at sinks + window - 1, window
+    keys keep their distance to it, and sink j sits at j, so p - j' = sinks + window - 1 - j."""
+    c = model.config
+    B, T = seq.shape
+    hd = c.n_embd // c.n_head
+    group = c.n_head // c.n_kv_head
+    x = model.wte(seq)
+    inv_freq = 10_000.0 ** -(torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+
+    def turn(v, position):  # v (..., hd) turned to position: pair (i, i + hd/2) by position * inv_freq[i]
+        angle = position * inv_freq
+        cos, sin = angle.cos().float(), angle.sin().float()
+        a, b = v[..., :hd // 2], v[..., hd // 2:]
+        return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+    for block in model.blocks:
+        out = F.linear(block.ln_1(x), block.attn.qkv.weight, block.attn.qkv.bias)
+        kv_width = c.n_kv_head * hd
+        q = out[..., :c.n_embd].view(B, T, c.n_head, hd)
+        k = out[..., c.n_embd:c.n_embd + kv_width].view(B, T, c.n_kv_head, hd)
+        v = out[..., c.n_embd + kv_width:].view(B, T, c.n_kv_head, hd)
+        y = torch.zeros(B, T, c.n_head, hd)
+        for p in range(T):
+            seen = [j for j in range(p + 1) if j < sinks or j > p - window]
+            moved = max(p + 1 - (sinks + window), 0)
+            for head in range(c.n_head):
+                query = turn(q[:, p, head], p)  # (B, hd)
+                keys = torch.stack([turn(k[:, j, head // group], j + (moved if j < sinks else 0)) for j in seen], 1)
+                weights = ((keys @ query[..., None])[..., 0] / math.sqrt(hd)).softmax(dim=-1)  # (B, len(seen))
+                y[:, p, head] = (weights[..., None] * v[:, seen, head // group]).sum(dim=1)
+        x = x + block.attn.out_proj(y.reshape(B, T, c.n_embd))
+        x = x + block.mlp(block.ln_2(x))
+    return model.lm_head(model.ln_f(x))
+
+
+class Recorder:
+    """A Sampling that feeds given tokens and keeps each step's logits."""
+
+    def __init__(self, targets):
+        self.targets, self.logits = targets, []
+
+    def next_token(self, logits, generator=None):
+        self.logits.append(logits.clone())
+        return self.targets[:, len(self.logits) - 1]
+
+
+def cached_logits(model, seq, prompt_len, cache) -> torch.Tensor:
+    """(B, T - prompt_len, vocab): the logits after each of tokens prompt_len - 1 .. T - 2, through cache."""
+    recorder = Recorder(seq[:, prompt_len:])
+    for _ in generate_tokens(model, seq[:, :prompt_len], seq.size(1) - prompt_len, sampling=recorder, cache=cache):
+        pass
+    return torch.stack(recorder.logits, dim=1)
+
+
+@pytest.mark.parametrize("sinks, window, n_kv_head", [(3, 9, 3), (1, 12, 1), (4, 4, 3), (0, 7, 3)])
+@torch.no_grad()
+def test_sinks_and_window_equal_a_forward_with_streaming_positions_written_out(sinks, window, n_kv_head):
+    """Every step's logits, over 4 x block_size tokens (the ring wraps many times), prefilled in chunks."""
+    model = random_model(pos_emb="rope", n_kv_head=n_kv_head)
+    seq = random_tokens(2, 4 * model.config.block_size, seed=5)
+    prompt_len = sinks + window - 2
+    cached = cached_logits(model, seq, prompt_len, new_sink_cache(model, 2, sinks=sinks, window=window))
+    reference = streaming_reference(model, seq, sinks, window)[:, prompt_len - 1:-1]
+    torch.testing.assert_close(cached, reference, rtol=0, atol=1e-5)
+
+
+@torch.no_grad()
+def test_a_budget_that_holds_the_whole_context_is_the_full_cache():
+    """sinks=0 and window=block_size is the full ring, past block_size; any split of block_size tokens is too, while
+    the text fits."""
+    model = random_model(pos_emb="rope")
+    block = model.config.block_size
+    seq = random_tokens(2, 3 * block, seed=6)
+    full = cached_logits(model, seq, 5, model.new_kv_cache(2))
+    assert torch.equal(cached_logits(model, seq, 5, new_sink_cache(model, 2, sinks=0, window=block)), full)
+    fits = cached_logits(model, seq[:, :block], 5, new_sink_cache(model, 2, sinks=4, window=block - 4))
+    assert torch.equal(fits, full[:, :block - 5])
+
+
+def test_many_samples_of_one_prompt_decode_as_one_row_does():
+    model = random_model(pos_emb="rope")
+    prompt = random_tokens(1, 7, seed=7)
+    alone = generate(model, prompt, 40, sampling=GREEDY, cache=new_sink_cache(model, 1, sinks=2, window=6))
+    shared = generate(model, prompt.expand(3, -1), 40, sampling=GREEDY,
+                      cache=new_sink_cache(model, 3, sinks=2, window=6))
+    assert torch.equal(shared, alone.expand(3, -1))
+
+
+@pytest.mark.parametrize("overrides, kwargs, fragment", [
+    (dict(), dict(sinks=2, window=6), "need pos_emb=rope"),
+    (dict(pos_emb="rope"), dict(sinks=-1, window=6), "sinks must be an integer >= 0"),
+    (dict(pos_emb="rope"), dict(sinks=2, window=0), "window one >= 1"),
+    (dict(pos_emb="rope"), dict(sinks=4, window=13), "sinks \\+ window = 17 is more than the block_size=16"),
+])
+def test_settings_that_cannot_work_are_refused(overrides, kwargs, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        new_sink_cache(random_model(**overrides), 1, **kwargs)
+
+
+def test_padding_rollback_and_compile_are_refused():
+    model = random_model(pos_emb="rope")
+    with pytest.raises(ValueError, match="no left padding"):
+        generate(model, random_tokens(2, 5), 3, cache=new_sink_cache(model, 2, sinks=2, window=6), n_pad=[0, 2])
+    cache = new_sink_cache(model, 1, sinks=2, window=6)
+    model.decode_step(random_tokens(1, 5), cache)
+    with pytest.raises(ValueError, match="cannot roll back"):
+        cache.rollback(1)
+    with pytest.raises(ValueError, match="decodes eagerly"):
+        generate(model, random_tokens(1, 5), 3, cache=cache, compile=True)
