@@ -26,23 +26,20 @@ compare(reference, log_probs, targets, ...) the figures above, and recall_text a
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.configs import host, run_tool  # noqa: E402
-from bench.kv_designs import rate  # noqa: E402
-from model.labs.generate import generate_tokens, prefill  # noqa: E402
+from bench.kv_designs import BATCHES, STEPS, STREAMS, decode_seconds, rate  # noqa: E402
+from model.labs.generate import generate_tokens  # noqa: E402
 from model.labs.lowbit_cache import new_lowbit_cache  # noqa: E402
 from model.labs.sink_cache import new_sink_cache  # noqa: E402
 from runtime.checkpoint import existing_checkpoint, load_model, training_text  # noqa: E402
 from runtime.errors import OneLineErrorParser, UsageError, positive_int  # noqa: E402
 
-STREAMS = 64
 DISTANCES = (0, 2, 4, 8)  # loss over the block_size tokens from each multiple of block_size into a stream
-STEPS = 16  # one-token steps timed, the context full
 RECALL_LEN, RECALL_CUE, RECALL_AT = 12, 2, 16  # the random string, the letters of its repeat given, where it starts
 SINKS = 4  # StreamingLLM's count
 # name: the cache for a model, a batch size, the low-bit caches' settings (group, residual) and a budget of slots
@@ -111,17 +108,6 @@ def recall(log_probs: torch.Tensor, tokens: torch.Tensor, prompt_len: int) -> tu
     return loss, (log_probs.argmax(-1) == targets).float().mean().item()
 
 
-@torch.no_grad()
-def decode_rate(model, cache) -> float:
-    """Tokens/s of STEPS one-token steps through cache, its context filled to block_size first."""
-    b, block = cache.batch_size, model.config.block_size
-    logits = prefill(model, torch.randint(0, model.config.vocab_size, (b, block - STEPS)), cache)
-    start = time.perf_counter()
-    for _ in range(STEPS):
-        logits = model.decode_step(logits.argmax(dim=-1, keepdim=True), cache)
-    return b * STEPS / (time.perf_counter() - start)
-
-
 def main() -> None:
     parser = OneLineErrorParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", type=existing_checkpoint, required=True, help="a run directory or .pt file")
@@ -170,7 +156,8 @@ def main() -> None:
         f = compare(reference, log_probs, targets, args.prompt_len, block)
         recall_loss, recall_top1 = recall(stream_log_probs(model, recalled, new_cache(name, STREAMS, budget),
                                                            RECALL_AT), recalled, RECALL_AT)
-        speed = {b: [decode_rate(model, new_cache(name, b, budget)) for _ in range(args.repeats)] for b in (1, 64)}
+        speed = {b: [b * STEPS / decode_seconds(model, new_cache(name, b, budget)) for _ in range(args.repeats)]
+                 for b in BATCHES}
         label = name if budget is None else f"{name}, {budget} slots"
         print(f"| {label} | {new_cache(name, 1, budget).nbytes:,} | {f['loss']:.4f} | {f['kl_mean']:.2e} | "
               f"{f['kl_p99']:.2e} | {f['top1']:.2%} | " + " | ".join(f"{f[f'loss@{k}x']:.4f}" for k in DISTANCES)

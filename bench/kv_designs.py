@@ -74,13 +74,12 @@ CLASSIC = {"mha": ("MHA", {}, None), "gqa3": ("GQA 3", dict(n_kv_head=3), None),
 
 
 @torch.no_grad()
-def decode_seconds(model: GPT, batch_size: int, cache_dtype, step=None) -> float:
-    """Seconds for STEPS one-token steps with the context filling up to block_size; `step`: the one-token step
-    (default model.decode_step; a compiled one for --compile), after an eager prefill."""
+def decode_seconds(model: GPT, cache, step=None) -> float:
+    """Seconds for STEPS one-token steps through an empty cache, with the context filling up to block_size; `step`:
+    the one-token step (default model.decode_step; a compiled one for --compile), after an eager prefill."""
     step = step or model.decode_step
     block = model.config.block_size
-    cache = model.new_kv_cache(batch_size, dtype=cache_dtype)
-    prompt = torch.randint(0, model.config.vocab_size, (batch_size, block - STEPS))
+    prompt = torch.randint(0, model.config.vocab_size, (cache.batch_size, block - STEPS))
     logits = prefill(model, prompt, cache)
     start = time.perf_counter()
     for _ in range(STEPS):
@@ -110,11 +109,11 @@ def speed(args) -> None:
     tok_s = {(name, b): [] for name in models for b in BATCHES}
     for name, (model, dtype, step) in models.items():  # warm-up: allocations, kernel choice, compiling
         for b in BATCHES if args.compile else BATCHES[:1]:
-            decode_seconds(model, b, dtype, step)
+            decode_seconds(model, model.new_kv_cache(b, dtype=dtype), step)
     for _ in range(args.repeats):
         for b in BATCHES:
             for name, (model, dtype, step) in models.items():
-                tok_s[name, b].append(b * STEPS / decode_seconds(model, b, dtype, step))
+                tok_s[name, b].append(b * STEPS / decode_seconds(model, model.new_kv_cache(b, dtype=dtype), step))
     print(f"# KV-cache designs, classic shape, random weights, fp32 weights, one-token steps "
           f"{'compiled (torch.compile)' if args.compile else 'eager'}: {host()}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; context filled to block_size; median (min-max) of {args.repeats}")
@@ -171,7 +170,8 @@ def train(args) -> None:
             through.append(decoder_loss(model, streams, prompt_len=args.prompt_len, cache=cache))
             forced.append(teacher_forced_loss(model, streams, prompt_len=args.prompt_len))
         model = models[0]
-        tok_s = {b: [b * STEPS / decode_seconds(model, b, cache_dtype) for _ in range(args.repeats)] for b in BATCHES}
+        tok_s = {b: [b * STEPS / decode_seconds(model, model.new_kv_cache(b, dtype=cache_dtype))
+                     for _ in range(args.repeats)] for b in BATCHES}
         timed = [s for s in seconds if s is not None]
         print(f"| {name} | {model.num_params():,} | {kv_cache_bytes_per_token(model.config, cache_dtype or torch.float32):,.0f} | "
               f"{median_spread(best, 4)} | {median_spread(through, 4)} | {median_spread(forced, 4)} | "
