@@ -12,7 +12,9 @@ for n_kv_head 6, 3, 2, 1 with kv_share 1 and 2, the int8 cache, local layers, a 
 (CLASSIC).
 Decoding with the context filled to block_size: a prefill of block_size - STEPS tokens, then STEPS one-token
 steps timed, at batch 1 and 64. Designs take turns within each repeat, and each ratio to plain multi-head
-attention (MHA, fp32 cache) is taken within its repeat: median (min-max) of --repeats.
+attention (MHA, fp32 cache) is taken within its repeat: median (min-max) of --repeats. Eagerly, each design also
+decodes at batch 64 after a one-token prompt, where its cache costs next to nothing: against MHA with a full
+context, that is the most any cache could make it gain.
 
 train: each design trained by `python train.py preset=cpu` (same steps, each seed), and its best.pt measured:
 parameters, cache bytes per token, best val loss (median and spread over seeds), val loss through the decoder
@@ -74,12 +76,13 @@ CLASSIC = {"mha": ("MHA", {}, None), "gqa3": ("GQA 3", dict(n_kv_head=3), None),
 
 
 @torch.no_grad()
-def decode_seconds(model: GPT, cache, step=None) -> float:
-    """Seconds for STEPS one-token steps through an empty cache, with the context filling up to block_size; `step`:
-    the one-token step (default model.decode_step; a compiled one for --compile), after an eager prefill."""
+def decode_seconds(model: GPT, cache, step=None, prompt_len: int | None = None) -> float:
+    """Seconds for STEPS one-token steps through an empty cache, after an eager prefill of prompt_len tokens (default
+    block_size - STEPS: the context fills up to block_size); `step`: the one-token step (default model.decode_step;
+    a compiled one for --compile)."""
     step = step or model.decode_step
-    block = model.config.block_size
-    prompt = torch.randint(0, model.config.vocab_size, (cache.batch_size, block - STEPS))
+    prompt_len = prompt_len or model.config.block_size - STEPS
+    prompt = torch.randint(0, model.config.vocab_size, (cache.batch_size, prompt_len))
     logits = prefill(model, prompt, cache)
     start = time.perf_counter()
     for _ in range(STEPS):
@@ -106,7 +109,7 @@ def speed(args) -> None:
         # static shapes: a step compiled for each batch size, as sample.py --compile compiles one for its batch
         step = torch.compile(model.decode_step, fullgraph=True, dynamic=False) if args.compile else None
         models[name] = (model, dtype, step)
-    tok_s = {(name, b): [] for name in models for b in BATCHES}
+    tok_s = {(name, b): [] for name in models for b in (*BATCHES, "bare")}
     for name, (model, dtype, step) in models.items():  # warm-up: allocations, kernel choice, compiling
         for b in BATCHES if args.compile else BATCHES[:1]:
             decode_seconds(model, model.new_kv_cache(b, dtype=dtype), step)
@@ -114,19 +117,27 @@ def speed(args) -> None:
         for b in BATCHES:
             for name, (model, dtype, step) in models.items():
                 tok_s[name, b].append(b * STEPS / decode_seconds(model, model.new_kv_cache(b, dtype=dtype), step))
+        for name, (model, dtype, step) in models.items():  # eagerly, a context of 1-17 tokens costs next to nothing
+            if not args.compile:
+                b = BATCHES[-1]
+                tok_s[name, "bare"].append(b * STEPS / decode_seconds(model, model.new_kv_cache(b, dtype=dtype),
+                                                                      prompt_len=1))
     print(f"# KV-cache designs, classic shape, random weights, fp32 weights, one-token steps "
           f"{'compiled (torch.compile)' if args.compile else 'eager'}: {host()}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; context filled to block_size; median (min-max) of {args.repeats}")
+    bare = "" if args.compile else " x MHA batch 64, its cache free |"
     print("| design | cache bytes/token | cache MiB at batch 64 | weights MiB | tok/s batch 1 | tok/s batch 64 | "
-          "x MHA batch 1 | x MHA batch 64 |")
-    print("|---|---|---|---|---|---|---|---|")
+          "x MHA batch 1 | x MHA batch 64 |" + bare)
+    print("|---" * (8 if args.compile else 9) + "|")
     for name, (model, dtype, _) in models.items():
         c = model.config
         per_token = kv_cache_bytes_per_token(c, dtype or torch.float32)
-        ratios = {b: [t / m for t, m in zip(tok_s[name, b], tok_s["MHA", b])] for b in BATCHES}
+        ratios = {b: [t / m for t, m in zip(tok_s[name, b], tok_s["MHA", 64 if b == "bare" else b])]
+                  for b in (*BATCHES, "bare")}
         print(f"| {name} | {per_token:,.0f} | {64 * c.block_size * per_token / 2**20:.1f} | "
               f"{model.num_params() * 4 / 2**20:.1f} | {rate(tok_s[name, 1])} | {rate(tok_s[name, 64])} | "
-              f"{median_spread(ratios[1])} | {median_spread(ratios[64])} |")
+              f"{median_spread(ratios[1])} | {median_spread(ratios[64])} |"
+              + ("" if args.compile else f" {median_spread(ratios['bare'])} |"))
     if "MHA, int8 cache" in models:
         int8 = [t / m for t, m in zip(tok_s["MHA, int8 cache", 64], tok_s["MHA", 64])]
         print(f"\nint8 cache / fp32 cache at batch 64: {median_spread(int8)}")
