@@ -41,6 +41,7 @@ from model.labs.speculative import PromptLookup, SpeculativeStats, speculative_g
 from model.labs.quantize import DECODING_PRECISIONS
 from model.labs.lowbit_cache import LOW_BITS, LowBitKVCache, lowbit_cache_bytes, new_lowbit_cache
 from model.labs.ring_cache import kv_cache_dtype
+from model.labs.sink_cache import SINKS, SinkKVCache, new_sink_cache
 from runtime.checkpoint import find_latest_checkpoint, load_model, resolve_checkpoint, trained_on, training_text
 from runtime.devices import (DEFAULT_THREADS, choose_device, environment_threads, fastest_threads, memory_of,
                               thread_counts)
@@ -89,8 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--compile", action="store_true",
                        help="torch.compile the one-token decode step (the first steps pay for compiling)")
     parser.add_argument("--kv-cache", choices=KV_CACHES, help="how keys and values are stored: in the dtype "
-                        "attention computes in (float, the default), int8 with a scale per token and head, or "
-                        "int4 / int2 in groups, the most recent tokens in float too (model/labs/lowbit_cache.py)")
+                        "attention computes in (float, the default), int8 with a scale per token and head, "
+                        "int4 / int2 in groups, the most recent tokens in float too (model/labs/lowbit_cache.py); "
+                        f"or, for rotary models, --kv-budget slots: the last tokens (window), or the first {SINKS} "
+                        "and the last (sinks: model/labs/sink_cache.py)")
+    parser.add_argument("--kv-budget", metavar="SLOTS", type=int,
+                        help="--kv-cache window or sinks: the tokens the cache keeps (default: half of block_size)")
     parser.add_argument("--read-all-slots", action="store_true",
                         help="attend every slot of the cache through the ring's mask (model/labs/ring_cache.py), "
                              "as compiled and GPU steps do (eagerly on the CPU the filled slots are read)")
@@ -109,30 +114,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-KV_CACHES = {"float": None, "int8": torch.int8}  # --kv-cache: model.new_kv_cache's dtype (None: attention's own)
-KV_CACHES.update({f"int{bits}": bits for bits in LOW_BITS})  # --kv-cache: new_lowbit_cache's bits
+LOWBIT_CACHES = {f"int{bits}": bits for bits in LOW_BITS}
+KV_CACHES = ("float", "int8", *LOWBIT_CACHES, "window", "sinks")  # --kv-cache
+EAGER_CACHES = (*LOWBIT_CACHES, "window", "sinks")  # they refuse --compile
 
 
 def new_cache(args, model: GPT):
     """The KV cache --kv-cache asks for, for --num-samples rows."""
-    kind = KV_CACHES[args.kv_cache or "float"]
-    if kind in LOW_BITS:
-        return new_lowbit_cache(model, args.num_samples, kind, read_all_slots=args.read_all_slots)
-    return model.new_kv_cache(args.num_samples, dtype=kind, read_all_slots=args.read_all_slots)
+    kind, rows = args.kv_cache or "float", args.num_samples
+    if kind in ("window", "sinks"):
+        sinks = SINKS if kind == "sinks" else 0
+        return new_sink_cache(model, rows, sinks=sinks, window=(args.kv_budget or model.config.block_size // 2) - sinks)
+    if kind in LOWBIT_CACHES:
+        return new_lowbit_cache(model, rows, LOWBIT_CACHES[kind], read_all_slots=args.read_all_slots)
+    return model.new_kv_cache(rows, dtype=torch.int8 if kind == "int8" else None, read_all_slots=args.read_all_slots)
 
 
 def check_memory(args, prompt_len: int, model, device: torch.device) -> None:
     """Refuse up front samples whose KV cache (as the decoder builds it) and tokens (the int64 sequence it fills)
     would not fit, rather than run out of memory midway. Without the cache, the forward passes hold at least as
     much."""
-    kind = KV_CACHES[args.kv_cache or "float"]
+    kind = args.kv_cache or "float"
     block_size = model.config.block_size
     spare = (args.speculate_k or SPECULATE_K) if args.draft else 0  # slots for the drafts a pass verifies
     if spare > block_size:
         raise UsageError(f"--speculate-k must be at most the model's block_size, {block_size}: a pass verifies "
                          f"the drafts within one context; got {spare}")
-    cache_bytes = lowbit_cache_bytes(model.config, kind) if kind in LOW_BITS else \
-        kv_cache_bytes(model.config, kv_cache_dtype(model, kind), block_size + spare)
+    # a window or sinks hold at most what the float cache holds
+    cache_bytes = lowbit_cache_bytes(model.config, LOWBIT_CACHES[kind]) if kind in LOWBIT_CACHES else \
+        kv_cache_bytes(model.config, kv_cache_dtype(model, torch.int8 if kind == "int8" else None), block_size + spare)
     per_sample = cache_bytes + (prompt_len + args.max_new_tokens) * torch.long.itemsize
     memory = memory_of(device)
     if args.num_samples * per_sample > MEMORY_SHARE * memory:
@@ -179,9 +189,13 @@ def check_combinations(args) -> None:
         raise UsageError("--speculate-k applies to speculative decoding: give --draft too")
     if args.speculate_k is not None and args.speculate_k < 1:
         raise UsageError(f"--speculate-k must be >= 1, got {args.speculate_k}")
-    if args.compile and KV_CACHES.get(args.kv_cache) in LOW_BITS:
-        raise UsageError(f"--kv-cache {args.kv_cache} decodes eagerly (which groups it quantizes depends on the "
-                         f"tokens fed): drop --compile")
+    if args.compile and args.kv_cache in EAGER_CACHES:
+        raise UsageError(f"--kv-cache {args.kv_cache} decodes eagerly: drop --compile")
+    if args.read_all_slots and args.kv_cache in ("window", "sinks"):
+        raise UsageError(f"--read-all-slots applies to the ring; --kv-cache {args.kv_cache} reads its own slots: "
+                         f"drop one of them")
+    if args.kv_budget is not None and args.kv_cache not in ("window", "sinks"):
+        raise UsageError("--kv-budget applies to --kv-cache window or sinks: give one of them, or drop --kv-budget")
     if args.draft and args.interactive:
         raise UsageError("--draft applies to sampling, not to --interactive: drop one of them")
     if args.max_new_tokens < 0:
@@ -361,7 +375,7 @@ def sample(args) -> None:
     use_cache = not args.no_kv_cache
     try:
         cache = new_cache(args, model) if use_cache and not draft else None
-    except ValueError as e:  # a low-bit cache for a model it cannot serve
+    except ValueError as e:  # a cache for a model it cannot serve, or a budget it cannot keep
         raise UsageError(f"--kv-cache {args.kv_cache}: {e}") from None
     idx = torch.tensor([prompt_ids] * args.num_samples, dtype=torch.long, device=device)
     start = time.perf_counter()
@@ -404,8 +418,8 @@ def sample(args) -> None:
 
     tokens = args.num_samples * args.max_new_tokens
     # the cache's own dtype: float32 on the CPU also at bf16 and int8 (model/attention.py: attention_dtype)
-    stored = args.kv_cache if isinstance(cache, LowBitKVCache) else str(getattr(cache, "dtype", "")).removeprefix(
-        "torch.")
+    stored = args.kv_cache if isinstance(cache, (LowBitKVCache, SinkKVCache)) else str(
+        getattr(cache, "dtype", "")).removeprefix("torch.")
     cache_size = f"KV cache {cache.nbytes / 2**20:.2f} MiB in {stored}" \
         if cache is not None else f"KV caches {speculation.cache_bytes / 2**20:.2f} MiB" if draft else "no cache"
     speculated = f", draft acceptance {speculation.acceptance_rate:.0%}, {speculation.tokens_per_pass:.2f} " \

@@ -35,13 +35,12 @@ from bench.configs import host, run_tool  # noqa: E402
 from bench.kv_designs import BATCHES, STEPS, STREAMS, decode_seconds, rate  # noqa: E402
 from model.labs.generate import generate_tokens  # noqa: E402
 from model.labs.lowbit_cache import new_lowbit_cache  # noqa: E402
-from model.labs.sink_cache import new_sink_cache  # noqa: E402
+from model.labs.sink_cache import SINKS, new_sink_cache  # noqa: E402
 from runtime.checkpoint import existing_checkpoint, load_model, training_text  # noqa: E402
 from runtime.errors import OneLineErrorParser, UsageError, positive_int  # noqa: E402
 
 DISTANCES = (0, 2, 4, 8)  # loss over the block_size tokens from each multiple of block_size into a stream
 RECALL_LEN, RECALL_CUE, RECALL_AT = 12, 2, 16  # the random string, the letters of its repeat given, where it starts
-SINKS = 4  # StreamingLLM's count
 # name: the cache for a model, a batch size, the low-bit caches' settings (group, residual) and a budget of slots
 CACHES = {"float": lambda model, b, lowbit, budget: model.new_kv_cache(b),
           "int8": lambda model, b, lowbit, budget: model.new_kv_cache(b, dtype=torch.int8),

@@ -33,9 +33,10 @@ LONG_PROMPT = "All:\nSpeak, speak.\n\nFirst Citizen:\nYou are all"  # longer tha
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def tiny_model(seed: int, train_steps: int) -> GPT:
+def tiny_model(seed: int, train_steps: int, pos_emb: str = "learned") -> GPT:
     torch.manual_seed(seed)
-    model = GPT(GPTConfig(vocab_size=len(VOCAB), block_size=BLOCK_SIZE, n_layer=2, n_head=2, n_embd=32))
+    model = GPT(GPTConfig(vocab_size=len(VOCAB), block_size=BLOCK_SIZE, n_layer=2, n_head=2, n_embd=32,
+                          pos_emb=pos_emb))
     # A little training makes the output depend on the context, so that a broken cache changes it.
     train_briefly(model, torch.tensor(VOCAB.encode(TEXT)), steps=train_steps, batch_size=16)
     return model.eval()
@@ -238,6 +239,8 @@ def unavailable_device() -> str:
     (["--compile", "--no-kv-cache"], ["--compile", "--no-kv-cache"]),
     (["--kv-cache", "int3"], ["--kv-cache", "'int3'"]),
     (["--kv-cache", "int4", "--compile"], ["--kv-cache int4 decodes eagerly", "drop --compile"]),
+    (["--kv-budget", 8], ["--kv-budget applies to --kv-cache window or sinks"]),
+    (["--kv-cache", "sinks"], ["--kv-cache sinks: ", "need pos_emb=rope"]),
 ])
 def test_bad_option_values(checkpoint, args, fragments):
     assert_usage_error(run_sample("--checkpoint", checkpoint, *args), *fragments)
@@ -349,3 +352,31 @@ def test_a_low_bit_cache_decodes_and_the_summary_names_it(checkpoint, bits):
     first = result.stdout.split(SEPARATOR)[0]
     assert first[:len(PROMPT) + BLOCK_SIZE] == plain[:len(PROMPT) + BLOCK_SIZE]
     assert re.search(rf"KV cache [\d.]+ MiB in int{bits} ", result.stderr.splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def rope_checkpoint(tmp_path_factory) -> Path:
+    model = tiny_model(seed=0, train_steps=120, pos_emb="rope")
+    return save_checkpoint(checkpoint_state(model), tmp_path_factory.mktemp("rope") / "best.pt")
+
+
+def test_a_window_of_block_size_is_the_full_cache_and_sinks_decode_past_it(rope_checkpoint):
+    """A window of block_size slots keeps all a rotary model sees: the greedy text is the float cache's. Sinks with
+    half the budget decode the same number of characters, several samples at once, and the summary names them."""
+    common = ["--checkpoint", rope_checkpoint, "--prompt", PROMPT, "--temperature", 0, "--max-new-tokens", NEW_TOKENS]
+    plain = sample_ok(*common).stdout
+    assert sample_ok(*common, "--kv-cache", "window", "--kv-budget", BLOCK_SIZE).stdout == plain
+    sinks = sample_ok(*common, "--kv-cache", "sinks", "--kv-budget", BLOCK_SIZE // 2, "--num-samples", 2)
+    first, second = sinks.stdout.split(SEPARATOR)[:2]
+    assert first == second and len(first) == len(plain)
+    assert re.search(r"KV cache [\d.]+ MiB in sinks ", sinks.stderr.splitlines()[-1])
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["--kv-cache", "sinks", "--kv-budget", 4], ["--kv-cache sinks: ", "window one >= 1, got sinks=4, window=0"]),
+    (["--kv-cache", "window", "--kv-budget", BLOCK_SIZE + 1], ["is more than the block_size=16 tokens"]),
+    (["--kv-cache", "sinks", "--compile"], ["--kv-cache sinks decodes eagerly"]),
+    (["--kv-cache", "window", "--read-all-slots"], ["--read-all-slots applies to the ring"]),
+])
+def test_a_budget_that_cannot_work_is_refused(rope_checkpoint, args, fragments):
+    assert_usage_error(run_sample("--checkpoint", rope_checkpoint, *args), *fragments)

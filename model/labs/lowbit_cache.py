@@ -23,8 +23,8 @@ from .ring_cache import RingKVCache
 
 LOW_BITS = (2, 4)  # 8 bits is the int8 cache (int8_cache.py)
 LOWBIT_SCALE_DTYPE = torch.float16  # each group's scale and zero
-GROUP = 32  # tokens per group of keys, channels per group of values (at most residual)
-RESIDUAL = 32  # the most recent tokens, kept in full precision too (at most the cache's slots)
+GROUP = 16  # tokens per group of keys, channels per group of values (at most residual)
+RESIDUAL = 16  # the most recent tokens, kept in full precision too (at most the cache's slots)
 
 
 def quantize(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

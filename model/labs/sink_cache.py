@@ -21,6 +21,8 @@ import torch
 from ..attention import rotary, rotate
 from .ring_cache import RingKVCache
 
+SINKS = 4  # StreamingLLM's count: the first tokens kept by default
+
 
 class SinkLayerKV:
     """One layer's view of a sink cache during one forward pass (LayerKV's update and read)."""
