@@ -13,8 +13,8 @@ Past block_size. The model attends at most block_size tokens back, so each row's
   through the earlier layers: that is the context kept.
 - Learned positions: cached keys carry their absolute positions and cannot slide. When the next token would not
   fit, start jumps forward so that only the last `window` tokens remain (default block_size // 2, at least 1), and
-  the cache is refilled with one prefill over them: O(1) forward passes per token, amortised. window = block_size refills
-  at every step, which is exactly the classic crop to the last block_size tokens.
+  the cache is refilled with one prefill over them: O(1) forward passes per token, amortised. window = block_size
+  refills at every step, which is exactly the classic crop to the last block_size tokens.
 use_cache=False runs a full forward over the very same context at every step.
 
 Ragged batches. n_pad (B,) says how many tokens at the start of each row of idx are left padding. Each row's
