@@ -28,7 +28,7 @@ class GPTConfig:
     pos_emb: str = "learned"  # learned: a trained vector per position (GPT-2); rope: rotary positions
     n_kv_head: int | None = None  # key/value heads (None: n_head); 1 is multi-query attention
     kv_share: int = 1  # adjacent layers that share one set of keys and values
-    window_pattern: str = "G"  # tiled over the layers: L sees the last local_window tokens, G all (labs/local_global.py)
+    window_pattern: str = "G"  # tiled over the layers: L sees the last local_window tokens, G all (local_global.py)
     local_window: int | None = None  # how many tokens a local layer sees, itself included
     learned_sink: bool = False  # a trained sink logit per head in every softmax (labs/learned_sink.py)
     kv_latent: int | None = None  # multi-head latent attention: the latent's width per token (labs/latent.py)
