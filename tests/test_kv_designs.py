@@ -15,6 +15,7 @@ from model import GPT, GREEDY, MultiHeadAttention, Sampling, generate, kv_cache_
 from model.labs import int8_cache
 from model.attention import rotary, rotate
 from model.labs.decoder_loss import decoder_loss, teacher_forced_loss
+from model.labs.generate import prefill
 from model.labs.int8_cache import Int8KVCache, Quantized, int8_attention
 from model.labs.quantize import quantize_int8
 from tiny_models import BLOCK_SIZE, random_model, random_tokens
@@ -204,17 +205,6 @@ def test_a_plain_model_with_each_key_value_head_repeated_gives_the_same_logits(n
 
 
 # --- through the cache, at every step ----------------------------------------------------------------------
-
-def prefill(model, prompt, cache):
-    """Feed the prompt in the longest chunks the cache takes (a local layer's ring takes local_window at first);
-    the last logits."""
-    fed = 0
-    while fed < prompt.size(1):
-        n = min(prompt.size(1) - fed, cache.longest_chunk())
-        logits = model.decode_step(prompt[:, fed:fed + n], cache)
-        fed += n
-    return logits
-
 
 def cached_steps(model, prompt, n_pad, n_new, read_all_slots):
     """Greedy decoding straight through one cache (a prefill in the chunks it takes, then a token per step, the ring

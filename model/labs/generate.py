@@ -209,8 +209,7 @@ def prefill(model: GPT, tokens: torch.Tensor, cache: RingKVCache) -> torch.Tenso
 def _prefill_once(model: GPT, prompt: torch.Tensor, cache: RingKVCache) -> torch.Tensor:
     """Prefill prompt (1, T) into a one-row cache like `cache`, copy it to all of cache's rows; the last logits,
     (B, vocab_size)."""
-    one = cache.one_row() if isinstance(cache, (LowBitKVCache, SinkKVCache)) else model.new_kv_cache(
-        1, cache.max_len, cache.dtype, read_all_slots=cache.read_all_slots)
+    one = cache.one_row(model)
     logits = prefill(model, prompt, one)
     cache.fill_from(one)
     return logits.expand(cache.batch_size, -1)
@@ -244,11 +243,10 @@ def check_arguments(model: GPT, idx, max_new_tokens, window=None, n_pad=None, us
         raise ValueError(f"window must be an integer in [1, block_size={block_size}], got {window!r}")
     if not use_cache and (cache is not None or compile):
         raise ValueError("cache and compile apply to cached decoding: pass use_cache=True, or neither of them")
-    if compile and isinstance(cache, (LowBitKVCache, SinkKVCache)):
-        raise ValueError(f"a {'low-bit' if isinstance(cache, LowBitKVCache) else 'sink'} KV cache decodes eagerly: "
-                         f"drop compile")
     if cache is not None:
         check_cache(model, cache, B)
+        if compile and not cache.compilable:
+            raise ValueError(f"a {type(cache).__name__} decodes eagerly: drop compile")
     if n_pad is None:
         return [0] * B
     pads = n_pad.tolist() if isinstance(n_pad, torch.Tensor) else list(n_pad)

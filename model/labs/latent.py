@@ -5,9 +5,9 @@ head, is cached beside the latent, and each query head gets a rotary part of the
 
 Per token (kv_latent = d_c, kv_latent_rope = d_r, zero with learned positions):
 
-    query   q_h = [q_h content (head_dim), q_h rotary (d_r)]      from x, per head
+    query   q_h = [q_h content (head_dim), q_h rotary (d_r)]            from x, per head
     latent  c = norm(down(x)) (d_c),  rotary key r = down_r(x) (d_r)    cached: d_c + d_r values, whatever n_head is
-    key     k_h = [up_k,h(c) (head_dim), r (d_r)]                 the rotary key shared by every head
+    key     k_h = [up_k,h(c) (head_dim), r (d_r)]                       the rotary key shared by every head
     value   v_h = up_v,h(c) (head_dim)
     score   q_h · k_h / √(head_dim + d_r)
 

@@ -138,6 +138,8 @@ class LowBitKVCache(RingKVCache):
         """(n,) the slots of tokens first .. first + n - 1 (n <= max_len) in a ring of `ring` slots."""
         return (first + self.slot_ids[:n]) % ring
 
+    compilable = False  # which groups it quantizes depends on the tokens fed
+
     def layer(self, i: int, slots: torch.Tensor, n_read: int | None) -> LowBitLayerKV:
         if torch.compiler.is_compiling():
             raise ValueError("a low-bit KV cache decodes eagerly: which groups it quantizes depends on the tokens "
@@ -149,11 +151,9 @@ class LowBitKVCache(RingKVCache):
             raise ValueError(f"a {self.bits}-bit KV cache cannot roll back: the tokens to forget have overwritten "
                              f"the full-precision copies of older ones; decode without speculation")
 
-    def one_row(self) -> "LowBitKVCache":
-        """An empty cache like this one, of one row: generate prefills a prompt shared by every row into it."""
-        return LowBitKVCache(self.n_kv_layer, 1, self.k0.size(1), self.max_len, self.head_dim, self.compute_dtype,
-                             self.device, bits=self.bits, group=self.group, residual=self.residual,
-                             reach=self.reach, read_all_slots=self.read_all_slots)
+    def one_row(self, model) -> "LowBitKVCache":
+        return new_lowbit_cache(model, 1, self.bits, self.max_len, group=self.group, residual=self.residual,
+                                read_all_slots=self.read_all_slots)
 
 
 def lowbit_defaults(max_len: int, group: int | None, residual: int | None) -> tuple[int, int]:

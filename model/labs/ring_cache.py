@@ -34,6 +34,8 @@ from ..kv_cache import KVCache
 class RingKVCache(KVCache):
     """A KVCache whose slots are a ring, rows may start with left padding, and each query sees `reach` tokens."""
 
+    compilable = True  # whether torch.compile can run a decode step through it
+
     def __init__(self, n_kv_layer: int, batch_size: int, n_kv_head: int, max_len: int, head_dim: int,
                  dtype=torch.float32, device=None, reach: int | None = None, read_all_slots: bool = False):
         super().__init__(n_kv_layer, batch_size, n_kv_head, max_len, head_dim, dtype, device)
@@ -106,6 +108,11 @@ class RingKVCache(KVCache):
                              f"the cache with max_len = reach + {n - 1}")
         self.pos -= n
 
+    def one_row(self, model) -> "RingKVCache":
+        """An empty cache like this one for model, of one row: generate prefills a prompt shared by every row into
+        it."""
+        return model.new_kv_cache(1, self.max_len, self.dtype, read_all_slots=self.read_all_slots)
+
     def fill_from(self, other: "RingKVCache") -> None:
         super().fill_from(other)
         self.padded = other.padded
@@ -158,8 +165,7 @@ def kv_cache_bytes(config, dtype: torch.dtype, max_len: int | None = None) -> in
     """Bytes a cache from new_kv_cache(model, 1, max_len, dtype) holds: keys and values for every layer that
     projects them (n_layer / kv_share), each head the cache holds (config.kv_cache_heads) and each slot. A layer
     has max_len slots (default block_size), a local one local_window + max_len - block_size
-    (model/labs/local_global.py). int8 adds one
-    KV_SCALE_DTYPE scale per token and head to each."""
+    (model/labs/local_global.py). int8 adds one KV_SCALE_DTYPE scale per token and head to each."""
     from .int8_cache import KV_SCALE_DTYPE
     from .local_global import local_kv_layers
     max_len = max_len or config.block_size

@@ -77,15 +77,15 @@ class SinkKVCache(RingKVCache):
             return new, None, new, fed + t  # filling up: token n in slot n, the plain cache's rule
         return new, None, self.sinks + (new - self.sinks) % self.window, None  # one token sees every slot
 
+    compilable = False  # the sinks' keys turn by how far the window has moved, read back each step
+
     def layer(self, i: int, slots: torch.Tensor, n_read: int | None) -> SinkLayerKV:
         if torch.compiler.is_compiling():
             raise ValueError("a sink cache decodes eagerly: drop compile")
         return SinkLayerKV(self, i, slots, n_read)
 
-    def one_row(self) -> "SinkKVCache":
-        """An empty cache like this one, of one row: generate prefills a prompt shared by every row into it."""
-        return SinkKVCache(self.n_kv_layer, 1, self.k0.size(1), self.head_dim, self.dtype, self.device,
-                           sinks=self.sinks, window=self.window)
+    def one_row(self, model) -> "SinkKVCache":
+        return new_sink_cache(model, 1, sinks=self.sinks, window=self.window)
 
     def rollback(self, n: int) -> None:
         if n:
