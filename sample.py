@@ -35,13 +35,12 @@ import torch
 
 from data import CharVocab, DataError, UnknownCharacterError, read_regular_file
 from model import GPT, Sampling, generate_tokens, kv_cache_bytes
+from model.labs.caches import BUDGETED, CACHES, EAGER, new_cache
 from model.labs.conversation import Conversation
 from model.labs.ngram_draft import NGramTable
 from model.labs.speculative import PromptLookup, SpeculativeStats, speculative_generate
 from model.labs.quantize import DECODING_PRECISIONS
-from model.labs.lowbit_cache import LOW_BITS, LowBitKVCache, lowbit_cache_bytes, new_lowbit_cache
 from model.labs.ring_cache import kv_cache_dtype
-from model.labs.sink_cache import SINKS, SinkKVCache, new_sink_cache
 from runtime.checkpoint import find_latest_checkpoint, load_model, resolve_checkpoint, trained_on, training_text
 from runtime.devices import (DEFAULT_THREADS, choose_device, environment_threads, fastest_threads, memory_of,
                               thread_counts)
@@ -89,13 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
                              "quantized when loaded (default: %(default)s)")
     cache.add_argument("--compile", action="store_true",
                        help="torch.compile the one-token decode step (the first steps pay for compiling)")
-    parser.add_argument("--kv-cache", choices=KV_CACHES, help="how keys and values are stored: in the dtype "
+    parser.add_argument("--kv-cache", choices=CACHES, help="how keys and values are stored: in the dtype "
                         "attention computes in (float, the default), int8 with a scale per token and head, "
-                        "int4 / int2 in groups, the most recent tokens in float too (model/labs/lowbit_cache.py); "
-                        f"or, for rotary models, --kv-budget slots: the last tokens (window), or the first {SINKS} "
-                        "and the last (sinks: model/labs/sink_cache.py)")
+                        "int4 / int2 in groups, the most recent tokens in float too; or --kv-budget slots: the "
+                        "last tokens (window), the first few and the last (sinks), or, for rotary models, those "
+                        "each head attends most (h2o, tova). See model/labs/caches.py")
     parser.add_argument("--kv-budget", metavar="SLOTS", type=int,
-                        help="--kv-cache window or sinks: the tokens the cache keeps (default: half of block_size)")
+                        help=f"--kv-cache {', '.join(BUDGETED)}: the tokens the cache keeps (default: half of "
+                             "block_size)")
     parser.add_argument("--read-all-slots", action="store_true",
                         help="attend every slot of the cache through the ring's mask (model/labs/ring_cache.py), "
                              "as compiled and GPU steps do (eagerly on the CPU the filled slots are read)")
@@ -114,20 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-LOWBIT_CACHES = {f"int{bits}": bits for bits in LOW_BITS}
-KV_CACHES = ("float", "int8", *LOWBIT_CACHES, "window", "sinks")  # --kv-cache
-EAGER_CACHES = (*LOWBIT_CACHES, "window", "sinks")  # they refuse --compile
-
-
-def new_cache(args, model: GPT):
-    """The KV cache --kv-cache asks for, for --num-samples rows."""
-    kind, rows = args.kv_cache or "float", args.num_samples
-    if kind in ("window", "sinks"):
-        sinks = SINKS if kind == "sinks" else 0
-        return new_sink_cache(model, rows, sinks=sinks, window=(args.kv_budget or model.config.block_size // 2) - sinks)
-    if kind in LOWBIT_CACHES:
-        return new_lowbit_cache(model, rows, LOWBIT_CACHES[kind], read_all_slots=args.read_all_slots)
-    return model.new_kv_cache(rows, dtype=torch.int8 if kind == "int8" else None, read_all_slots=args.read_all_slots)
+def cache_for(args, model: GPT, rows: int):
+    """The KV cache --kv-cache asks for, for rows rows."""
+    try:
+        return new_cache(model, args.kv_cache or "float", rows, budget=args.kv_budget,
+                         read_all_slots=args.read_all_slots)
+    except ValueError as e:  # a cache for a model it cannot serve, or a budget it cannot keep
+        raise UsageError(f"--kv-cache {args.kv_cache}: {e}") from None
 
 
 def check_memory(args, prompt_len: int, model, device: torch.device) -> None:
@@ -140,8 +133,7 @@ def check_memory(args, prompt_len: int, model, device: torch.device) -> None:
     if spare > block_size:
         raise UsageError(f"--speculate-k must be at most the model's block_size, {block_size}: a pass verifies "
                          f"the drafts within one context; got {spare}")
-    # a window or sinks hold at most what the float cache holds
-    cache_bytes = lowbit_cache_bytes(model.config, LOWBIT_CACHES[kind]) if kind in LOWBIT_CACHES else \
+    cache_bytes = cache_for(args, model, 1).nbytes if kind in EAGER else \
         kv_cache_bytes(model.config, kv_cache_dtype(model, torch.int8 if kind == "int8" else None), block_size + spare)
     per_sample = cache_bytes + (prompt_len + args.max_new_tokens) * torch.long.itemsize
     memory = memory_of(device)
@@ -189,13 +181,14 @@ def check_combinations(args) -> None:
         raise UsageError("--speculate-k applies to speculative decoding: give --draft too")
     if args.speculate_k is not None and args.speculate_k < 1:
         raise UsageError(f"--speculate-k must be >= 1, got {args.speculate_k}")
-    if args.compile and args.kv_cache in EAGER_CACHES:
+    if args.compile and args.kv_cache in EAGER:
         raise UsageError(f"--kv-cache {args.kv_cache} decodes eagerly: drop --compile")
-    if args.read_all_slots and args.kv_cache in ("window", "sinks"):
+    if args.read_all_slots and args.kv_cache in BUDGETED:
         raise UsageError(f"--read-all-slots applies to the ring; --kv-cache {args.kv_cache} reads its own slots: "
                          f"drop one of them")
-    if args.kv_budget is not None and args.kv_cache not in ("window", "sinks"):
-        raise UsageError("--kv-budget applies to --kv-cache window or sinks: give one of them, or drop --kv-budget")
+    if args.kv_budget is not None and args.kv_cache not in BUDGETED:
+        raise UsageError(f"--kv-budget applies to --kv-cache {', '.join(BUDGETED)}: give one of them, or drop "
+                         f"--kv-budget")
     if args.draft and args.interactive:
         raise UsageError("--draft applies to sampling, not to --interactive: drop one of them")
     if args.max_new_tokens < 0:
@@ -373,10 +366,7 @@ def sample(args) -> None:
         except ValueError as e:  # its messages name the argument, as the options do
             raise UsageError(e) from None
     use_cache = not args.no_kv_cache
-    try:
-        cache = new_cache(args, model) if use_cache and not draft else None
-    except ValueError as e:  # a cache for a model it cannot serve, or a budget it cannot keep
-        raise UsageError(f"--kv-cache {args.kv_cache}: {e}") from None
+    cache = cache_for(args, model, args.num_samples) if use_cache and not draft else None
     idx = torch.tensor([prompt_ids] * args.num_samples, dtype=torch.long, device=device)
     start = time.perf_counter()
     speculation = SpeculativeStats()
@@ -418,7 +408,7 @@ def sample(args) -> None:
 
     tokens = args.num_samples * args.max_new_tokens
     # the cache's own dtype: float32 on the CPU also at bf16 and int8 (model/attention.py: attention_dtype)
-    stored = args.kv_cache if isinstance(cache, (LowBitKVCache, SinkKVCache)) else str(
+    stored = args.kv_cache if args.kv_cache in EAGER else str(
         getattr(cache, "dtype", "")).removeprefix("torch.")
     cache_size = f"KV cache {cache.nbytes / 2**20:.2f} MiB in {stored}" \
         if cache is not None else f"KV caches {speculation.cache_bytes / 2**20:.2f} MiB" if draft else "no cache"

@@ -4,9 +4,9 @@
     python bench/kv_budget.py --checkpoint runs/RUN --caches float int4    # only these
     python bench/kv_budget.py --checkpoint runs/RUN --caches window sinks --budgets 0.5 0.25
 
-The caches: float (the reference), int8, int4 and int2 (model/labs/lowbit_cache.py), and, for rotary models, a
-budget of slots as a fraction of block_size: window (the last tokens only) and sinks (SINKS first tokens, then
-the last ones: model/labs/sink_cache.py).
+The caches (model/labs/caches.py): float (the reference), int8, int4 and int2, and a budget of slots as a fraction
+of block_size: window (the last tokens only), sinks (the first few tokens, then the last ones), and, for rotary
+models, h2o and tova (each head keeps the tokens it attends most).
 
 Each cache decodes the val split of the checkpoint's text through the real decoding loop (generate_tokens, fed the
 text's own tokens: model/labs/decoder_loss.py), STREAMS streams side by side, a prompt of --prompt-len tokens and
@@ -34,21 +34,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.configs import host, run_tool  # noqa: E402
 from bench.kv_designs import BATCHES, STEPS, STREAMS, decode_seconds, rate  # noqa: E402
 from model.labs.generate import generate_tokens  # noqa: E402
-from model.labs.lowbit_cache import new_lowbit_cache  # noqa: E402
-from model.labs.sink_cache import SINKS, new_sink_cache  # noqa: E402
+from model.labs.caches import BUDGETED, CACHES, LOWBIT, new_cache  # noqa: E402
 from runtime.checkpoint import existing_checkpoint, load_model, training_text  # noqa: E402
 from runtime.errors import OneLineErrorParser, UsageError, positive_int  # noqa: E402
 
 DISTANCES = (0, 2, 4, 8)  # loss over the block_size tokens from each multiple of block_size into a stream
 RECALL_LEN, RECALL_CUE, RECALL_AT = 12, 2, 16  # the random string, the letters of its repeat given, where it starts
-# name: the cache for a model, a batch size, the low-bit caches' settings (group, residual) and a budget of slots
-CACHES = {"float": lambda model, b, lowbit, budget: model.new_kv_cache(b),
-          "int8": lambda model, b, lowbit, budget: model.new_kv_cache(b, dtype=torch.int8),
-          "int4": lambda model, b, lowbit, budget: new_lowbit_cache(model, b, 4, **lowbit),
-          "int2": lambda model, b, lowbit, budget: new_lowbit_cache(model, b, 2, **lowbit),
-          "window": lambda model, b, lowbit, budget: new_sink_cache(model, b, sinks=0, window=budget),
-          "sinks": lambda model, b, lowbit, budget: new_sink_cache(model, b, sinks=SINKS, window=budget - SINKS)}
-BUDGETED = ("window", "sinks")
 
 
 class Recorder:
@@ -111,7 +102,7 @@ def main() -> None:
     parser = OneLineErrorParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", type=existing_checkpoint, required=True, help="a run directory or .pt file")
     parser.add_argument("--caches", nargs="+", choices=list(CACHES),
-                        help="default: every one the model can use (window and sinks need rotary positions)")
+                        help="default: every one the model can use (h2o and tova need rotary positions)")
     parser.add_argument("--prompt-len", type=positive_int, default=64)
     parser.add_argument("--stream-len", type=positive_int, default=1_000_000,
                         help="cut each stream to this many tokens")
@@ -119,26 +110,33 @@ def main() -> None:
     parser.add_argument("--residual", type=positive_int,
                         help="the int4 and int2 caches' recent tokens in full precision (default: theirs)")
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25, 0.125],
-                        help="window and sinks: slots as fractions of block_size")
+                        help=f"{', '.join(BUDGETED)}: slots as fractions of block_size")
     parser.add_argument("--repeats", type=positive_int, default=5, help="decode speed: median (min-max) of these")
     args = parser.parse_args()
     model, vocab, contents = load_model(args.checkpoint, "cpu")
     lowbit = {key: value for key, value in (("group", args.group), ("residual", args.residual)) if value}
     block = model.config.block_size
-    names = args.caches or [name for name in CACHES if name not in BUDGETED or model.config.pos_emb == "rope"]
-    policies = [(name, budget) for name in names
+
+    def cache(name, batch_size, budget=None):
+        return new_cache(model, name, batch_size, budget=budget, **(lowbit if name in LOWBIT else {}))
+
+    policies = [(name, budget) for name in args.caches or CACHES
                 for budget in ([round(f * block) for f in args.budgets] if name in BUDGETED else [None])]
-    for name, budget in policies:  # refused before anything is measured, in one line
+    usable = []
+    for name, budget in policies:  # a cache named and refused stops the run before anything is measured
         try:
-            CACHES[name](model, 1, lowbit, budget)
+            cache(name, 1, budget)
+            usable.append((name, budget))
         except ValueError as e:
-            raise UsageError(f"--caches {name}{f' at a budget of {budget} slots' if budget else ''}: {e}") from None
-    new_cache = lambda name, batch_size, budget=None: CACHES[name](model, batch_size, lowbit, budget)  # noqa: E731
+            if args.caches:
+                raise UsageError(f"--caches {name}{f' at a budget of {budget} slots' if budget else ''}: {e}") \
+                    from None
+    policies = usable
     val = training_text(contents).val
     n = len(val) // STREAMS * STREAMS
     tokens = torch.from_numpy(val[:n].astype("int64")).view(STREAMS, -1)[:, :args.stream_len]
     targets = tokens[:, args.prompt_len:]
-    reference = stream_log_probs(model, tokens, new_cache("float", STREAMS), args.prompt_len)
+    reference = stream_log_probs(model, tokens, cache("float", STREAMS), args.prompt_len)
     letters = vocab.encode("".join(c for c in "abcdefghijklmnopqrstuvwxyz" if c in vocab.chars))
     recalled = recall_text(torch.from_numpy(val.astype("int64")), letters, STREAMS, block)
     print(f"# KV caches of {args.checkpoint} ({model.config.pos_emb} positions, block_size {block}): {host()}, "
@@ -151,14 +149,14 @@ def main() -> None:
     print("|---" * (10 + len(DISTANCES)) + "|")
     for name, budget in policies:
         log_probs = reference if name == "float" else stream_log_probs(
-            model, tokens, new_cache(name, STREAMS, budget), args.prompt_len)
+            model, tokens, cache(name, STREAMS, budget), args.prompt_len)
         f = compare(reference, log_probs, targets, args.prompt_len, block)
-        recall_loss, recall_top1 = recall(stream_log_probs(model, recalled, new_cache(name, STREAMS, budget),
+        recall_loss, recall_top1 = recall(stream_log_probs(model, recalled, cache(name, STREAMS, budget),
                                                            RECALL_AT), recalled, RECALL_AT)
-        speed = {b: [b * STEPS / decode_seconds(model, new_cache(name, b, budget)) for _ in range(args.repeats)]
+        speed = {b: [b * STEPS / decode_seconds(model, cache(name, b, budget)) for _ in range(args.repeats)]
                  for b in BATCHES}
         label = name if budget is None else f"{name}, {budget} slots"
-        print(f"| {label} | {new_cache(name, 1, budget).nbytes:,} | {f['loss']:.4f} | {f['kl_mean']:.2e} | "
+        print(f"| {label} | {cache(name, 1, budget).nbytes:,} | {f['loss']:.4f} | {f['kl_mean']:.2e} | "
               f"{f['kl_p99']:.2e} | {f['top1']:.2%} | " + " | ".join(f"{f[f'loss@{k}x']:.4f}" for k in DISTANCES)
               + f" | {recall_loss:.3f} | {recall_top1:.0%} | {rate(speed[1])} | {rate(speed[64])} |", flush=True)
 

@@ -62,7 +62,8 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         q, k, v = self.project(x, rope, kv)  # (B, nh, T, hs); (B, n_kv, T_k, hs), the cache's included
         q = q.to(k.dtype if kv is not None else attention_dtype(q.dtype, q.device))  # the cache's dtype
-        y = self.attend(q, k, v, attn_mask)  # (B, nh, T, hs)
+        attend = kv.attend if hasattr(kv, "attend") else self.attend  # a cache that scores keys attends itself
+        y = attend(q, k, v, attn_mask)  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, C).to(x.dtype)  # the heads side by side again
         return self.out_dropout(self.out_proj(y))
 

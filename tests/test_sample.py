@@ -239,8 +239,8 @@ def unavailable_device() -> str:
     (["--compile", "--no-kv-cache"], ["--compile", "--no-kv-cache"]),
     (["--kv-cache", "int3"], ["--kv-cache", "'int3'"]),
     (["--kv-cache", "int4", "--compile"], ["--kv-cache int4 decodes eagerly", "drop --compile"]),
-    (["--kv-budget", 8], ["--kv-budget applies to --kv-cache window or sinks"]),
-    (["--kv-cache", "sinks"], ["--kv-cache sinks: ", "need pos_emb=rope"]),
+    (["--kv-budget", 8], ["--kv-budget applies to --kv-cache window, sinks, h2o, tova"]),
+    (["--kv-cache", "h2o"], ["--kv-cache h2o: ", "needs pos_emb=rope"]),
 ])
 def test_bad_option_values(checkpoint, args, fragments):
     assert_usage_error(run_sample("--checkpoint", checkpoint, *args), *fragments)
@@ -372,8 +372,25 @@ def test_a_window_of_block_size_is_the_full_cache_and_sinks_decode_past_it(rope_
     assert re.search(r"KV cache [\d.]+ MiB in sinks ", sinks.stderr.splitlines()[-1])
 
 
+@pytest.mark.parametrize("policy", ["h2o", "tova"])
+def test_an_eviction_policy_decodes_past_its_budget_and_the_summary_names_it(rope_checkpoint, policy):
+    """Until the prompt and the first new token fill the budget (block_size), the text is the float cache's; past
+    it, the samples of one prompt still agree, and the summary names the policy."""
+    common = ["--checkpoint", rope_checkpoint, "--prompt", PROMPT, "--temperature", 0, "--max-new-tokens", NEW_TOKENS]
+    plain = sample_ok(*common).stdout
+    result = sample_ok(*common, "--kv-cache", policy, "--kv-budget", BLOCK_SIZE, "--num-samples", 2)
+    first, second = result.stdout.split(SEPARATOR)[:2]
+    assert first == second and len(first) == len(plain)
+    assert first[:len(PROMPT) + 2] == plain[:len(PROMPT) + 2]
+    assert re.search(rf"KV cache [\d.]+ MiB in {policy} ", result.stderr.splitlines()[-1])
+
+
 @pytest.mark.parametrize("args, fragments", [
-    (["--kv-cache", "sinks", "--kv-budget", 4], ["--kv-cache sinks: ", "window one >= 1, got sinks=4, window=0"]),
+    (["--kv-cache", "sinks", "--kv-budget", 4], ["--kv-cache sinks: ", "a budget of 4 slots leaves none for the "
+                                                 "last tokens beside 4 sinks: give at least 5"]),
+    (["--kv-cache", "tova", "--kv-budget", 1], ["--kv-cache tova: ", "budget must be an integer from 2 to "
+                                                "block_size=16, got 1"]),
+    (["--kv-cache", "h2o", "--compile"], ["--kv-cache h2o decodes eagerly"]),
     (["--kv-cache", "window", "--kv-budget", BLOCK_SIZE + 1], ["is more than the block_size=16 tokens"]),
     (["--kv-cache", "sinks", "--compile"], ["--kv-cache sinks decodes eagerly"]),
     (["--kv-cache", "window", "--read-all-slots"], ["--read-all-slots applies to the ring"]),

@@ -16,16 +16,20 @@ from tiny_models import random_model, random_tokens
 
 def streaming_reference(model, seq: torch.Tensor, sinks: int, window: int) -> torch.Tensor:
     """Logits (B, T, vocab) where token p attends tokens j <= p with j < sinks or j > p - window. Positions are the
-    cache's: while p < sinks + window they are the tokens' own; after, token p sits at sinks + window - 1, window
-    keys keep their distance to it, and sink j sits at j, so p - j' = sinks + window - 1 - j."""
+    cache's: while p < sinks + window they are the tokens' own; after, token p sits at sinks + window - 1. Rotary:
+    window keys keep their distance to it, and sink j sits at j, so p - j' = sinks + window - 1 - j. Learned: each
+    token keeps the position it came in at."""
     c = model.config
     B, T = seq.shape
     hd = c.n_embd // c.n_head
     group = c.n_head // c.n_kv_head
-    x = model.wte(seq)
+    learned = c.pos_emb == "learned"
+    x = model.wte(seq) + (model.wpe(torch.arange(T).clamp(max=sinks + window - 1)) if learned else 0)
     inv_freq = 10_000.0 ** -(torch.arange(0, hd, 2, dtype=torch.float64) / hd)
 
     def turn(v, position):  # v (..., hd) turned to position: pair (i, i + hd/2) by position * inv_freq[i]
+        if learned:
+            return v
         angle = position * inv_freq
         cos, sin = angle.cos().float(), angle.sin().float()
         a, b = v[..., :hd // 2], v[..., hd // 2:]
@@ -70,11 +74,13 @@ def cached_logits(model, seq, prompt_len, cache) -> torch.Tensor:
     return torch.stack(recorder.logits, dim=1)
 
 
-@pytest.mark.parametrize("sinks, window, n_kv_head", [(3, 9, 3), (1, 12, 1), (4, 4, 3), (0, 7, 3)])
+@pytest.mark.parametrize("sinks, window, n_kv_head, pos_emb", [
+    (3, 9, 3, "rope"), (1, 12, 1, "rope"), (4, 4, 3, "rope"), (0, 7, 3, "rope"), (3, 9, 3, "learned"),
+    (2, 5, 1, "learned")])
 @torch.no_grad()
-def test_sinks_and_window_equal_a_forward_with_streaming_positions_written_out(sinks, window, n_kv_head):
+def test_sinks_and_window_equal_a_forward_with_streaming_positions_written_out(sinks, window, n_kv_head, pos_emb):
     """Every step's logits, over 4 x block_size tokens (the ring wraps many times), prefilled in chunks."""
-    model = random_model(pos_emb="rope", n_kv_head=n_kv_head)
+    model = random_model(pos_emb=pos_emb, n_kv_head=n_kv_head)
     seq = random_tokens(2, 4 * model.config.block_size, seed=5)
     prompt_len = sinks + window - 2
     cached = cached_logits(model, seq, prompt_len, new_sink_cache(model, 2, sinks=sinks, window=window))
@@ -105,7 +111,7 @@ def test_many_samples_of_one_prompt_decode_as_one_row_does():
 
 
 @pytest.mark.parametrize("overrides, kwargs, fragment", [
-    (dict(), dict(sinks=2, window=6), "need pos_emb=rope"),
+    (dict(kv_latent=8), dict(sinks=2, window=6), "neither latent attention nor local layers"),
     (dict(pos_emb="rope"), dict(sinks=-1, window=6), "sinks must be an integer >= 0"),
     (dict(pos_emb="rope"), dict(sinks=2, window=0), "window one >= 1"),
     (dict(pos_emb="rope"), dict(sinks=4, window=13), "sinks \\+ window = 17 is more than the block_size=16"),

@@ -34,7 +34,6 @@ import torch
 from ..gpt import GPT, GPTConfig
 from .int8_cache import Int8KVCache
 from .lowbit_cache import LowBitKVCache
-from .sink_cache import SinkKVCache
 from .ring_cache import RingKVCache
 
 
@@ -125,8 +124,9 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampl
     Arguments that cannot work are a ValueError naming the argument.
     """
     block_size = model.config.block_size
-    rolling = model.config.pos_emb == "rope"  # the cache rolls on past block_size
     start = check_arguments(model, idx, max_new_tokens, window, n_pad, use_cache, cache, compile)
+    # the cache rolls on past block_size: with rotary positions, or a budget that places tokens itself
+    rolling = model.config.pos_emb == "rope" or (cache is not None and cache.budgeted)
     span, window = context_limits(model.config, window)
     if use_cache:
         cache = cache if cache is not None else model.new_kv_cache(idx.size(0))
@@ -271,8 +271,7 @@ def check_cache(model: GPT, cache, batch_size: int) -> None:
     layers = len(cache.k) + (len(local.k) if local is not None else 0)
     heads, head_dim = cache.k[0].size(1), cache.head_dim
     window = local.reach if local is not None else None
-    budget = isinstance(cache, SinkKVCache)  # sees a budget of tokens, fewer than block_size (sink_cache.py)
-    reach = c.block_size if not budget else cache.reach
+    reach = cache.reach if cache.budgeted else c.block_size
     if (layers, heads, head_dim, cache.reach, window) != (c.n_kv_layer, *c.kv_cache_heads, reach, c.local_window):
         raise ValueError(f"cache was made for another model shape ({layers} layers of {heads} key/value heads of "
                          f"{head_dim}, reach {cache.reach}, local window {window}); use "

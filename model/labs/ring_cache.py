@@ -35,6 +35,7 @@ class RingKVCache(KVCache):
     """A KVCache whose slots are a ring, rows may start with left padding, and each query sees `reach` tokens."""
 
     compilable = True  # whether torch.compile can run a decode step through it
+    budgeted = False  # whether it keeps fewer tokens than block_size (sink_cache.py, evicting_cache.py)
 
     def __init__(self, n_kv_layer: int, batch_size: int, n_kv_head: int, max_len: int, head_dim: int,
                  dtype=torch.float32, device=None, reach: int | None = None, read_all_slots: bool = False):

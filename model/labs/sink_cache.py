@@ -4,16 +4,18 @@ length. sinks=0 is the plain sliding window of the same budget.
 
 Models park attention they do not need on the first tokens. A window that drops them moves that weight onto
 tokens that never had it, and the text falls apart; keeping a few restores it. StreamingLLM gives tokens their
-positions within the cache, so that no distance exceeds what the model trained on. With rotary positions only
-distances count, and the window's keep theirs. The sinks are the exception: once the cache is full, sink i sits
-sinks + window - 1 - i before the newest token. So their keys, cached turned to positions 0 .. sinks - 1, turn on
-by how far the window has moved at every step (a rotation's angles add up).
+positions within the cache, so that no distance exceeds what the model trained on.
+- Rotary positions: only distances count, and the window's keep theirs. The sinks are the exception: once the
+  cache is full, sink i sits sinks + window - 1 - i before the newest token. So their keys, cached turned to
+  positions 0 .. sinks - 1, turn on by how far the window has moved at every step (a rotation's angles add up).
+- Learned positions: a position is part of every key and cannot move. So once the cache is full, each new token
+  takes the last place in the cache, sinks + window - 1, as its position; the cached keys keep theirs.
 
     cache = new_sink_cache(model, batch_size=1, sinks=4, window=60)
     ids = generate(model, prompt, 10_000, cache=cache)
 
-Rotary positions only: a learned position is part of every key, and cannot move. Rows start together (no left
-padding). Once full, the cache takes one token per pass; it decodes eagerly and cannot roll back.
+Rows start together (no left padding). Once full, the cache takes one token per pass; it decodes eagerly and
+cannot roll back.
 """
 
 import torch
@@ -36,13 +38,13 @@ class SinkLayerKV:
         now; return what attention reads."""
         c, t = self.cache, k_new.size(2)
         first, S = int(c.pos), c.sinks
-        if first < S:  # new sinks: their keys as they came, turned to their own positions
+        if first < S and c.turn_sinks:  # new sinks: their keys as they came, turned to their own positions
             n = min(S - first, t)
             self.k_sink[:, :, first:first + n] = k_new[:, :, :n].to(self.k_sink.dtype)
         self.k.index_copy_(2, self.slots, k_new.to(self.k.dtype))
         self.v.index_copy_(2, self.slots, v_new.to(self.v.dtype))
         moved = first + t - c.max_len  # how far the newest token is past the last slot's position
-        if moved > 0 and S:
+        if moved > 0 and S and c.turn_sinks:
             cos, sin = rotary(torch.tensor([moved], device=k_new.device), k_new.size(-1))
             self.k[:, :, :S] = rotate(self.k_sink, cos, sin)
         return self.k[:, :, :self.n_read], self.v[:, :, :self.n_read]
@@ -51,11 +53,14 @@ class SinkLayerKV:
 class SinkKVCache(RingKVCache):
     """Slots 0 .. sinks - 1 hold the first tokens; the other `window` slots are a ring of the last ones."""
 
+    budgeted = True
+
     def __init__(self, n_kv_layer: int, batch_size: int, n_kv_head: int, head_dim: int, dtype=torch.float32,
-                 device=None, *, sinks: int, window: int):
+                 device=None, *, sinks: int, window: int, turn_sinks: bool):
         super().__init__(n_kv_layer, batch_size, n_kv_head, sinks + window, head_dim, dtype, device)
-        self.sinks, self.window = sinks, window
-        self.add_layer_buffers(("k_sink",), (batch_size, n_kv_head, sinks, head_dim), dtype, device)
+        self.sinks, self.window, self.turn_sinks = sinks, window, turn_sinks  # turn_sinks: rotary positions
+        self.add_layer_buffers(("k_sink",), (batch_size, n_kv_head, sinks if turn_sinks else 0, head_dim), dtype,
+                               device)
 
     def reset(self, n_pad=None) -> None:
         if n_pad is not None and bool((n_pad > 0).any()):
@@ -75,7 +80,8 @@ class SinkKVCache(RingKVCache):
         new = self.pos + self.slot_ids[:t]  # (t,) the new tokens' numbers: their positions
         if fed + t <= self.max_len:
             return new, None, new, fed + t  # filling up: token n in slot n, the plain cache's rule
-        return new, None, self.sinks + (new - self.sinks) % self.window, None  # one token sees every slot
+        slot = self.sinks + (new - self.sinks) % self.window  # one token sees every slot
+        return new if self.turn_sinks else self.slot_ids[-1:], None, slot, None  # learned: the cache's last place
 
     compilable = False  # the sinks' keys turn by how far the window has moved, read back each step
 
@@ -97,9 +103,9 @@ def new_sink_cache(model, batch_size: int, *, sinks: int, window: int) -> SinkKV
     """An empty cache for batch_size rows of model that keeps the first `sinks` tokens and the last `window`."""
     from .generate import is_integer
     c = model.config
-    if c.pos_emb != "rope" or c.kv_latent is not None or c.local_window is not None:
-        raise ValueError("attention sinks move their keys by rotary positions: they need pos_emb=rope, and "
-                         "neither latent attention nor local layers")
+    if c.kv_latent is not None or c.local_window is not None:
+        raise ValueError("attention sinks keep whole keys in a budget of their own: they need neither latent "
+                         "attention nor local layers")
     if not (is_integer(sinks) and sinks >= 0 and is_integer(window) and window >= 1):
         raise ValueError(f"sinks must be an integer >= 0 and window one >= 1, got sinks={sinks!r}, window={window!r}")
     if sinks + window > c.block_size:
@@ -107,4 +113,4 @@ def new_sink_cache(model, batch_size: int, *, sinks: int, window: int) -> SinkKV
                          f"model sees: the full cache holds them all")
     shape = model.kv_cache_shape(batch_size)
     del shape["max_len"]
-    return SinkKVCache(**shape, sinks=sinks, window=window)
+    return SinkKVCache(**shape, sinks=sinks, window=window, turn_sinks=c.pos_emb == "rope")
