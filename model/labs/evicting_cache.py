@@ -32,7 +32,7 @@ class H2O:
         """score (B, n_kv, S) per slot; weights (B, n_kv, t, S) of this pass's queries."""
         score += weights.sum(dim=2)
 
-    def ranked(self, score, token, newest: int):
+    def claim(self, score, token, newest: int):
         """Each slot's claim to stay (the least goes): score, token (B, n_kv, S) its number, newest the last's."""
         return score.masked_fill(token > newest - token.size(-1) // 2, math.inf)  # the newest budget // 2 stay
 
@@ -43,7 +43,7 @@ class TOVA:
     def observe(self, score, weights):
         score.copy_(weights[:, :, -1])
 
-    def ranked(self, score, token, newest: int):
+    def claim(self, score, token, newest: int):
         return score
 
 
@@ -89,9 +89,9 @@ class EvictingLayerKV:
         c.policy.observe(self.score[..., :S], weights.view(B, n_kv, group, t, S).mean(dim=2).float())
         if S == c.max_len:  # full: the slot the next token takes
             newest = int(c.pos) + t - 1
-            ranked = c.policy.ranked(self.score, self.token, newest)
+            claim = c.policy.claim(self.score, self.token, newest)
             leaving = self.token <= newest + 1 - c.block_size  # out of the full cache's view at the next token
-            self.victim.copy_(ranked.masked_fill(leaving, -math.inf).argmin(dim=-1))
+            self.victim.copy_(claim.masked_fill(leaving, -math.inf).argmin(dim=-1))
         return weights @ v
 
 
