@@ -44,6 +44,7 @@ from model.labs.ring_cache import kv_cache_dtype
 from runtime.checkpoint import find_latest_checkpoint, load_model, resolve_checkpoint, trained_on, training_text
 from runtime.devices import (DEFAULT_THREADS, choose_device, environment_threads, fastest_threads, memory_of,
                               thread_counts)
+from runtime.session import SessionError, load_session, save_session
 from runtime.errors import (CheckpointError, OneLineErrorParser, UsageError, check_standard_streams, fail, mistakes,
                             one_line, silence)
 
@@ -59,7 +60,7 @@ REPLY_STOP = "\n\n"  # --interactive: a reply ends with a blank line (a speech's
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(description="Sample text from a trained kvgpt checkpoint.")
     prompt = parser.add_mutually_exclusive_group()
-    prompt.add_argument("--prompt", metavar="TEXT", default="\n", help="text to continue (default: a newline)")
+    prompt.add_argument("--prompt", metavar="TEXT", help="text to continue (default: a newline)")
     prompt.add_argument("--prompt-file", metavar="PATH", type=Path, help="read the prompt from this UTF-8 file")
     parser.add_argument("--checkpoint", metavar="PATH", type=Path,
                         help="checkpoint file or run directory (default: the newest best.pt under ./runs)")
@@ -111,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="read lines from the terminal: each is added to the text and the model continues "
                              "it, up to --max-new-tokens characters or a blank line; Ctrl-C ends a reply, "
                              "Ctrl-D ends the session")
+    parser.add_argument("--session", metavar="FILE", type=Path,
+                        help="--interactive: take up the conversation saved in FILE, its KV cache included, and "
+                             "save it there when the session ends")
     return parser
 
 
@@ -147,9 +151,9 @@ def check_memory(args, prompt_len: int, model, device: torch.device) -> None:
 
 def read_prompt(args) -> str:
     if args.prompt_file is None:
-        if not args.prompt:
+        if args.prompt == "":
             raise UsageError("--prompt is empty; give at least one character to continue from")
-        return args.prompt
+        return "\n" if args.prompt is None else args.prompt
     try:
         prompt = read_regular_file(args.prompt_file).decode("utf-8")
     except UnicodeDecodeError:
@@ -189,6 +193,10 @@ def check_combinations(args) -> None:
     if args.kv_budget is not None and args.kv_cache not in BUDGETED:
         raise UsageError(f"--kv-budget applies to --kv-cache {', '.join(BUDGETED)}: give one of them, or drop "
                          f"--kv-budget")
+    if args.session and not args.interactive:
+        raise UsageError("--session saves an --interactive conversation: give --interactive too")
+    if args.session and not args.session.parent.is_dir():
+        raise UsageError(f"--session {args.session}: no folder {args.session.parent} to save it in; make it first")
     if args.draft and args.interactive:
         raise UsageError("--draft applies to sampling, not to --interactive: drop one of them")
     if args.max_new_tokens < 0:
@@ -250,18 +258,19 @@ def ctrl_c_sets_flag():
         signal.signal(signal.SIGINT, previous)
 
 
-def interact(conversation: Conversation, vocab: CharVocab, prompt: str, max_new_tokens: int, out) -> None:
+def interact(conversation: Conversation, vocab: CharVocab, prompt: str, max_new_tokens: int, out,
+             resumed: bool = False) -> None:
     """Read lines from standard input to its end (Ctrl-D). Each line, with its newline (and, first, the prompt), is
     added to the text and the model continues it, written as it is drawn, up to max_new_tokens characters or
     through REPLY_STOP. Ctrl-C ends a reply (while typing: the line). A line with characters outside the
-    vocabulary is one line on stderr, and the loop goes on."""
+    vocabulary is one line on stderr, and the loop goes on. resumed: the prompt is the text so far, shown only."""
     newline = "\n" if "\n" in vocab.chars else ""
     stop = vocab.encode(REPLY_STOP) if set(REPLY_STOP) <= set(vocab.chars) else ()
     print(f"type a line and press Enter: the model continues the text for up to {max_new_tokens} characters"
           f"{' or to a blank line' if stop else ''}. Ctrl-C ends a reply, Ctrl-D the session.", file=sys.stderr)
     out.write(prompt)
     out.flush()
-    before = prompt  # the prompt goes in with the first line
+    before = "" if resumed else prompt  # the prompt goes in with the first line
     while True:
         try:
             line = input()
@@ -288,6 +297,20 @@ def interact(conversation: Conversation, vocab: CharVocab, prompt: str, max_new_
                 out.flush()
                 if stopped.is_set():
                     break
+
+
+def take_up(conversation: Conversation, session: Path, checkpoint: Path, model: GPT) -> None:
+    """Restore the conversation saved in session, or refuse it in one line."""
+    try:
+        contents = load_session(session, checkpoint, model)
+        conversation.restore(contents)
+    except SessionError as e:
+        raise UsageError(f"--session {e}") from None
+    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:
+        raise UsageError(f"--session {session} is damaged ({e}): start a new one under another name") from None
+    fed = conversation.text.fed
+    print(f"took up {session}: {len(conversation.tokens)} tokens, {fed} of them cached; the next line is all the "
+          f"model reads", file=sys.stderr)
 
 
 def checked(steps):
@@ -365,6 +388,11 @@ def sample(args) -> None:
             conversation = Conversation(model, sampling=sampling, generator=generator, window=args.window)
         except ValueError as e:  # its messages name the argument, as the options do
             raise UsageError(e) from None
+        resumed = args.session is not None and args.session.exists()
+        if resumed:
+            if args.prompt is not None or args.prompt_file is not None:
+                raise UsageError(f"--session {args.session} goes on from its own text: drop --prompt")
+            take_up(conversation, args.session, path, model)
     use_cache = not args.no_kv_cache
     cache = cache_for(args, model, args.num_samples) if use_cache and not draft else None
     idx = torch.tensor([prompt_ids] * args.num_samples, dtype=torch.long, device=device)
@@ -395,7 +423,12 @@ def sample(args) -> None:
     try:
         if args.interactive:
             sys.stdin.reconfigure(errors="surrogateescape")  # bytes that are not UTF-8 cost their line, no more
-            interact(conversation, vocab, prompt, args.max_new_tokens, sys.stdout)
+            interact(conversation, vocab, vocab.decode(conversation.tokens) if resumed else prompt,
+                     args.max_new_tokens, sys.stdout, resumed)
+            if args.session is not None:
+                save_session(args.session, conversation.state(), path, model)
+                print(f"saved the session, {len(conversation.tokens)} tokens and their cache, to {args.session}",
+                      file=sys.stderr)
             return
         write_samples(steps, prompt, vocab, args.num_samples, sys.stdout, every=1 if sys.stdout.isatty() else CHUNK)
     except BrokenPipeError:  # the reader stopped early (`| head`): nothing more is wanted

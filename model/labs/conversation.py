@@ -3,6 +3,8 @@
     chat = Conversation(model, sampling=GREEDY)
     for token in chat.reply(new_ids, 200, stop=blank_line_ids):  # ints, as they are drawn
         ...
+    state = chat.state()  # the text and its cache, as tensors: sample.py --session saves them
+    later = Conversation(model, sampling=GREEDY).restore(state)  # goes on with nothing read again
 
 Each turn appends the new tokens to the text and continues it, and only the tokens not yet read go through the
 model: the new ones, and the previous reply's last token. Each reply is what generate would continue the whole
@@ -34,6 +36,28 @@ class Conversation:
     def tokens(self) -> list[int]:
         """The whole text so far: every turn's tokens and every reply."""
         return self.text.tokens
+
+    def state(self) -> dict:
+        """The text, where its context starts, and the cache's buffers: tensors and ints, for torch.save."""
+        text = self.text
+        return {"tokens": torch.tensor(text.tokens, dtype=torch.long), "start": text.start,
+                "cache": {name: t.cpu() for name, t in text.cache.named_buffers()}}
+
+    def restore(self, state: dict) -> "Conversation":
+        """Take up a state() of a conversation with the same model: its text, and its cache as it was."""
+        text, cache = self.text, self.text.cache
+        buffers = dict(cache.named_buffers())
+        saved = state["cache"]
+        if saved.keys() != buffers.keys() or any(saved[n].shape != t.shape or saved[n].dtype != t.dtype
+                                                 for n, t in buffers.items()):
+            raise ValueError("the saved cache does not fit this model's cache: another design, size or dtype")
+        for name, t in buffers.items():
+            t.copy_(saved[name])
+        text.tokens, text.start = state["tokens"].tolist(), int(state["start"])
+        if not text.start <= text.fed <= len(text.tokens):
+            raise ValueError(f"the saved cache holds tokens {text.start} to {text.fed} of a text of "
+                             f"{len(text.tokens)}: it is damaged")
+        return self
 
     @torch.no_grad()
     def reply(self, new_tokens: Sequence[int], max_new_tokens: int, stop: Sequence[int] = ()) -> Iterator[int]:

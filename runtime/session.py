@@ -1,0 +1,55 @@
+"""A conversation saved to a file and taken up again (sample.py --interactive --session FILE): its text and its
+KV cache, so that the next turn reads only the new line.
+
+The file records which model wrote it: the checkpoint's path, a fingerprint of its weights as decoded (the
+precision included) and the cache's design. A file from another model, another design or a damaged one is
+refused, never continued wrongly. It is written atomically and read with weights_only=True.
+"""
+
+import hashlib
+from pathlib import Path
+
+import torch
+
+from .files import write_atomically
+
+FORMAT = "kvgpt-session-1"
+
+
+class SessionError(Exception):
+    """A session file that cannot be taken up: the message says why, in one line."""
+
+
+def fingerprint(model) -> str:
+    """sha256 of the model's weights as they decode (their dtype included), with the config: the same model or not."""
+    digest = hashlib.sha256(repr(model.config).encode())
+    for name, tensor in model.state_dict().items():
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def save_session(path, state: dict, checkpoint, model) -> Path:
+    """Write a Conversation.state() atomically, with what identifies the model that made it."""
+    contents = {"format": FORMAT, "checkpoint": str(checkpoint), "weights": fingerprint(model), **state}
+    return write_atomically(path, lambda file: torch.save(contents, file))
+
+
+def load_session(path, checkpoint, model) -> dict:
+    """The Conversation state saved in path, for this model; SessionError if it is not one, or another model's."""
+    try:
+        file = open(path, "rb")
+    except OSError as e:
+        raise SessionError(f"cannot read the session {path}: {e.strerror or e}") from None
+    with file:
+        try:
+            contents = torch.load(file, map_location="cpu", weights_only=True)
+        except Exception:  # unpickling and zip errors have many types
+            raise SessionError(f"{path} is damaged or not a session file: start a new one under another "
+                               f"name") from None
+    if not isinstance(contents, dict) or contents.get("format") != FORMAT:
+        raise SessionError(f"{path} is not a session file of this version: start a new one under another name")
+    if contents.get("weights") != fingerprint(model):
+        raise SessionError(f"{path} was saved with another model ({contents.get('checkpoint')}, or another "
+                           f"--precision), not {checkpoint}: give that checkpoint, or start a new session")
+    return contents

@@ -1,0 +1,91 @@
+"""A conversation saved with its KV cache and taken up again (runtime/session.py, sample.py --session): it goes on
+exactly as the uninterrupted one, reading only the new line; another model's file or a damaged one is refused."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from model import GREEDY
+from model.labs.conversation import Conversation
+from runtime.checkpoint import save_checkpoint
+from runtime.session import load_session, save_session
+from test_sample import ENV, SAMPLE, assert_usage_error, checkpoint_state, tiny_model
+from tiny_models import random_model, random_tokens
+
+
+class CountingTokens:
+    """Counts the tokens a model's passes read (forward and decode_step both run its trunk)."""
+
+    def __init__(self, model):
+        self.read, self.trunk = 0, model._trunk
+        model._trunk = self
+
+    def __call__(self, idx, *args, **kwargs):
+        self.read += idx.size(1)
+        return self.trunk(idx, *args, **kwargs)
+
+
+@pytest.mark.parametrize("pos_emb", ["learned", "rope"])
+def test_a_conversation_taken_up_from_a_saved_file_goes_on_exactly_and_reads_only_the_new_tokens(tmp_path,
+                                                                                                   pos_emb):
+    model = random_model(pos_emb=pos_emb)
+    turns = [random_tokens(7, seed=s).tolist() for s in range(3)]
+    whole = Conversation(model)
+    replies = [list(whole.reply(turn, 9)) for turn in turns]  # 48 tokens: past block_size
+    first = Conversation(model)
+    for turn in turns[:2]:
+        list(first.reply(turn, 9))
+    save_session(tmp_path / "chat.pt", first.state(), "model.pt", model)
+    later = Conversation(model, sampling=GREEDY).restore(load_session(tmp_path / "chat.pt", "model.pt", model))
+    assert later.tokens == first.tokens
+    counter = CountingTokens(model)
+    assert list(later.reply(turns[2], 9)) == replies[2]
+    assert counter.read == 1 + len(turns[2]) + 8  # the last reply's last token, the new line, then one per step
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict:
+    folder = tmp_path_factory.mktemp("session")
+    return {name: save_checkpoint(checkpoint_state(tiny_model(seed=seed, train_steps=60)), folder / f"{name}.pt")
+            for name, seed in (("model", 0), ("other", 1))}
+
+
+def chat(checkpoint, typed: str, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SAMPLE), "--checkpoint", str(checkpoint), "--interactive",
+                           "--temperature", "0", "--max-new-tokens", "20", *map(str, args)],
+                          input=typed, env=ENV, capture_output=True, text=True, timeout=300)
+
+
+def test_a_session_taken_up_ends_where_one_uninterrupted_session_ends(models, tmp_path):
+    lines = ["First Citizen:\n", "Speak, speak.\n", "All:\n"]
+    whole, parts = tmp_path / "whole.pt", tmp_path / "parts.pt"
+    assert chat(models["model"], "".join(lines), "--session", whole).returncode == 0
+    first = chat(models["model"], lines[0], "--session", parts)
+    assert first.returncode == 0 and "saved the session" in first.stderr
+    second = chat(models["model"], "".join(lines[1:]), "--session", parts)
+    assert second.returncode == 0, second.stderr
+    assert "the next line is all the model reads" in second.stderr
+    shown = "\n" + lines[0] + first.stdout[1:].rstrip("\n")  # the prompt, the typed line, the reply
+    assert second.stdout.startswith(shown)  # the text so far is shown again
+    saved = [torch.load(path, weights_only=True) for path in (whole, parts)]
+    assert torch.equal(saved[0]["tokens"], saved[1]["tokens"])
+    for name, tensor in saved[0]["cache"].items():
+        torch.testing.assert_close(saved[1]["cache"][name], tensor, rtol=0, atol=1e-5)
+
+
+def test_a_session_of_another_model_or_a_damaged_one_is_refused_and_kept(models, tmp_path):
+    session = tmp_path / "chat.pt"
+    assert chat(models["model"], "First Citizen:\n", "--session", session).returncode == 0
+    saved = session.read_bytes()
+    assert_usage_error(chat(models["other"], "All:\n", "--session", session), "was saved with another model")
+    assert_usage_error(chat(models["model"], "All:\n", "--session", session, "--prompt", "All:"),
+                       "goes on from its own text: drop --prompt")
+    assert session.read_bytes() == saved  # nothing saved is lost
+    damaged = tmp_path / "damaged.pt"
+    damaged.write_bytes(saved[:len(saved) // 2])
+    assert_usage_error(chat(models["model"], "All:\n", "--session", damaged), "is damaged or not a session file")
+    result = subprocess.run([sys.executable, str(SAMPLE), "--checkpoint", str(models["model"]), "--session",
+                             str(session)], env=ENV, capture_output=True, text=True, timeout=300)
+    assert_usage_error(result, "--session saves an --interactive conversation: give --interactive too")
