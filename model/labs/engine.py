@@ -1,0 +1,178 @@
+"""Many requests over one pool of KV blocks (paged.py): continuous batching, a prefix cache, chunked prefill and
+preemption, after vLLM and nano-vllm.
+
+    engine = Engine(model, n_blocks=64, block_tokens=8)
+    engine.add("a", prompt_ids, max_new_tokens=100)  # at any time, also while others decode
+    for request, token in engine.run():              # each token as it is drawn
+        ...
+
+Each step is one forward pass. A waiting request joins once the request before it is prefilled, if the pool has
+blocks for its text; full blocks that another request has already computed for the same first tokens are read,
+not recomputed. A request that joins is prefilled first, a chunk of at most `chunk` tokens per step; then every
+running request decodes one token per step, together. When a decoding request needs a block and none is left, the request that joined last is
+preempted: its blocks go back to the pool, and it waits to be prefilled again, with the tokens it has drawn. A
+request leaves when it has drawn its tokens, and its blocks go back. Each request's text is what it would get
+decoded alone: a context of at most block_size tokens.
+"""
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from .generate import GREEDY, Sampling, is_integer
+from .paged import BlockPool, PagedPass, chain_hash
+
+
+@dataclass
+class Request:
+    name: object
+    tokens: list[int]  # the prompt, then what it has drawn
+    max_new_tokens: int
+    prompt_len: int
+    blocks: list[int] = field(default_factory=list)  # the block table
+    names: list[bytes] = field(default_factory=list)  # the chain hash of each full block
+    fed: int = 0  # tokens[:fed] are in the pool
+    logits: list[torch.Tensor] = field(default_factory=list)  # each draw's, when the engine keeps them
+
+    @property
+    def drawn(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+@dataclass
+class EngineStats:
+    passes: int = 0
+    prompt_tokens: int = 0  # prompt tokens of every request admitted (again, after a preemption)
+    reused_tokens: int = 0  # of those, read from cached blocks instead of computed
+    preemptions: int = 0
+    peak_blocks: int = 0  # the most blocks read at once
+
+    @property
+    def hit_rate(self) -> float:
+        return self.reused_tokens / max(self.prompt_tokens, 1)
+
+
+class Engine:
+    """Requests decoded over a pool of n_blocks blocks of block_tokens tokens; at most max_batch run at once."""
+
+    def __init__(self, model, *, n_blocks: int, block_tokens: int = 16, max_batch: int = 16, chunk: int = 64,
+                 sampling: Sampling = GREEDY, generator: torch.Generator | None = None, keep_logits: bool = False):
+        for name, value in (("n_blocks", n_blocks), ("block_tokens", block_tokens), ("max_batch", max_batch),
+                            ("chunk", chunk)):
+            if not (is_integer(value) and value >= 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        self.model, self.sampling, self.generator, self.keep_logits = model, sampling, generator, keep_logits
+        self.pool = BlockPool(model, n_blocks, block_tokens)
+        self.max_batch, self.chunk = max_batch, chunk
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in the order they joined
+        self.stats = EngineStats()
+
+    def add(self, name, prompt: list[int], max_new_tokens: int) -> Request:
+        block_size, bt = self.model.config.block_size, self.pool.block_tokens
+        if not prompt or not (is_integer(max_new_tokens) and max_new_tokens >= 1):
+            raise ValueError(f"request {name!r}: give at least one prompt token and max_new_tokens >= 1")
+        if len(prompt) + max_new_tokens > block_size:
+            raise ValueError(f"request {name!r}: {len(prompt)} prompt tokens and {max_new_tokens} new ones pass "
+                             f"block_size={block_size}")
+        if -(-(len(prompt) + max_new_tokens) // bt) > self.pool.n_blocks:
+            raise ValueError(f"request {name!r} needs more than the pool's {self.pool.n_blocks} blocks")
+        request = Request(name, list(prompt), max_new_tokens, len(prompt))
+        self.waiting.append(request)
+        return request
+
+    def run(self):
+        """Yield (request's name, token) until every request added has drawn its tokens."""
+        while self.waiting or self.running:
+            yield from self.step()
+
+    @torch.no_grad()
+    def step(self) -> list[tuple[object, int]]:
+        """One forward pass: a chunk of one joining request's prefill, or one token of every running request."""
+        joining = [r for r in self.running if r.fed < len(r.tokens) - 1]
+        # one joins at a time, once the one before is prefilled: its full blocks are then named, for the next to read
+        while not joining and self.waiting and len(self.running) < self.max_batch and self._admit(self.waiting[0]):
+            self.running.append(self.waiting.popleft())
+            joining = [r for r in self.running[-1:] if r.fed < len(r.tokens) - 1]
+        if joining:
+            request = joining[0]
+            t = min(self.chunk, len(request.tokens) - request.fed)
+            return self._forward([request], t)
+        for request in list(self.running):  # each one's next token needs a slot
+            while request in self.running and not self._grow(request):
+                self._preempt([r for r in self.running if r is not request][-1])
+        return self._forward(self.running, 1)
+
+    def _admit(self, request: Request) -> bool:
+        """Give a waiting request the cached blocks of its first tokens and new ones for the rest, if there are
+        enough; the last token is always computed, for its logits."""
+        bt, pool = self.pool.block_tokens, self.pool
+        name = b""
+        for start in range(0, len(request.tokens) - 1 - bt + 1, bt):
+            name = chain_hash(name, request.tokens[start:start + bt])
+            block = pool.lookup(name)
+            if block is None:
+                break
+            request.blocks.append(block)
+            request.names.append(name)
+        need = -(-len(request.tokens) // bt) - len(request.blocks)
+        if need > pool.available():
+            for block in request.blocks:
+                pool.release(block)
+            request.blocks, request.names = [], []
+            return False
+        request.blocks += [pool.allocate() for _ in range(need)]
+        request.fed = len(request.names) * bt
+        self.stats.prompt_tokens += len(request.tokens)
+        self.stats.reused_tokens += request.fed
+        return True
+
+    def _grow(self, request: Request) -> bool:
+        """Make room for one more token; False when the pool has no block left."""
+        if len(request.tokens) <= len(request.blocks) * self.pool.block_tokens:
+            return True
+        block = self.pool.allocate()
+        if block is not None:
+            request.blocks.append(block)
+        return block is not None
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        for block in request.blocks:
+            self.pool.release(block)
+        request.blocks, request.names, request.fed = [], [], 0
+        self.waiting.appendleft(request)
+        self.stats.preemptions += 1
+
+    def _forward(self, requests: list[Request], t: int) -> list[tuple[object, int]]:
+        requests = list(requests)  # those that finish leave self.running below
+        ids = torch.tensor([r.tokens[r.fed:r.fed + t] for r in requests], device=self.pool.k[0].device)
+        logits = self.model.decode_step(ids, PagedPass(self.pool, [r.blocks for r in requests],
+                                                       [r.fed for r in requests], t))
+        self.stats.passes += 1
+        self.stats.peak_blocks = max(self.stats.peak_blocks, self.pool.n_blocks - self.pool.available())
+        drawn = []
+        next_ids = self.sampling.next_token(logits, self.generator).tolist()
+        for request, row, token in zip(requests, logits, next_ids):
+            request.fed += t
+            self._name_full_blocks(request)
+            if request.fed < len(request.tokens):
+                continue  # a prefill chunk before its last token: nothing drawn yet
+            request.tokens.append(token)
+            if self.keep_logits:
+                request.logits.append(row)
+            drawn.append((request.name, token))
+            if request.drawn == request.max_new_tokens:
+                self.running.remove(request)
+                for block in request.blocks:
+                    self.pool.release(block)
+        return drawn
+
+    def _name_full_blocks(self, request: Request) -> None:
+        bt = self.pool.block_tokens
+        while len(request.names) < request.fed // bt:
+            i = len(request.names)
+            name = chain_hash(request.names[-1] if request.names else b"", request.tokens[i * bt:(i + 1) * bt])
+            self.pool.name(request.blocks[i], name)
+            request.names.append(name)

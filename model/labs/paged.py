@@ -1,0 +1,127 @@
+"""What paging adds to the KV cache (model/kv_cache.py): many sequences over one pool of blocks.
+
+Keys and values live in blocks of `block_tokens` slots, drawn from one pool shared by every sequence. A sequence
+holds a block table: token n sits in slot n % block_tokens of block table[n // block_tokens]. Blocks are counted
+by reference. A full block is also named by a hash of every token up to its end (a chain: the block's tokens and
+the hash before it), so that a later sequence that starts with the same tokens reads it instead of computing it
+again (a prefix cache). A full block is never written again, so sharing it is safe. When its last reader leaves,
+it stays cached until the pool needs it, the least recently used first.
+
+A forward pass reads each sequence through its table (PagedPass): the model sees it as a cache, with one row per
+sequence, each row's keys gathered from its blocks and masked past its own length. model/labs/engine.py schedules
+requests over the pool.
+"""
+
+import hashlib
+from collections import OrderedDict
+
+import torch
+
+
+def chain_hash(parent: bytes, tokens) -> bytes:
+    """The name of a full block: sha256 of the hash before it and its tokens."""
+    return hashlib.sha256(parent + b"".join(int(t).to_bytes(4, "little") for t in tokens)).digest()
+
+
+class BlockPool:
+    """n_blocks blocks of block_tokens slots, for every layer's keys and values, and their bookkeeping."""
+
+    def __init__(self, model, n_blocks: int, block_tokens: int):
+        shape = model.kv_cache_shape(1)
+        slots, heads, width = n_blocks * block_tokens, shape["n_kv_head"], shape["head_dim"]
+        device = next(model.parameters()).device
+        # per layer (n_blocks * block_tokens, n_kv_head, head_dim): one slot per row, for index_copy_ and gathers
+        self.k = [torch.zeros(slots, heads, width, dtype=model.attention_dtype, device=device)
+                  for _ in range(shape["n_kv_layer"])]
+        self.v = [torch.zeros_like(k) for k in self.k]
+        self.n_blocks, self.block_tokens = n_blocks, block_tokens
+        self.refs = [0] * n_blocks
+        self.free = list(range(n_blocks - 1, -1, -1))  # never named, or named no longer
+        self.idle: OrderedDict[int, None] = OrderedDict()  # named blocks nobody reads, least recently used first
+        self.by_hash: dict[bytes, int] = {}
+        self.hash_of: dict[int, bytes] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.k + self.v)
+
+    def available(self) -> int:
+        """Blocks that allocate() can hand out now."""
+        return len(self.free) + len(self.idle)
+
+    def allocate(self) -> int | None:
+        """A block for one reader, or None when every block is read."""
+        if self.free:
+            block = self.free.pop()
+        elif self.idle:
+            block, _ = self.idle.popitem(last=False)  # the least recently used cached prefix goes
+            del self.by_hash[self.hash_of.pop(block)]
+        else:
+            return None
+        self.refs[block] = 1
+        return block
+
+    def lookup(self, name: bytes) -> int | None:
+        """The cached block with this name, now read by one more, or None."""
+        block = self.by_hash.get(name)
+        if block is not None:
+            self.idle.pop(block, None)
+            self.refs[block] += 1
+        return block
+
+    def name(self, block: int, name: bytes) -> None:
+        """Register a block that has just become full under its chain hash (unless a block already holds it)."""
+        if name not in self.by_hash and block not in self.hash_of:
+            self.by_hash[name], self.hash_of[block] = block, name
+
+    def release(self, block: int) -> None:
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            if block in self.hash_of:
+                self.idle[block] = None  # the most recently used end
+            else:
+                self.free.append(block)
+
+
+class PagedLayer:
+    """One layer's view of a PagedPass: LayerKV's update, through the block tables."""
+
+    def __init__(self, k, v, batch: "PagedPass"):
+        self.k, self.v, self.batch = k, v, batch
+
+    def update(self, k_new, v_new):
+        """Write the new keys/values (B, n_kv, t, hs) into their slots; return each row's (B, n_kv, L, hs)."""
+        b = self.batch
+        for store, new in ((self.k, k_new), (self.v, v_new)):
+            store.index_copy_(0, b.write, new.transpose(1, 2).reshape(-1, *store.shape[1:]).to(store.dtype))
+        B, L = b.read.shape
+        return tuple(store[b.read.flatten()].view(B, L, *store.shape[1:]).transpose(1, 2)
+                     for store in (self.k, self.v))
+
+
+class PagedPass:
+    """The cache a forward pass of t new tokens per sequence sees: rows are sequences (tables, fed: tokens
+    already in the pool), each row's keys its own, up to its own length."""
+
+    def __init__(self, pool: BlockPool, tables: list[list[int]], fed: list[int], t: int):
+        self.pool = pool
+        device = pool.k[0].device
+        bt = pool.block_tokens
+        length = max(fed) + t
+        slot = lambda table, n: table[n // bt] * bt + n % bt  # noqa: E731
+        self.read = torch.tensor([[slot(table, n) if n < f + t else 0 for n in range(length)]
+                                  for table, f in zip(tables, fed)], device=device)  # (B, L)
+        self.write = torch.tensor([slot(table, f + i) for table, f in zip(tables, fed) for i in range(t)],
+                                  device=device)  # (B * t,)
+        self.positions = torch.tensor(fed, device=device)[:, None] + torch.arange(t, device=device)  # (B, t)
+        seen = torch.arange(length, device=device) <= self.positions[..., None]  # (B, t, L): causal, own length
+        self.mask = seen[:, None]  # (B, 1, t, L)
+
+    def for_tokens(self, t: int):
+        return self.positions, self.mask, None, None
+
+    def layer(self, i: int, slots, n_read) -> PagedLayer:
+        return PagedLayer(self.pool.k[i], self.pool.v[i], self)
+
+    def advance(self, t: int) -> None:
+        """The engine counts what each sequence has fed."""

@@ -1,0 +1,112 @@
+"""Many requests over one pool of blocks (model/labs/paged.py, engine.py), under random schedules: every draw's
+logits equal a full forward over the request's own text, each greedy text equals the request decoded alone with
+the contiguous cache, a shared block is never written, and every block is free at the end."""
+
+import random
+
+import pytest
+import torch
+
+from model import GREEDY, generate
+from model.labs import engine as engine_module
+from model.labs.engine import Engine
+from tiny_models import VOCAB, random_model
+
+BLOCK = 40  # the models' block_size: room for a shared prefix, a request's own prompt and its draws
+
+
+class CheckedPass(engine_module.PagedPass):
+    """A PagedPass that first checks that no slot it writes belongs to a block another sequence reads."""
+
+    def __init__(self, pool, tables, fed, t):
+        super().__init__(pool, tables, fed, t)
+        written = {int(slot) // pool.block_tokens for slot in self.write}
+        assert all(pool.refs[block] == 1 for block in written), "a shared block was written"
+
+
+def random_schedule(model, seed: int, n_blocks: int, block_tokens: int, chunk: int, max_batch: int):
+    """Requests arriving between steps, half of them after one of two common prefixes; returns the engine and
+    each request's prompt, draws and max_new_tokens."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(VOCAB) for _ in range(rng.randrange(6, 14))] for _ in range(2)]
+    arrivals = []
+    for i in range(10):
+        own = [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 8))]
+        prompt = (rng.choice(prefixes) if rng.random() < 0.6 else []) + own
+        arrivals.append((f"r{i}", prompt, rng.randrange(1, BLOCK - len(prompt) + 1)))
+    engine = Engine(model, n_blocks=n_blocks, block_tokens=block_tokens, chunk=chunk, max_batch=max_batch,
+                    keep_logits=True)
+    requests, drawn = {}, {name: [] for name, _, _ in arrivals}
+    pending = list(arrivals)
+    while pending or engine.waiting or engine.running:
+        while pending and (rng.random() < 0.4 or not (engine.waiting or engine.running)):
+            name, prompt, new = pending.pop(0)
+            requests[name] = (prompt, new, engine.add(name, prompt, new))
+        for name, token in engine.step() if (engine.waiting or engine.running) else []:
+            drawn[name].append(token)
+    return engine, requests, drawn
+
+
+@pytest.mark.parametrize("overrides", [dict(), dict(pos_emb="rope", n_kv_head=1)], ids=["learned", "rope-mqa"])
+@pytest.mark.parametrize("seed, n_blocks, block_tokens, chunk, max_batch", [
+    (0, 10, 4, 5, 4),  # a pool just large enough for the longest request: preemptions
+    (1, 40, 4, 64, 8), (2, 12, 8, 3, 3), (3, 24, 2, 7, 16)])
+@torch.no_grad()
+def test_random_schedules_decode_every_request_as_if_alone(monkeypatch, overrides, seed, n_blocks, block_tokens,
+                                                           chunk, max_batch):
+    model = random_model(block_size=BLOCK, **overrides)
+    monkeypatch.setattr(engine_module, "PagedPass", CheckedPass)
+    engine, requests, drawn = random_schedule(model, seed, n_blocks, block_tokens, chunk, max_batch)
+    for name, (prompt, new, request) in requests.items():
+        assert request.tokens == prompt + drawn[name] and len(drawn[name]) == new
+        for k, logits in enumerate(request.logits):
+            context = torch.tensor([request.tokens[:len(prompt) + k]])
+            torch.testing.assert_close(logits, model(context)[0][0, -1], rtol=0, atol=1e-5)
+        alone = generate(model, torch.tensor([prompt]), new, sampling=GREEDY)
+        assert alone[0].tolist() == request.tokens
+    pool = engine.pool
+    assert pool.refs == [0] * n_blocks and pool.available() == n_blocks
+    if n_blocks == 10:
+        assert engine.stats.preemptions > 0
+
+
+def test_the_prefix_cache_computes_a_shared_prompt_once():
+    model = random_model(block_size=BLOCK)
+    engine = Engine(model, n_blocks=32, block_tokens=4)
+    preamble = list(range(VOCAB)) + [1, 2, 3]  # 16 tokens: 4 full blocks
+    for i in range(4):
+        engine.add(i, preamble + [i], 3)
+    list(engine.run())
+    # the first computes the 4 blocks; the others read them (admitted one per step after the first's prefill)
+    assert engine.stats.reused_tokens == 3 * 16 and engine.stats.prompt_tokens == 4 * 17
+
+
+@torch.no_grad()
+def test_a_block_is_named_by_every_token_before_it():
+    """The same four tokens as a text's second block are not its first block: B reads A's first block only."""
+    model = random_model(block_size=BLOCK)
+    engine = Engine(model, n_blocks=32, block_tokens=4, keep_logits=True)
+    same = [3, 1, 4, 1]
+    engine.add("a", same + [5, 9], 2)
+    list(engine.run())
+    b = engine.add("b", same + same + [5, 9], 2)
+    list(engine.run())
+    assert engine.stats.reused_tokens == 4
+    torch.testing.assert_close(b.logits[0], model(torch.tensor([b.tokens[:10]]))[0][0, -1], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(n_blocks=0), "n_blocks must be an integer >= 1, got 0"),
+    (dict(n_blocks=4, block_tokens=2.5), "block_tokens must be an integer >= 1"),
+])
+def test_settings_that_cannot_work_are_refused(kwargs, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        Engine(random_model(), **kwargs)
+
+
+@pytest.mark.parametrize("prompt, new, fragment", [
+    ([], 3, "at least one prompt token"), ([1] * 10, 7, "pass block_size=16"), ([1] * 9, 4, "more than the pool")])
+def test_requests_that_cannot_be_served_are_refused(prompt, new, fragment):
+    engine = Engine(random_model(), n_blocks=3, block_tokens=4)
+    with pytest.raises(ValueError, match=fragment):
+        engine.add("r", prompt, new)
