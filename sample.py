@@ -37,6 +37,7 @@ from data import CharVocab, DataError, UnknownCharacterError, read_regular_file
 from model import GPT, Sampling, generate_tokens, kv_cache_bytes
 from model.labs.caches import BUDGETED, CACHES, EAGER, new_cache
 from model.labs.conversation import Conversation
+from model.labs.engine import Engine
 from model.labs.ngram_draft import NGramTable
 from model.labs.speculative import PromptLookup, SpeculativeStats, speculative_generate
 from model.labs.quantize import DECODING_PRECISIONS
@@ -51,6 +52,7 @@ from runtime.errors import (CheckpointError, OneLineErrorParser, UsageError, che
 SAMPLE_SEPARATOR = "---------------\n"
 MAX_GENERATOR_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
 MEMORY_SHARE = 0.5  # the largest share of the device's memory that the samples' KV cache and tokens may take
+EACH_LINE_BATCH, BLOCK_TOKENS = 16, 16  # --each-line: lines decoded at once, and tokens per block of the pool
 CHUNK = 64  # tokens read back from the device at once when the output is no terminal: each read is a sync
 SPECULATE_K = 4  # --speculate-k's default
 DECODE_TIMED = 16  # tokens decoded at each thread count to choose the fastest
@@ -112,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="read lines from the terminal: each is added to the text and the model continues "
                              "it, up to --max-new-tokens characters or a blank line; Ctrl-C ends a reply, "
                              "Ctrl-D ends the session")
+    parser.add_argument("--each-line", action="store_true",
+                        help="continue each line of --prompt-file, the lines decoded together over one pool of KV "
+                             "blocks (model/labs/engine.py); each is written, with its line, in the file's order")
     parser.add_argument("--session", metavar="FILE", type=Path,
                         help="--interactive: take up the conversation saved in FILE, its KV cache included, and "
                              "save it there when the session ends")
@@ -178,7 +183,7 @@ def encode_prompt(vocab: CharVocab, prompt: str, what: str = "the prompt") -> li
 
 def check_combinations(args) -> None:
     """Refuse options that cannot apply together, naming them."""
-    one_row = {"--draft": args.draft, "--interactive": args.interactive}
+    one_row = {"--draft": args.draft, "--interactive": args.interactive, "--each-line": args.each_line}
     plain_decoding = {"--no-kv-cache": args.no_kv_cache, "--compile": args.compile, "--kv-cache": args.kv_cache,
                       "--read-all-slots": args.read_all_slots, "--num-samples": args.num_samples != 1}
     if args.speculate_k is not None and not args.draft:
@@ -199,6 +204,8 @@ def check_combinations(args) -> None:
         raise UsageError(f"--session {args.session}: no folder {args.session.parent} to save it in; make it first")
     if args.draft and args.interactive:
         raise UsageError("--draft applies to sampling, not to --interactive: drop one of them")
+    if args.each_line and (args.prompt_file is None or args.draft or args.interactive):
+        raise UsageError("--each-line continues the lines of --prompt-file, without --draft or --interactive")
     if args.max_new_tokens < 0:
         raise UsageError(f"--max-new-tokens: max_new_tokens must be an integer >= 0, got {args.max_new_tokens}")
     if args.interactive and sys.stdin is None:
@@ -323,6 +330,27 @@ def checked(steps):
     return steps if first is None else itertools.chain([first], steps)
 
 
+def continue_lines(model: GPT, vocab: CharVocab, text: str, max_new_tokens: int, sampling: Sampling,
+                   generator: torch.Generator, out) -> tuple[Engine, int]:
+    """--each-line: each line of text with characters in it, with its newline, continued by max_new_tokens tokens
+    (its last block_size - max_new_tokens are read), the lines decoded together. Each is written as soon as it and
+    those before it are done."""
+    block = model.config.block_size
+    lines = [line + "\n" for line in text.splitlines() if line.strip()]
+    engine = Engine(model, n_blocks=EACH_LINE_BATCH * -(-block // BLOCK_TOKENS), block_tokens=BLOCK_TOKENS,
+                    max_batch=EACH_LINE_BATCH, sampling=sampling, generator=generator)
+    requests = [engine.add(i, vocab.encode(line)[-(block - max_new_tokens):], max_new_tokens)
+                for i, line in enumerate(lines)]
+    written = 0
+    for _ in engine.run():
+        while written < len(lines) and requests[written].drawn == max_new_tokens:
+            continuation = vocab.decode(requests[written].tokens[requests[written].prompt_len:])
+            out.write((SAMPLE_SEPARATOR if written else "") + lines[written] + continuation + "\n")
+            out.flush()
+            written += 1
+    return engine, len(lines)
+
+
 def write_samples(steps, prompt: str, vocab: CharVocab, num_samples: int, out, every: int) -> None:
     """Write the samples as they are generated: a lone one as it grows, its tokens read back from the device
     every `every` steps; samples generated side by side, one after another at the end. Ctrl-C stops the
@@ -374,6 +402,12 @@ def sample(args) -> None:
     path = resolve_checkpoint(args.checkpoint) if args.checkpoint else find_latest_checkpoint("runs")
     model, vocab, contents = load_model(path, device, precision=args.precision)
     prompt_ids = encode_prompt(vocab, prompt)
+    if args.each_line and not 1 <= args.max_new_tokens < model.config.block_size:
+        raise UsageError(f"--each-line draws 1 to block_size - 1 = {model.config.block_size - 1} tokens per line, "
+                         f"within the model's context; got --max-new-tokens {args.max_new_tokens}: give "
+                         f"--max-new-tokens {model.config.block_size // 2}, say")
+    if args.each_line and not prompt.strip():
+        raise UsageError("--each-line: --prompt-file has no line with characters in it to continue")
     check_memory(args, len(prompt_ids), model, device)
     draft = load_draft(args, model, vocab, contents, device) if args.draft else None
     threads = choose_threads(args, model, prompt_ids, device)  # before anything is timed or sampled
@@ -394,11 +428,11 @@ def sample(args) -> None:
                 raise UsageError(f"--session {args.session} goes on from its own text: drop --prompt")
             take_up(conversation, args.session, path, model)
     use_cache = not args.no_kv_cache
-    cache = cache_for(args, model, args.num_samples) if use_cache and not draft else None
+    cache = cache_for(args, model, args.num_samples) if use_cache and not (draft or args.each_line) else None
     idx = torch.tensor([prompt_ids] * args.num_samples, dtype=torch.long, device=device)
     start = time.perf_counter()
     speculation = SpeculativeStats()
-    if args.interactive:
+    if args.interactive or args.each_line:
         steps = None
     elif draft:
         steps = checked(speculative_generate(model, idx, args.max_new_tokens, draft=draft,
@@ -429,6 +463,17 @@ def sample(args) -> None:
                 save_session(args.session, conversation.state(), path, model)
                 print(f"saved the session, {len(conversation.tokens)} tokens and their cache, to {args.session}",
                       file=sys.stderr)
+            return
+        if args.each_line:
+            engine, n_lines = continue_lines(model, vocab, prompt, args.max_new_tokens, sampling, generator,
+                                             sys.stdout)
+            seconds, pool, stats = time.perf_counter() - start, engine.pool, engine.stats
+            tokens = n_lines * args.max_new_tokens
+            print(f"{tokens} tokens for {n_lines} lines in {seconds:.2f} s, {tokens / max(seconds, 1e-9):.1f} "
+                  f"tokens/s at {args.precision}, a pool of {pool.n_blocks} blocks of {pool.block_tokens} tokens "
+                  f"({pool.nbytes / 2**20:.2f} MiB, at most {stats.peak_blocks} in use), prefix cache hit rate "
+                  f"{stats.hit_rate:.0%} ({device.type}, {threads} thread{'s' if threads > 1 else ''})",
+                  file=sys.stderr)
             return
         write_samples(steps, prompt, vocab, args.num_samples, sys.stdout, every=1 if sys.stdout.isatty() else CHUNK)
     except BrokenPipeError:  # the reader stopped early (`| head`): nothing more is wanted

@@ -18,9 +18,9 @@ BLOCK = 40  # the models' block_size: room for a shared prefix, a request's own 
 class CheckedPass(engine_module.PagedPass):
     """A PagedPass that first checks that no slot it writes belongs to a block another sequence reads."""
 
-    def __init__(self, pool, tables, fed, t):
-        super().__init__(pool, tables, fed, t)
-        written = {int(slot) // pool.block_tokens for slot in self.write}
+    def __init__(self, pool, tables, fed, counts):
+        super().__init__(pool, tables, fed, counts)
+        written = {int(slot) // pool.block_tokens for slot in self.write if slot != pool.scratch}
         assert all(pool.refs[block] == 1 for block in written), "a shared block was written"
 
 

@@ -90,31 +90,28 @@ class Engine:
     @torch.no_grad()
     def step(self) -> list[tuple[object, int]]:
         """One forward pass: a chunk of one joining request's prefill, or one token of every running request."""
-        joining = [r for r in self.running if r.fed < len(r.tokens) - 1]
-        # one joins at a time, once the one before is prefilled: its full blocks are then named, for the next to read
-        while not joining and self.waiting and len(self.running) < self.max_batch and self._admit(self.waiting[0]):
+        while self.waiting and len(self.running) < self.max_batch and self._admit(self.waiting[0]):
             self.running.append(self.waiting.popleft())
-            joining = [r for r in self.running[-1:] if r.fed < len(r.tokens) - 1]
-        if joining:
-            request = joining[0]
-            t = min(self.chunk, len(request.tokens) - request.fed)
-            return self._forward([request], t)
+        joining = [r for r in self.running if r.fed < len(r.tokens) - 1]
+        if joining:  # prefilled together, a chunk each
+            return self._forward(joining, [min(self.chunk, len(r.tokens) - r.fed) for r in joining])
         for request in list(self.running):  # each one's next token needs a slot
             while request in self.running and not self._grow(request):
                 self._preempt([r for r in self.running if r is not request][-1])
-        return self._forward(self.running, 1)
+        return self._forward(self.running, [1] * len(self.running))
 
     def _admit(self, request: Request) -> bool:
         """Give a waiting request the cached blocks of its first tokens and new ones for the rest, if there are
-        enough; the last token is always computed, for its logits."""
+        enough; the last token is always computed, for its logits. It waits while a joining request computes the
+        first block it lacks: then it reads that block instead."""
         bt, pool = self.pool.block_tokens, self.pool
-        name = b""
-        for start in range(0, len(request.tokens) - 1 - bt + 1, bt):
-            name = chain_hash(name, request.tokens[start:start + bt])
-            block = pool.lookup(name)
-            if block is None:
-                break
-            request.blocks.append(block)
+        chain = full_block_names(request.tokens[:-1], bt)
+        cached = next((i for i, name in enumerate(chain) if name not in pool.by_hash), len(chain))
+        if cached < len(chain) and any(chain[cached] in full_block_names(r.tokens[:-1], bt)[len(r.names):]
+                                       for r in self.running):
+            return False
+        for name in chain[:cached]:
+            request.blocks.append(pool.lookup(name))
             request.names.append(name)
         need = -(-len(request.tokens) // bt) - len(request.blocks)
         if need > pool.available():
@@ -145,17 +142,20 @@ class Engine:
         self.waiting.appendleft(request)
         self.stats.preemptions += 1
 
-    def _forward(self, requests: list[Request], t: int) -> list[tuple[object, int]]:
-        requests = list(requests)  # those that finish leave self.running below
-        ids = torch.tensor([r.tokens[r.fed:r.fed + t] for r in requests], device=self.pool.k[0].device)
-        logits = self.model.decode_step(ids, PagedPass(self.pool, [r.blocks for r in requests],
-                                                       [r.fed for r in requests], t))
+    def _forward(self, requests: list[Request], counts: list[int]) -> list[tuple[object, int]]:
+        """One pass: counts[b] tokens of requests[b] each, right-padded; draw for each request fed to its end."""
+        requests, t = list(requests), max(counts)  # those that finish leave self.running below
+        ids = torch.tensor([r.tokens[r.fed:r.fed + n] + [0] * (t - n) for r, n in zip(requests, counts)],
+                           device=self.pool.k[0].device)
+        batch = PagedPass(self.pool, [r.blocks for r in requests], [r.fed for r in requests], counts)
+        hidden = self.model(ids, cache=batch)[0]  # (B, t, vocab_size)
+        logits = hidden[torch.arange(len(requests)), torch.tensor(counts) - 1]  # each row's last real token
         self.stats.passes += 1
         self.stats.peak_blocks = max(self.stats.peak_blocks, self.pool.n_blocks - self.pool.available())
         drawn = []
         next_ids = self.sampling.next_token(logits, self.generator).tolist()
-        for request, row, token in zip(requests, logits, next_ids):
-            request.fed += t
+        for request, row, token, n in zip(requests, logits, next_ids, counts):
+            request.fed += n
             self._name_full_blocks(request)
             if request.fed < len(request.tokens):
                 continue  # a prefill chunk before its last token: nothing drawn yet
@@ -176,3 +176,11 @@ class Engine:
             name = chain_hash(request.names[-1] if request.names else b"", request.tokens[i * bt:(i + 1) * bt])
             self.pool.name(request.blocks[i], name)
             request.names.append(name)
+
+
+def full_block_names(tokens: list[int], bt: int) -> list[bytes]:
+    """The chain hash of each full block of tokens."""
+    names = [b""]
+    for start in range(0, len(tokens) - bt + 1, bt):
+        names.append(chain_hash(names[-1], tokens[start:start + bt]))
+    return names[1:]

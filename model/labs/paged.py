@@ -28,13 +28,15 @@ class BlockPool:
 
     def __init__(self, model, n_blocks: int, block_tokens: int):
         shape = model.kv_cache_shape(1)
-        slots, heads, width = n_blocks * block_tokens, shape["n_kv_head"], shape["head_dim"]
+        # one block more than the pool hands out: its first slot takes the keys of rows' padding (PagedPass)
+        slots, heads, width = (n_blocks + 1) * block_tokens, shape["n_kv_head"], shape["head_dim"]
         device = next(model.parameters()).device
         # per layer (n_blocks * block_tokens, n_kv_head, head_dim): one slot per row, for index_copy_ and gathers
         self.k = [torch.zeros(slots, heads, width, dtype=model.attention_dtype, device=device)
                   for _ in range(shape["n_kv_layer"])]
         self.v = [torch.zeros_like(k) for k in self.k]
         self.n_blocks, self.block_tokens = n_blocks, block_tokens
+        self.scratch = n_blocks * block_tokens
         self.refs = [0] * n_blocks
         self.free = list(range(n_blocks - 1, -1, -1))  # never named, or named no longer
         self.idle: OrderedDict[int, None] = OrderedDict()  # named blocks nobody reads, least recently used first
@@ -94,28 +96,30 @@ class PagedLayer:
         b = self.batch
         for store, new in ((self.k, k_new), (self.v, v_new)):
             store.index_copy_(0, b.write, new.transpose(1, 2).reshape(-1, *store.shape[1:]).to(store.dtype))
-        B, L = b.read.shape
-        return tuple(store[b.read.flatten()].view(B, L, *store.shape[1:]).transpose(1, 2)
-                     for store in (self.k, self.v))
+        B, n = b.table.shape
+        bt = b.pool.block_tokens  # whole blocks at once: each a contiguous run of slots
+        return tuple(store.view(-1, bt, *store.shape[1:]).index_select(0, b.table.flatten())
+                     .view(B, n * bt, *store.shape[1:]).transpose(1, 2) for store in (self.k, self.v))
 
 
 class PagedPass:
-    """The cache a forward pass of t new tokens per sequence sees: rows are sequences (tables, fed: tokens
-    already in the pool), each row's keys its own, up to its own length."""
+    """The cache a forward pass sees: rows are sequences (tables, fed: tokens already in the pool), row b feeding
+    counts[b] new tokens, right-padded to the longest; each row's keys its own, up to its own length. A padding
+    token repeats its row's last position and writes its keys and values to the pool's scratch slot."""
 
-    def __init__(self, pool: BlockPool, tables: list[list[int]], fed: list[int], t: int):
+    def __init__(self, pool: BlockPool, tables: list[list[int]], fed: list[int], counts: list[int]):
         self.pool = pool
         device = pool.k[0].device
-        bt = pool.block_tokens
-        length = max(fed) + t
-        slot = lambda table, n: table[n // bt] * bt + n % bt  # noqa: E731
-        self.read = torch.tensor([[slot(table, n) if n < f + t else 0 for n in range(length)]
-                                  for table, f in zip(tables, fed)], device=device)  # (B, L)
-        self.write = torch.tensor([slot(table, f + i) for table, f in zip(tables, fed) for i in range(t)],
-                                  device=device)  # (B * t,)
-        self.positions = torch.tensor(fed, device=device)[:, None] + torch.arange(t, device=device)  # (B, t)
-        seen = torch.arange(length, device=device) <= self.positions[..., None]  # (B, t, L): causal, own length
-        self.mask = seen[:, None]  # (B, 1, t, L)
+        bt, t = pool.block_tokens, max(counts)
+        table = torch.tensor([row + [0] * (max(map(len, tables)) - len(row)) for row in tables], device=device)
+        fed_, counts_ = torch.tensor(fed, device=device)[:, None], torch.tensor(counts, device=device)[:, None]
+        new = torch.arange(t, device=device)  # (t,)
+        self.positions = fed_ + new.minimum(counts_ - 1)  # (B, t): padding repeats the last position
+        self.write = torch.where(new < counts_, table.gather(1, self.positions // bt) * bt + self.positions % bt,
+                                 pool.scratch).flatten()  # (B * t,)
+        self.table = table[:, :-(-int((fed_ + counts_).max()) // bt)]  # (B, n): the blocks attention reads
+        keys = torch.arange(self.table.size(1) * bt, device=device)  # (L,): past a row's length, masked
+        self.mask = (keys <= self.positions[..., None])[:, None]  # (B, 1, t, L): causal, within its own length
 
     def for_tokens(self, t: int):
         return self.positions, self.mask, None, None

@@ -1,17 +1,20 @@
-"""A conversation saved with its KV cache and taken up again (runtime/session.py, sample.py --session): it goes on
-exactly as the uninterrupted one, reading only the new line; another model's file or a damaged one is refused."""
+"""sample.py's many-request and saved-cache features, end to end: a conversation saved with its KV cache and taken
+up again (runtime/session.py, --session) goes on exactly as the uninterrupted one, reading only the new line, and
+another model's file or a damaged one is refused; --each-line continues every line of a file over one pool of
+blocks (model/labs/engine.py), each as it would be alone."""
 
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from model import GREEDY
+from model import GREEDY, generate
 from model.labs.conversation import Conversation
-from runtime.checkpoint import save_checkpoint
+from runtime.checkpoint import load_model, save_checkpoint
 from runtime.session import load_session, save_session
-from test_sample import ENV, SAMPLE, assert_usage_error, checkpoint_state, tiny_model
+from test_sample import ENV, SAMPLE, SEPARATOR, assert_usage_error, checkpoint_state, tiny_model
 from tiny_models import random_model, random_tokens
 
 
@@ -89,3 +92,39 @@ def test_a_session_of_another_model_or_a_damaged_one_is_refused_and_kept(models,
     result = subprocess.run([sys.executable, str(SAMPLE), "--checkpoint", str(models["model"]), "--session",
                              str(session)], env=ENV, capture_output=True, text=True, timeout=300)
     assert_usage_error(result, "--session saves an --interactive conversation: give --interactive too")
+
+
+def test_each_line_of_a_file_is_continued_as_if_alone_and_written_in_order(models, tmp_path):
+    """--each-line decodes the lines together over one pool; each greedy continuation is the line's own, and the
+    lines come out in the file's order. Blank lines are skipped; a long line is read from its last tokens."""
+    lines = ["First Citizen:", "", "Before we proceed any further, hear me speak.", "All:", "Speak, speak."]
+    prompts = tmp_path / "lines.txt"
+    prompts.write_text("\n".join(lines) + "\n")
+    new = 6
+    result = subprocess.run([sys.executable, str(SAMPLE), "--checkpoint", str(models["model"]), "--prompt-file",
+                             str(prompts), "--each-line", "--temperature", "0", "--max-new-tokens", str(new)],
+                            env=ENV, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    model, vocab, _ = load_model(models["model"])
+    expected = []
+    for line in filter(None, lines):
+        ids = vocab.encode(line + "\n")[-(model.config.block_size - new):]
+        drawn = generate(model, torch.tensor([ids]), new, sampling=GREEDY)[0, len(ids):].tolist()
+        expected.append(line + "\n" + vocab.decode(drawn) + "\n")
+    assert result.stdout == SEPARATOR.join(expected)
+    assert re.search(r"24 tokens for 4 lines in .* a pool of \d+ blocks of 16 tokens .* prefix cache hit rate \d+%",
+                     result.stderr.splitlines()[-1])
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--each-line"], "--each-line continues the lines of --prompt-file"),
+    (["--each-line", "--prompt-file", "LINES", "--num-samples", "2"], "--num-samples applies to plain decoding, "
+                                                                      "not to --each-line"),
+    (["--each-line", "--prompt-file", "LINES", "--max-new-tokens", "16"], "draws 1 to block_size - 1 = 15 tokens"),
+])
+def test_each_line_options_that_cannot_work_are_refused(models, tmp_path, args, fragment):
+    (tmp_path / "lines.txt").write_text("All:\n")
+    args = [str(tmp_path / "lines.txt") if a == "LINES" else a for a in args]
+    result = subprocess.run([sys.executable, str(SAMPLE), "--checkpoint", str(models["model"]), *args], env=ENV,
+                            capture_output=True, text=True, timeout=300)
+    assert_usage_error(result, fragment)
