@@ -50,6 +50,7 @@ from runtime.errors import (CheckpointError, OneLineErrorParser, UsageError, che
                             one_line, silence)
 
 SAMPLE_SEPARATOR = "---------------\n"
+MAX_NEW_TOKENS = 500  # --max-new-tokens's default
 MAX_GENERATOR_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
 MEMORY_SHARE = 0.5  # the largest share of the device's memory that the samples' KV cache and tokens may take
 EACH_LINE_BATCH, BLOCK_TOKENS = 16, 16  # --each-line: lines decoded at once, and tokens per block of the pool
@@ -66,8 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt-file", metavar="PATH", type=Path, help="read the prompt from this UTF-8 file")
     parser.add_argument("--checkpoint", metavar="PATH", type=Path,
                         help="checkpoint file or run directory (default: the newest best.pt under ./runs)")
-    parser.add_argument("--max-new-tokens", metavar="N", type=int, default=500,
-                        help="characters to generate (default: %(default)s)")
+    parser.add_argument("--max-new-tokens", metavar="N", type=int,
+                        help=f"characters to generate (default: {MAX_NEW_TOKENS}; with --each-line, half of the "
+                             f"model's block_size)")
     parser.add_argument("--temperature", metavar="T", type=float, default=0.8,
                         help="0 means greedy (default: %(default)s)")
     parser.add_argument("--top-k", metavar="K", type=int, help="sample only from the K likeliest characters")
@@ -206,7 +208,7 @@ def check_combinations(args) -> None:
         raise UsageError("--draft applies to sampling, not to --interactive: drop one of them")
     if args.each_line and (args.prompt_file is None or args.draft or args.interactive):
         raise UsageError("--each-line continues the lines of --prompt-file, without --draft or --interactive")
-    if args.max_new_tokens < 0:
+    if args.max_new_tokens is not None and args.max_new_tokens < 0:
         raise UsageError(f"--max-new-tokens: max_new_tokens must be an integer >= 0, got {args.max_new_tokens}")
     if args.interactive and sys.stdin is None:
         raise UsageError("--interactive reads lines from standard input, which is closed; give it a terminal or a "
@@ -402,10 +404,11 @@ def sample(args) -> None:
     path = resolve_checkpoint(args.checkpoint) if args.checkpoint else find_latest_checkpoint("runs")
     model, vocab, contents = load_model(path, device, precision=args.precision)
     prompt_ids = encode_prompt(vocab, prompt)
+    if args.max_new_tokens is None:
+        args.max_new_tokens = model.config.block_size // 2 if args.each_line else MAX_NEW_TOKENS
     if args.each_line and not 1 <= args.max_new_tokens < model.config.block_size:
         raise UsageError(f"--each-line draws 1 to block_size - 1 = {model.config.block_size - 1} tokens per line, "
-                         f"within the model's context; got --max-new-tokens {args.max_new_tokens}: give "
-                         f"--max-new-tokens {model.config.block_size // 2}, say")
+                         f"within the model's context; got --max-new-tokens {args.max_new_tokens}")
     if args.each_line and not prompt.strip():
         raise UsageError("--each-line: --prompt-file has no line with characters in it to continue")
     check_memory(args, len(prompt_ids), model, device)
