@@ -47,10 +47,14 @@ def random_schedule(model, seed: int, n_blocks: int, block_tokens: int, chunk: i
     return engine, requests, drawn
 
 
-@pytest.mark.parametrize("overrides", [dict(), dict(pos_emb="rope", n_kv_head=1)], ids=["learned", "rope-mqa"])
-@pytest.mark.parametrize("seed, n_blocks, block_tokens, chunk, max_batch", [
-    (0, 10, 4, 5, 4),  # a pool just large enough for the longest request: preemptions
-    (1, 40, 4, 64, 8), (2, 12, 8, 3, 3), (3, 24, 2, 7, 16)])
+SCHEDULES = [(0, 10, 4, 5, 4),  # a pool just large enough for the longest request: preemptions
+             (1, 40, 4, 64, 8), (2, 12, 8, 3, 3), (3, 24, 2, 7, 16)]
+DESIGNS = [dict(), dict(pos_emb="rope", n_kv_head=1), dict(kv_share=2), dict(kv_latent=8), dict(learned_sink=True)]
+
+
+@pytest.mark.parametrize("overrides, seed, n_blocks, block_tokens, chunk, max_batch",
+                         [(design, *schedule) for design in DESIGNS[:2] for schedule in SCHEDULES]
+                         + [(design, *SCHEDULES[0]) for design in DESIGNS[2:]])
 @torch.no_grad()
 def test_random_schedules_decode_every_request_as_if_alone(monkeypatch, overrides, seed, n_blocks, block_tokens,
                                                            chunk, max_batch):
@@ -97,11 +101,13 @@ def test_a_block_is_named_by_every_token_before_it():
 
 @pytest.mark.parametrize("kwargs, fragment", [
     (dict(n_blocks=0), "n_blocks must be an integer >= 1, got 0"),
+    (dict(n_blocks=4, model=dict(window_pattern="LG", local_window=4)), "drop window_pattern"),
     (dict(n_blocks=4, block_tokens=2.5), "block_tokens must be an integer >= 1"),
 ])
 def test_settings_that_cannot_work_are_refused(kwargs, fragment):
+    model = random_model(**kwargs.pop("model", {}))
     with pytest.raises(ValueError, match=fragment):
-        Engine(random_model(), **kwargs)
+        Engine(model, **kwargs)
 
 
 @pytest.mark.parametrize("prompt, new, fragment", [

@@ -62,6 +62,8 @@ class Engine:
                             ("chunk", chunk)):
             if not (is_integer(value) and value >= 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if model.config.local_window is not None:
+            raise ValueError("the engine's pool serves layers that attend everything: drop window_pattern")
         self.model, self.sampling, self.generator, self.keep_logits = model, sampling, generator, keep_logits
         self.pool = BlockPool(model, n_blocks, block_tokens)
         self.max_batch, self.chunk = max_batch, chunk

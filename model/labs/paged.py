@@ -96,6 +96,11 @@ class PagedLayer:
         b = self.batch
         for store, new in ((self.k, k_new), (self.v, v_new)):
             store.index_copy_(0, b.write, new.transpose(1, 2).reshape(-1, *store.shape[1:]).to(store.dtype))
+        return self.read()
+
+    def read(self):
+        """Each row's keys and values, (B, n_kv, L, hs): for layers that share another's (shared_kv.py)."""
+        b = self.batch
         B, n = b.table.shape
         bt = b.pool.block_tokens  # whole blocks at once: each a contiguous run of slots
         return tuple(store.view(-1, bt, *store.shape[1:]).index_select(0, b.table.flatten())
