@@ -1,5 +1,5 @@
-"""A conversation saved to a file and taken up again (sample.py --interactive --session FILE): its text and its
-KV cache, so that the next turn reads only the new line.
+"""KV caches saved to a file and taken up again: a conversation's text and cache (sample.py --interactive --session
+FILE), so that the next turn reads only the new line, or an engine's prefix blocks (Engine.export_prefix).
 
 The file records which model wrote it: the checkpoint's path, a fingerprint of its weights as decoded (the
 precision included) and the cache's design. A file from another model, another design or a damaged one is

@@ -116,3 +116,27 @@ def test_requests_that_cannot_be_served_are_refused(prompt, new, fragment):
     engine = Engine(random_model(), n_blocks=3, block_tokens=4)
     with pytest.raises(ValueError, match=fragment):
         engine.add("r", prompt, new)
+
+
+@torch.no_grad()
+def test_a_prefix_saved_and_loaded_into_another_engine_is_read_not_computed(tmp_path):
+    """The blocks go through a file (runtime/session.py), and the request that reads them decodes as if alone."""
+    from runtime.session import load_session, save_session
+    model = random_model(block_size=BLOCK)
+    preamble = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7]  # 3 full blocks of 4, then 2 tokens
+    first = Engine(model, n_blocks=16, block_tokens=4)
+    first.add("a", preamble + [1], 2)
+    list(first.run())
+    save_session(tmp_path / "prefix.pt", first.export_prefix(preamble), "model.pt", model)
+    second = Engine(model, n_blocks=16, block_tokens=4, keep_logits=True)
+    assert second.import_prefix(load_session(tmp_path / "prefix.pt", "model.pt", model)) == 3
+    b = second.add("b", preamble + [2, 7], 3)
+    list(second.run())
+    assert second.stats.reused_tokens == 12
+    assert b.tokens == generate(model, torch.tensor([preamble + [2, 7]]), 3, sampling=GREEDY)[0].tolist()
+    for k, logits in enumerate(b.logits):
+        full = model(torch.tensor([b.tokens[:len(preamble) + 2 + k]]))[0][0, -1]
+        torch.testing.assert_close(logits, full, rtol=0, atol=1e-5)
+    other = Engine(random_model(block_size=BLOCK, n_kv_head=1), n_blocks=16, block_tokens=4)
+    with pytest.raises(ValueError, match="do not fit this pool"):
+        other.import_prefix(first.export_prefix(preamble))

@@ -15,6 +15,7 @@ request leaves when it has drawn its tokens, and its blocks go back. Each reques
 decoded alone: a context of at most block_size tokens.
 """
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -83,6 +84,39 @@ class Engine:
         request = Request(name, list(prompt), max_new_tokens, len(prompt))
         self.waiting.append(request)
         return request
+
+    def export_prefix(self, tokens: list[int]) -> dict:
+        """The cached blocks of tokens' first full blocks, as far as the pool holds them: tensors, for torch.save."""
+        bt, pool = self.pool.block_tokens, self.pool
+        names = list(itertools.takewhile(pool.by_hash.__contains__, full_block_names(tokens, bt)))
+        blocks = torch.tensor([pool.by_hash[name] for name in names], dtype=torch.long)
+        shape = (-1, bt, *pool.k[0].shape[1:])
+        return {"tokens": torch.tensor(tokens[:len(names) * bt], dtype=torch.long),
+                "k": torch.stack([store.view(shape)[blocks].cpu() for store in pool.k]),
+                "v": torch.stack([store.view(shape)[blocks].cpu() for store in pool.v])}
+
+    def import_prefix(self, prefix: dict) -> int:
+        """Take an export_prefix() of the same model into the pool, as cached blocks; how many it added."""
+        bt, pool = self.pool.block_tokens, self.pool
+        tokens, k, v = prefix["tokens"].tolist(), prefix["k"], prefix["v"]
+        shape = (len(pool.k), len(tokens) // bt, bt, *pool.k[0].shape[1:])
+        if len(tokens) % bt or k.shape != shape or v.shape != shape or k.dtype != pool.k[0].dtype:
+            raise ValueError(f"the prefix's blocks {tuple(k.shape)} do not fit this pool's {shape} in "
+                             f"{pool.k[0].dtype}: another design, block size or precision")
+        added = 0
+        for i, name in enumerate(full_block_names(tokens, bt)):
+            if name in pool.by_hash:
+                continue
+            block = pool.allocate()
+            if block is None:
+                raise ValueError(f"the pool has no room for the prefix's {len(tokens) // bt} blocks")
+            for layer, (store_k, store_v) in enumerate(zip(pool.k, pool.v)):
+                store_k.view(-1, *shape[2:])[block] = k[layer, i]
+                store_v.view(-1, *shape[2:])[block] = v[layer, i]
+            pool.name(block, name)
+            pool.release(block)  # cached, read by no one yet
+            added += 1
+        return added
 
     def run(self):
         """Yield (request's name, token) until every request added has drawn its tokens."""
