@@ -11,6 +11,7 @@ points turn it into a line and a status, here.
 import argparse
 import os
 import sys
+import time
 
 from tqdm import tqdm
 
@@ -18,6 +19,7 @@ from data import DataError
 
 
 USAGE, FAILURE, INTERRUPTED = 2, 1, 130
+QUIET_EXIT_DELAY_S = 2.0  # how long a process that leaves the report to another waits before it exits (fail)
 
 
 class UsageError(Exception):
@@ -77,6 +79,8 @@ def fail(prog: str, error: BaseException, *, speak: bool = True):
     does) and exit with its status."""
     if isinstance(error, OutputError):  # what is left in stdout's buffer (if it failed) would fail again at exit
         silence(sys.stdout)
+    if not speak:  # torchrun stops every process once one exits: the speaking one must get to its line first
+        time.sleep(QUIET_EXIT_DELAY_S)
     if speak:
         message = "interrupted" if isinstance(error, KeyboardInterrupt) else one_line(error)
         stream = sys.stderr if sys.stderr is not None else sys.stdout  # closed stderr: refused before any output

@@ -24,7 +24,7 @@ class CheckedPass(engine_module.PagedPass):
         assert all(pool.refs[block] == 1 for block in written), "a shared block was written"
 
 
-def random_schedule(model, seed: int, n_blocks: int, block_tokens: int, chunk: int, max_batch: int):
+def random_schedule(model, seed: int, n_blocks: int, block_tokens: int, chunk: int, max_batch: int, int8=False):
     """Requests arriving between steps, half of them after one of two common prefixes; returns the engine and
     each request's prompt, draws and max_new_tokens."""
     rng = random.Random(seed)
@@ -35,7 +35,7 @@ def random_schedule(model, seed: int, n_blocks: int, block_tokens: int, chunk: i
         prompt = (rng.choice(prefixes) if rng.random() < 0.6 else []) + own
         arrivals.append((f"r{i}", prompt, rng.randrange(1, BLOCK - len(prompt) + 1)))
     engine = Engine(model, n_blocks=n_blocks, block_tokens=block_tokens, chunk=chunk, max_batch=max_batch,
-                    keep_logits=True)
+                    keep_logits=True, int8=int8)
     requests, drawn = {}, {name: [] for name, _, _ in arrivals}
     pending = list(arrivals)
     while pending or engine.waiting or engine.running:
@@ -72,6 +72,22 @@ def test_random_schedules_decode_every_request_as_if_alone(monkeypatch, override
     assert pool.refs == [0] * n_blocks and pool.available() == n_blocks
     if n_blocks == 10:
         assert engine.stats.preemptions > 0
+
+
+@pytest.mark.parametrize("seed, n_blocks, block_tokens, chunk, max_batch", SCHEDULES[:2])
+@torch.no_grad()
+def test_an_int8_pool_decodes_every_request_as_the_int8_cache_decodes_it_alone(seed, n_blocks, block_tokens,
+                                                                                chunk, max_batch):
+    model = random_model(block_size=BLOCK, pos_emb="rope", n_kv_head=1)
+    engine, requests, drawn = random_schedule(model, seed, n_blocks, block_tokens, chunk, max_batch, int8=True)
+    assert engine.pool.k[0].dtype == torch.int8
+    for name, (prompt, new, request) in requests.items():
+        cache = model.new_kv_cache(1, dtype=torch.int8)
+        alone = [model.decode_step(torch.tensor([prompt]), cache)]
+        for token in drawn[name][:-1]:
+            alone.append(model.decode_step(torch.tensor([[token]]), cache))
+        torch.testing.assert_close(torch.stack(request.logits), torch.cat(alone), rtol=0, atol=1e-5)
+        assert drawn[name] == [int(logits.argmax()) for logits in alone]
 
 
 def test_the_prefix_cache_computes_a_shared_prompt_once():

@@ -58,7 +58,8 @@ class Engine:
     """Requests decoded over a pool of n_blocks blocks of block_tokens tokens; at most max_batch run at once."""
 
     def __init__(self, model, *, n_blocks: int, block_tokens: int = 16, max_batch: int = 16, chunk: int = 64,
-                 sampling: Sampling = GREEDY, generator: torch.Generator | None = None, keep_logits: bool = False):
+                 sampling: Sampling = GREEDY, generator: torch.Generator | None = None, keep_logits: bool = False,
+                 int8: bool = False):
         for name, value in (("n_blocks", n_blocks), ("block_tokens", block_tokens), ("max_batch", max_batch),
                             ("chunk", chunk)):
             if not (is_integer(value) and value >= 1):
@@ -66,7 +67,7 @@ class Engine:
         if model.config.local_window is not None:
             raise ValueError("the engine's pool serves layers that attend everything: drop window_pattern")
         self.model, self.sampling, self.generator, self.keep_logits = model, sampling, generator, keep_logits
-        self.pool = BlockPool(model, n_blocks, block_tokens)
+        self.pool = BlockPool(model, n_blocks, block_tokens, int8)  # int8: keys and values in int8 (int8_cache.py)
         self.max_batch, self.chunk = max_batch, chunk
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in the order they joined
@@ -90,19 +91,19 @@ class Engine:
         bt, pool = self.pool.block_tokens, self.pool
         names = list(itertools.takewhile(pool.by_hash.__contains__, full_block_names(tokens, bt)))
         blocks = torch.tensor([pool.by_hash[name] for name in names], dtype=torch.long)
-        shape = (-1, bt, *pool.k[0].shape[1:])
         return {"tokens": torch.tensor(tokens[:len(names) * bt], dtype=torch.long),
-                "k": torch.stack([store.view(shape)[blocks].cpu() for store in pool.k]),
-                "v": torch.stack([store.view(shape)[blocks].cpu() for store in pool.v])}
+                **{name: torch.stack([store.view(-1, bt, *store.shape[1:])[blocks].cpu() for store in stores])
+                   for name, stores in pool.buffers.items()}}
 
     def import_prefix(self, prefix: dict) -> int:
         """Take an export_prefix() of the same model into the pool, as cached blocks; how many it added."""
         bt, pool = self.pool.block_tokens, self.pool
-        tokens, k, v = prefix["tokens"].tolist(), prefix["k"], prefix["v"]
-        shape = (len(pool.k), len(tokens) // bt, bt, *pool.k[0].shape[1:])
-        if len(tokens) % bt or k.shape != shape or v.shape != shape or k.dtype != pool.k[0].dtype:
-            raise ValueError(f"the prefix's blocks {tuple(k.shape)} do not fit this pool's {shape} in "
-                             f"{pool.k[0].dtype}: another design, block size or precision")
+        tokens, n = prefix["tokens"].tolist(), len(prefix["tokens"]) // bt
+        fits = {name: (len(stores), n, bt, *stores[0].shape[1:]) for name, stores in pool.buffers.items()}
+        if len(tokens) % bt or any(name not in prefix or prefix[name].shape != shape
+                                   or prefix[name].dtype != pool.buffers[name][0].dtype for name, shape in fits.items()):
+            raise ValueError(f"the prefix's blocks do not fit this pool's {fits['k']} in {pool.k[0].dtype}: another "
+                             f"design, block size or precision")
         added = 0
         for i, name in enumerate(full_block_names(tokens, bt)):
             if name in pool.by_hash:
@@ -110,9 +111,9 @@ class Engine:
             block = pool.allocate()
             if block is None:
                 raise ValueError(f"the pool has no room for the prefix's {len(tokens) // bt} blocks")
-            for layer, (store_k, store_v) in enumerate(zip(pool.k, pool.v)):
-                store_k.view(-1, *shape[2:])[block] = k[layer, i]
-                store_v.view(-1, *shape[2:])[block] = v[layer, i]
+            for kind, stores in pool.buffers.items():
+                for layer, store in enumerate(stores):
+                    store.view(-1, bt, *store.shape[1:])[block] = prefix[kind][layer, i]
             pool.name(block, name)
             pool.release(block)  # cached, read by no one yet
             added += 1

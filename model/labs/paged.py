@@ -17,6 +17,9 @@ from collections import OrderedDict
 
 import torch
 
+from .int8_cache import KV_SCALE_DTYPE, Quantized
+from .quantize import quantize_int8
+
 
 def chain_hash(parent: bytes, tokens) -> bytes:
     """The name of a full block: sha256 of the hash before it and its tokens."""
@@ -26,15 +29,20 @@ def chain_hash(parent: bytes, tokens) -> bytes:
 class BlockPool:
     """n_blocks blocks of block_tokens slots, for every layer's keys and values, and their bookkeeping."""
 
-    def __init__(self, model, n_blocks: int, block_tokens: int):
+    def __init__(self, model, n_blocks: int, block_tokens: int, int8: bool = False):
         shape = model.kv_cache_shape(1)
         # one block more than the pool hands out: its first slot takes the keys of rows' padding (PagedPass)
         slots, heads, width = (n_blocks + 1) * block_tokens, shape["n_kv_head"], shape["head_dim"]
         device = next(model.parameters()).device
-        # per layer (n_blocks * block_tokens, n_kv_head, head_dim): one slot per row, for index_copy_ and gathers
-        self.k = [torch.zeros(slots, heads, width, dtype=model.attention_dtype, device=device)
-                  for _ in range(shape["n_kv_layer"])]
-        self.v = [torch.zeros_like(k) for k in self.k]
+        self.dtype = model.attention_dtype  # what attention computes in
+        # name: per layer (slots, n_kv_head, width), one slot per row, for index_copy_ and gathers. int8 keys and
+        # values keep a scale per slot and head beside them (int8_cache.py)
+        self.buffers = {name: [torch.zeros(slots, heads, 1 if name.endswith("scale") else width, device=device,
+                                           dtype=KV_SCALE_DTYPE if name.endswith("scale") else
+                                           torch.int8 if int8 else self.dtype) for _ in range(shape["n_kv_layer"])]
+                        for name in ("k", "v", *(("k_scale", "v_scale") if int8 else ()))}
+        self.k, self.v = self.buffers["k"], self.buffers["v"]
+        self.int8 = int8
         self.n_blocks, self.block_tokens = n_blocks, block_tokens
         self.scratch = n_blocks * block_tokens
         self.refs = [0] * n_blocks
@@ -45,7 +53,7 @@ class BlockPool:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.k + self.v)
+        return sum(t.nbytes for tensors in self.buffers.values() for t in tensors)
 
     def available(self) -> int:
         """Blocks that allocate() can hand out now."""
@@ -88,23 +96,32 @@ class BlockPool:
 class PagedLayer:
     """One layer's view of a PagedPass: LayerKV's update, through the block tables."""
 
-    def __init__(self, k, v, batch: "PagedPass"):
-        self.k, self.v, self.batch = k, v, batch
+    def __init__(self, i: int, batch: "PagedPass"):
+        self.stores = {name: tensors[i] for name, tensors in batch.pool.buffers.items()}
+        self.batch = batch
 
     def update(self, k_new, v_new):
         """Write the new keys/values (B, n_kv, t, hs) into their slots; return each row's (B, n_kv, L, hs)."""
         b = self.batch
-        for store, new in ((self.k, k_new), (self.v, v_new)):
-            store.index_copy_(0, b.write, new.transpose(1, 2).reshape(-1, *store.shape[1:]).to(store.dtype))
+        new = {"k": k_new, "v": v_new}
+        if b.pool.int8:
+            (new["k"], new["k_scale"]), (new["v"], new["v_scale"]) = (quantize_int8(x, KV_SCALE_DTYPE)
+                                                                      for x in (k_new, v_new))
+        for name, store in self.stores.items():
+            store.index_copy_(0, b.write, new[name].transpose(1, 2).reshape(-1, *store.shape[1:]).to(store.dtype))
         return self.read()
 
     def read(self):
-        """Each row's keys and values, (B, n_kv, L, hs): for layers that share another's (shared_kv.py)."""
+        """Each row's keys and values, (B, n_kv, L, hs): for layers that share another's (shared_kv.py). int8 ones
+        come with their scales, as Quantized (int8_cache.py)."""
         b = self.batch
         B, n = b.table.shape
         bt = b.pool.block_tokens  # whole blocks at once: each a contiguous run of slots
-        return tuple(store.view(-1, bt, *store.shape[1:]).index_select(0, b.table.flatten())
-                     .view(B, n * bt, *store.shape[1:]).transpose(1, 2) for store in (self.k, self.v))
+        rows = {name: store.view(-1, bt, *store.shape[1:]).index_select(0, b.table.flatten())
+                .view(B, n * bt, *store.shape[1:]).transpose(1, 2) for name, store in self.stores.items()}
+        if not b.pool.int8:
+            return rows["k"], rows["v"]
+        return tuple(Quantized(rows[x], rows[f"{x}_scale"].to(b.pool.dtype)) for x in ("k", "v"))
 
 
 class PagedPass:
@@ -130,7 +147,7 @@ class PagedPass:
         return self.positions, self.mask, None, None
 
     def layer(self, i: int, slots, n_read) -> PagedLayer:
-        return PagedLayer(self.pool.k[i], self.pool.v[i], self)
+        return PagedLayer(i, self)
 
     def advance(self, t: int) -> None:
         """The engine counts what each sequence has fed."""
