@@ -13,7 +13,7 @@ import torch
 from model import GREEDY, generate
 from model.labs.conversation import Conversation
 from runtime.checkpoint import load_model, save_checkpoint
-from runtime.session import load_session, save_session
+from runtime.session import SessionError, load_session, save_session
 from test_sample import ENV, SAMPLE, SEPARATOR, assert_usage_error, checkpoint_state, tiny_model
 from tiny_models import random_model, random_tokens
 
@@ -88,7 +88,8 @@ def test_a_session_of_another_model_or_a_damaged_one_is_refused_and_kept(models,
     assert session.read_bytes() == saved  # nothing saved is lost
     damaged = tmp_path / "damaged.pt"
     damaged.write_bytes(saved[:len(saved) // 2])
-    assert_usage_error(chat(models["model"], "All:\n", "--session", damaged), "is damaged or not a session file")
+    with pytest.raises(SessionError, match="is damaged or not a session file"):
+        load_session(damaged, models["model"], load_model(models["model"])[0])
     result = subprocess.run([sys.executable, str(SAMPLE), "--checkpoint", str(models["model"]), "--session",
                              str(session)], env=ENV, capture_output=True, text=True, timeout=300)
     assert_usage_error(result, "--session saves an --interactive conversation: give --interactive too")
