@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from model import GREEDY, generate
+from model import GREEDY, Sampling, generate
 from model.labs import engine as engine_module
 from model.labs.engine import Engine
 from tiny_models import VOCAB, random_model
@@ -24,7 +24,8 @@ class CheckedPass(engine_module.PagedPass):
         assert all(pool.refs[block] == 1 for block in written), "a shared block was written"
 
 
-def random_schedule(model, seed: int, n_blocks: int, block_tokens: int, chunk: int, max_batch: int, int8=False):
+def random_schedule(model, seed: int, n_blocks: int, block_tokens: int, chunk: int, max_batch: int, int8=False,
+                    sampling=GREEDY):
     """Requests arriving between steps, half of them after one of two common prefixes; returns the engine and
     each request's prompt, draws and max_new_tokens."""
     rng = random.Random(seed)
@@ -35,13 +36,14 @@ def random_schedule(model, seed: int, n_blocks: int, block_tokens: int, chunk: i
         prompt = (rng.choice(prefixes) if rng.random() < 0.6 else []) + own
         arrivals.append((f"r{i}", prompt, rng.randrange(1, BLOCK - len(prompt) + 1)))
     engine = Engine(model, n_blocks=n_blocks, block_tokens=block_tokens, chunk=chunk, max_batch=max_batch,
-                    keep_logits=True, int8=int8)
+                    keep_logits=True, int8=int8, sampling=sampling)
     requests, drawn = {}, {name: [] for name, _, _ in arrivals}
     pending = list(arrivals)
     while pending or engine.waiting or engine.running:
         while pending and (rng.random() < 0.4 or not (engine.waiting or engine.running)):
             name, prompt, new = pending.pop(0)
-            requests[name] = (prompt, new, engine.add(name, prompt, new))
+            seeded = torch.Generator().manual_seed(int(name[1:])) if sampling is not GREEDY else None
+            requests[name] = (prompt, new, engine.add(name, prompt, new, generator=seeded))
         for name, token in engine.step() if (engine.waiting or engine.running) else []:
             drawn[name].append(token)
     return engine, requests, drawn
@@ -88,6 +90,20 @@ def test_an_int8_pool_decodes_every_request_as_the_int8_cache_decodes_it_alone(s
             alone.append(model.decode_step(torch.tensor([[token]]), cache))
         torch.testing.assert_close(torch.stack(request.logits), torch.cat(alone), rtol=0, atol=1e-5)
         assert drawn[name] == [int(logits.argmax()) for logits in alone]
+
+
+@pytest.mark.parametrize("seed, n_blocks, block_tokens, chunk, max_batch", SCHEDULES[:2])
+@torch.no_grad()
+def test_seeded_sampling_gives_each_request_its_text_alone(seed, n_blocks, block_tokens, chunk, max_batch):
+    """Each request draws with a generator of its own: its sampled text is the one generate draws with the same
+    seed, whatever the schedule."""
+    model = random_model(block_size=BLOCK, pos_emb="rope")
+    sampling = Sampling(temperature=0.8, top_k=8)
+    engine, requests, drawn = random_schedule(model, seed, n_blocks, block_tokens, chunk, max_batch, sampling=sampling)
+    for name, (prompt, new, request) in requests.items():
+        alone = generate(model, torch.tensor([prompt]), new, sampling=sampling,
+                         generator=torch.Generator().manual_seed(int(name[1:])))
+        assert alone[0].tolist() == request.tokens
 
 
 def test_the_prefix_cache_computes_a_shared_prompt_once():

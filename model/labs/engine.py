@@ -35,6 +35,7 @@ class Request:
     names: list[bytes] = field(default_factory=list)  # the chain hash of each full block
     fed: int = 0  # tokens[:fed] are in the pool
     logits: list[torch.Tensor] = field(default_factory=list)  # each draw's, when the engine keeps them
+    generator: torch.Generator | None = None  # its own draws' (else the engine's): its text as if alone
 
     @property
     def drawn(self) -> int:
@@ -73,7 +74,8 @@ class Engine:
         self.running: list[Request] = []  # in the order they joined
         self.stats = EngineStats()
 
-    def add(self, name, prompt: list[int], max_new_tokens: int) -> Request:
+    def add(self, name, prompt: list[int], max_new_tokens: int, generator: torch.Generator | None = None) -> Request:
+        """Queue a request; generator: its own, for sampled text that does not depend on the others."""
         block_size, bt = self.model.config.block_size, self.pool.block_tokens
         if not prompt or not (is_integer(max_new_tokens) and max_new_tokens >= 1):
             raise ValueError(f"request {name!r}: give at least one prompt token and max_new_tokens >= 1")
@@ -82,7 +84,7 @@ class Engine:
                              f"block_size={block_size}")
         if -(-(len(prompt) + max_new_tokens) // bt) > self.pool.n_blocks:
             raise ValueError(f"request {name!r} needs more than the pool's {self.pool.n_blocks} blocks")
-        request = Request(name, list(prompt), max_new_tokens, len(prompt))
+        request = Request(name, list(prompt), max_new_tokens, len(prompt), generator=generator)
         self.waiting.append(request)
         return request
 
@@ -189,16 +191,21 @@ class Engine:
         logits = hidden[torch.arange(len(requests)), torch.tensor(counts) - 1]  # each row's last real token
         self.stats.passes += 1
         self.stats.peak_blocks = max(self.stats.peak_blocks, self.pool.n_blocks - self.pool.available())
-        drawn = []
-        next_ids = self.sampling.next_token(logits, self.generator).tolist()
-        for request, row, token, n in zip(requests, logits, next_ids, counts):
+        for request, n in zip(requests, counts):
             request.fed += n
             self._name_full_blocks(request)
-            if request.fed < len(request.tokens):
-                continue  # a prefill chunk before its last token: nothing drawn yet
+        ready = [b for b, r in enumerate(requests) if r.fed == len(r.tokens)]  # others are still prefilling
+        if any(requests[b].generator for b in ready):  # each draws with its own generator
+            next_ids = [int(self.sampling.next_token(logits[b, None], requests[b].generator or self.generator))
+                        for b in ready]
+        else:
+            next_ids = self.sampling.next_token(logits[ready], self.generator).tolist() if ready else []
+        drawn = []
+        for b, token in zip(ready, next_ids):
+            request = requests[b]
             request.tokens.append(token)
             if self.keep_logits:
-                request.logits.append(row)
+                request.logits.append(logits[b])
             drawn.append((request.name, token))
             if request.drawn == request.max_new_tokens:
                 self.running.remove(request)
