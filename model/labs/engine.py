@@ -6,13 +6,14 @@ preemption, after vLLM and nano-vllm.
     for request, token in engine.run():              # each token as it is drawn
         ...
 
-Each step is one forward pass. A waiting request joins once the request before it is prefilled, if the pool has
-blocks for its text; full blocks that another request has already computed for the same first tokens are read,
-not recomputed. A request that joins is prefilled first, a chunk of at most `chunk` tokens per step; then every
-running request decodes one token per step, together. When a decoding request needs a block and none is left, the request that joined last is
-preempted: its blocks go back to the pool, and it waits to be prefilled again, with the tokens it has drawn. A
-request leaves when it has drawn its tokens, and its blocks go back. Each request's text is what it would get
-decoded alone: a context of at most block_size tokens.
+Each step is one forward pass. A waiting request joins as soon as the pool has blocks for its text; full blocks
+that another request has already computed for the same first tokens are read, not recomputed. While a joining
+request is computing the first block it lacks, it waits, and then reads that block. Joining requests are
+prefilled together, a chunk of at most `chunk` tokens each per step; then every running request decodes one
+token per step, together. When a decoding request needs a block and none is left, the request that joined last
+is preempted: its blocks go back to the pool, and it waits to be prefilled again, with the tokens it has drawn.
+A request leaves when it has drawn its tokens, and its blocks go back. Each request's text is what it would get
+decoded alone (sampled too, with a generator of its own): a context of at most block_size tokens.
 """
 
 import itertools
@@ -103,7 +104,8 @@ class Engine:
         tokens, n = prefix["tokens"].tolist(), len(prefix["tokens"]) // bt
         fits = {name: (len(stores), n, bt, *stores[0].shape[1:]) for name, stores in pool.buffers.items()}
         if len(tokens) % bt or any(name not in prefix or prefix[name].shape != shape
-                                   or prefix[name].dtype != pool.buffers[name][0].dtype for name, shape in fits.items()):
+                                   or prefix[name].dtype != pool.buffers[name][0].dtype
+                                   for name, shape in fits.items()):
             raise ValueError(f"the prefix's blocks do not fit this pool's {fits['k']} in {pool.k[0].dtype}: another "
                              f"design, block size or precision")
         added = 0

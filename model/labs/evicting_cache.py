@@ -22,7 +22,7 @@ import math
 import torch
 
 from ..attention import causal_mask
-from .ring_cache import RingKVCache
+from .budget_cache import BudgetKVCache
 
 
 class H2O:
@@ -95,11 +95,10 @@ class EvictingLayerKV:
         return weights @ v
 
 
-class EvictingKVCache(RingKVCache):
+class EvictingKVCache(BudgetKVCache):
     """budget slots per layer and key/value head; a policy (POLICIES) chooses which token each head drops."""
 
-    budgeted = True  # sees a budget of tokens, fewer than block_size
-    compilable = False  # which slot a token takes depends on the step before's weights
+    kind, keeps, moves = "an evicting cache", "numbers each row's tokens alike", "each needs the step before's victim"
 
     def __init__(self, n_kv_layer: int, batch_size: int, n_kv_head: int, head_dim: int, dtype=torch.float32,
                  device=None, *, policy: str, budget: int, block_size: int):
@@ -116,36 +115,17 @@ class EvictingKVCache(RingKVCache):
         return super().nbytes + sum(t.nbytes for name in ("token", "score", "victim")
                                     for t in self.layer_buffers(name))
 
-    def reset(self, n_pad=None) -> None:
-        if n_pad is not None and bool((n_pad > 0).any()):
-            raise ValueError("an evicting cache numbers each row's tokens alike: its rows must start together, with "
-                             "no left padding")
-        super().reset()
-
-    def longest_chunk(self) -> int:
-        """Tokens up to the full cache in one pass, then one at a time: each needs the step before's victim."""
-        return max(self.max_len - len(self), 1)
-
     def for_tokens(self, t: int):
-        fed = len(self)
-        if t > self.longest_chunk():
-            raise ValueError(f"an evicting cache of {self.max_len} slots with {fed} tokens fed takes "
-                             f"{self.longest_chunk()} tokens in one pass, not {t}")
+        fed = self.check_chunk(t)
         new = self.pos + self.slot_ids[:t]  # (t,) the new tokens' numbers: their positions
         return (new, None, new, fed + t) if fed + t <= self.max_len else (new, None, None, None)
 
     def layer(self, i: int, slots, n_read) -> EvictingLayerKV:
-        if torch.compiler.is_compiling():
-            raise ValueError("an evicting cache decodes eagerly: drop compile")
+        self.check_eager()
         return EvictingLayerKV(self, i)
 
     def one_row(self, model) -> "EvictingKVCache":
         return new_evicting_cache(model, 1, policy=self.policy_name, budget=self.max_len)
-
-    def rollback(self, n: int) -> None:
-        if n:
-            raise ValueError("an evicting cache cannot roll back: the tokens it dropped are gone; decode without "
-                             "speculation")
 
 
 def new_evicting_cache(model, batch_size: int, *, policy: str, budget: int) -> EvictingKVCache:

@@ -21,7 +21,7 @@ cannot roll back.
 import torch
 
 from ..attention import rotary, rotate
-from .ring_cache import RingKVCache
+from .budget_cache import BudgetKVCache
 
 SINKS = 4  # StreamingLLM's count: the first tokens kept by default
 
@@ -50,10 +50,10 @@ class SinkLayerKV:
         return self.k[:, :, :self.n_read], self.v[:, :, :self.n_read]
 
 
-class SinkKVCache(RingKVCache):
+class SinkKVCache(BudgetKVCache):
     """Slots 0 .. sinks - 1 hold the first tokens; the other `window` slots are a ring of the last ones."""
 
-    budgeted = True
+    kind, keeps, moves = "a sink cache", "keeps each row's first tokens", "each new token moves the sinks"
 
     def __init__(self, n_kv_layer: int, batch_size: int, n_kv_head: int, head_dim: int, dtype=torch.float32,
                  device=None, *, sinks: int, window: int, turn_sinks: bool):
@@ -62,41 +62,20 @@ class SinkKVCache(RingKVCache):
         self.add_layer_buffers(("k_sink",), (batch_size, n_kv_head, sinks if turn_sinks else 0, head_dim), dtype,
                                device)
 
-    def reset(self, n_pad=None) -> None:
-        if n_pad is not None and bool((n_pad > 0).any()):
-            raise ValueError("a sink cache keeps each row's first tokens: its rows must start together, with no "
-                             "left padding")
-        super().reset()
-
-    def longest_chunk(self) -> int:
-        """Tokens up to the full cache in one pass, then one at a time: each new token moves the sinks."""
-        return max(self.max_len - len(self), 1)
-
     def for_tokens(self, t: int):
-        fed = len(self)
-        if t > self.longest_chunk():
-            raise ValueError(f"a sink cache of {self.max_len} slots with {fed} tokens fed takes "
-                             f"{self.longest_chunk()} tokens in one pass, not {t}")
+        fed = self.check_chunk(t)
         new = self.pos + self.slot_ids[:t]  # (t,) the new tokens' numbers: their positions
         if fed + t <= self.max_len:
             return new, None, new, fed + t  # filling up: token n in slot n, the plain cache's rule
         slot = self.sinks + (new - self.sinks) % self.window  # one token sees every slot
         return new if self.turn_sinks else self.slot_ids[-1:], None, slot, None  # learned: the cache's last place
 
-    compilable = False  # the sinks' keys turn by how far the window has moved, read back each step
-
     def layer(self, i: int, slots: torch.Tensor, n_read: int | None) -> SinkLayerKV:
-        if torch.compiler.is_compiling():
-            raise ValueError("a sink cache decodes eagerly: drop compile")
+        self.check_eager()
         return SinkLayerKV(self, i, slots, n_read)
 
     def one_row(self, model) -> "SinkKVCache":
         return new_sink_cache(model, 1, sinks=self.sinks, window=self.window)
-
-    def rollback(self, n: int) -> None:
-        if n:
-            raise ValueError("a sink cache cannot roll back: its ring has overwritten the tokens before the last "
-                             "ones; decode without speculation")
 
 
 def new_sink_cache(model, batch_size: int, *, sinks: int, window: int) -> SinkKVCache:

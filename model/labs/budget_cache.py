@@ -1,0 +1,42 @@
+"""What a cache of a fixed budget of slots shares, whichever tokens it keeps (sink_cache.py keeps the first and the
+last, evicting_cache.py those its heads choose): rows that start together, a first chunk that fills it, then one
+token per pass, eagerly, and no rollback."""
+
+import torch
+
+from .ring_cache import RingKVCache
+
+
+class BudgetKVCache(RingKVCache):
+    """A RingKVCache of max_len slots that keeps fewer tokens than block_size. kind: what it is, for messages;
+    keeps: why rows must start together; moves: why it takes one token at a time once full."""
+
+    budgeted = True
+    compilable = False  # once full, where a token goes depends on the step before, read back each step
+    kind, keeps, moves = "a budget cache", "keeps chosen tokens of each row", "each needs the step before"
+
+    def reset(self, n_pad=None) -> None:
+        if n_pad is not None and bool((n_pad > 0).any()):
+            raise ValueError(f"{self.kind} {self.keeps}: its rows must start together, with no left padding")
+        super().reset()
+
+    def longest_chunk(self) -> int:
+        """Tokens up to the full cache in one pass, then one at a time."""
+        return max(self.max_len - len(self), 1)
+
+    def check_chunk(self, t: int) -> int:
+        """The tokens fed so far, once t new ones are known to fit in one pass."""
+        fed = len(self)
+        if t > self.longest_chunk():
+            raise ValueError(f"{self.kind} of {self.max_len} slots with {fed} tokens fed takes "
+                             f"{self.longest_chunk()} tokens in one pass ({self.moves}), not {t}")
+        return fed
+
+    def check_eager(self) -> None:
+        if torch.compiler.is_compiling():
+            raise ValueError(f"{self.kind} decodes eagerly: drop compile")
+
+    def rollback(self, n: int) -> None:
+        if n:
+            raise ValueError(f"{self.kind} cannot roll back: the tokens it dropped are gone; decode without "
+                             f"speculation")
