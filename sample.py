@@ -208,6 +208,9 @@ def check_combinations(args) -> None:
         raise UsageError("--draft applies to sampling, not to --interactive: drop one of them")
     if args.each_line and (args.prompt_file is None or args.draft or args.interactive):
         raise UsageError("--each-line continues the lines of --prompt-file, without --draft or --interactive")
+    if args.each_line and args.window is not None:
+        raise UsageError("--window moves a long generation's context; --each-line keeps each line and its "
+                         "continuation within block_size: drop --window")
     if args.max_new_tokens is not None and args.max_new_tokens < 0:
         raise UsageError(f"--max-new-tokens: max_new_tokens must be an integer >= 0, got {args.max_new_tokens}")
     if args.interactive and sys.stdin is None:

@@ -363,7 +363,8 @@ def test_int8_cache_decodes_a_batch_in_blocks_of_rows_as_it_does_all_at_once(mon
     torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("design", ["gqa-share2", "local-sink-gqa", "mla-local-sink"])
+@pytest.mark.parametrize("design", ["gqa-share2", pytest.param("local-sink-gqa", marks=pytest.mark.slow),
+                                    pytest.param("mla-local-sink", marks=pytest.mark.slow)])  # compiling takes long
 def test_compiled_step_through_an_int8_cache_equals_the_eager_one(design):
     """torch.compile fuses the int8 keys' conversion into attention's kernels: the same logits at every step, past
     block_size, with ragged rows, grouped-query attention and layers that share keys and values, or local layers and

@@ -372,7 +372,7 @@ def test_a_window_of_block_size_is_the_full_cache_and_sinks_decode_past_it(rope_
     assert re.search(r"KV cache [\d.]+ MiB in sinks ", sinks.stderr.splitlines()[-1])
 
 
-@pytest.mark.parametrize("policy", ["h2o", "tova"])
+@pytest.mark.parametrize("policy", ["h2o"])  # tests/test_evicting_cache.py proves both policies
 def test_an_eviction_policy_decodes_past_its_budget_and_the_summary_names_it(rope_checkpoint, policy):
     """Until the prompt and the first new token fill the budget (block_size), the text is the float cache's; past
     it, the samples of one prompt still agree, and the summary names the policy."""
