@@ -45,7 +45,8 @@ def one_by_one(model, prompts, new):
     for prompt in prompts:
         tokens = []
         for token in generate_tokens(model, torch.tensor([prompt]), new, sampling=GREEDY):
-            first.append(time.perf_counter() - start) if not tokens else None
+            if not tokens:
+                first.append(time.perf_counter() - start)
             tokens.append(int(token))
         texts.append(prompt + tokens)
     return texts, first, time.perf_counter() - start, kv_cache_bytes(model.config, model.attention_dtype), None
@@ -59,7 +60,8 @@ def fixed_batches(model, prompts, new, batch):
         idx = torch.tensor([[0] * (width - len(p)) + p for p in group])
         drawn = []
         for step in generate_tokens(model, idx, new, sampling=GREEDY, n_pad=[width - len(p) for p in group]):
-            first += [time.perf_counter() - start] * len(group) if not drawn else []
+            if not drawn:
+                first += [time.perf_counter() - start] * len(group)
             drawn.append(step.tolist())
         texts += [p + [row[b] for row in drawn] for b, p in enumerate(group)]
     bytes_ = batch * kv_cache_bytes(model.config, model.attention_dtype)

@@ -130,7 +130,7 @@ class Engine:
 
     @torch.no_grad()
     def step(self) -> list[tuple[object, int]]:
-        """One forward pass: a chunk of one joining request's prefill, or one token of every running request."""
+        """One forward pass: a chunk of each joining request's prefill, or one token of every running request."""
         while self.waiting and len(self.running) < self.max_batch and self._admit(self.waiting[0]):
             self.running.append(self.waiting.popleft())
         joining = [r for r in self.running if r.fed < len(r.tokens) - 1]
@@ -148,17 +148,15 @@ class Engine:
         bt, pool = self.pool.block_tokens, self.pool
         chain = full_block_names(request.tokens[:-1], bt)
         cached = next((i for i, name in enumerate(chain) if name not in pool.by_hash), len(chain))
-        if cached < len(chain) and any(chain[cached] in full_block_names(r.tokens[:-1], bt)[len(r.names):]
-                                       for r in self.running):
+        if cached < len(chain) and any(chain[cached] in full_block_names(r.tokens[:-1], bt, r.names)[len(r.names):]
+                                       for r in self.running):  # only the blocks each has yet to name are hashed
             return False
         for name in chain[:cached]:
             request.blocks.append(pool.lookup(name))
             request.names.append(name)
         need = -(-len(request.tokens) // bt) - len(request.blocks)
         if need > pool.available():
-            for block in request.blocks:
-                pool.release(block)
-            request.blocks, request.names = [], []
+            self._free(request)
             return False
         request.blocks += [pool.allocate() for _ in range(need)]
         request.fed = len(request.names) * bt
@@ -175,11 +173,15 @@ class Engine:
             request.blocks.append(block)
         return block is not None
 
-    def _preempt(self, request: Request) -> None:
-        self.running.remove(request)
+    def _free(self, request: Request) -> None:
+        """Give the request's blocks back to the pool and empty its table."""
         for block in request.blocks:
             self.pool.release(block)
         request.blocks, request.names, request.fed = [], [], 0
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self._free(request)
         self.waiting.appendleft(request)
         self.stats.preemptions += 1
 
@@ -211,22 +213,20 @@ class Engine:
             drawn.append((request.name, token))
             if request.drawn == request.max_new_tokens:
                 self.running.remove(request)
-                for block in request.blocks:
-                    self.pool.release(block)
+                self._free(request)
         return drawn
 
     def _name_full_blocks(self, request: Request) -> None:
-        bt = self.pool.block_tokens
-        while len(request.names) < request.fed // bt:
-            i = len(request.names)
-            name = chain_hash(request.names[-1] if request.names else b"", request.tokens[i * bt:(i + 1) * bt])
-            self.pool.name(request.blocks[i], name)
-            request.names.append(name)
+        """Name in the pool the blocks the request has filled since it last named one."""
+        named = len(request.names)
+        request.names = full_block_names(request.tokens[:request.fed], self.pool.block_tokens, request.names)
+        for i in range(named, len(request.names)):
+            self.pool.name(request.blocks[i], request.names[i])
 
 
-def full_block_names(tokens: list[int], bt: int) -> list[bytes]:
-    """The chain hash of each full block of tokens."""
-    names = [b""]
-    for start in range(0, len(tokens) - bt + 1, bt):
-        names.append(chain_hash(names[-1], tokens[start:start + bt]))
-    return names[1:]
+def full_block_names(tokens: list[int], bt: int, known: list[bytes] = ()) -> list[bytes]:
+    """The chain hash of each full block of tokens; known: those of its first blocks, already computed."""
+    names = list(known)
+    for start in range(len(names) * bt, len(tokens) - bt + 1, bt):
+        names.append(chain_hash(names[-1] if names else b"", tokens[start:start + bt]))
+    return names
