@@ -36,12 +36,15 @@ import torch
 from data import CharVocab, DataError, UnknownCharacterError, read_regular_file
 from model import GPT, Sampling, generate_tokens, kv_cache_bytes
 from model.labs.caches import BUDGETED, CACHES, EAGER, new_cache
+from model.labs.cached_text import text_cache
 from model.labs.conversation import Conversation
 from model.labs.engine import Engine
+from model.labs.generate import check_arguments
 from model.labs.ngram_draft import NGramTable
 from model.labs.speculative import PromptLookup, SpeculativeStats, speculative_generate
 from model.labs.quantize import DECODING_PRECISIONS
 from model.labs.ring_cache import kv_cache_dtype
+from runtime.compiled_step import COMPILE_PAYS_AFTER, DEVICES as STEP_DEVICES, has_compiled_step, load_or_compile_step
 from runtime.checkpoint import find_latest_checkpoint, load_model, resolve_checkpoint, trained_on, training_text
 from runtime.devices import (DEFAULT_THREADS, choose_device, environment_threads, fastest_threads, memory_of,
                               thread_counts)
@@ -91,8 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--precision", choices=DECODING_PRECISIONS, default="fp32",
                         help="decode with the weights as trained (fp32), in bf16, or with int8 weights "
                              "quantized when loaded (default: %(default)s)")
-    cache.add_argument("--compile", action="store_true",
-                       help="torch.compile the one-token decode step (the first steps pay for compiling)")
+    cache.add_argument("--compile", action=argparse.BooleanOptionalAction,
+                       help="decode through a one-token step compiled ahead of time for the model's shape "
+                            "(model/labs/aot_step.py), kept under ~/.cache/kvgpt (runtime/compiled_step.py); "
+                            "compiling takes a minute or less (default: when one is kept, or for "
+                            f"--max-new-tokens of {COMPILE_PAYS_AFTER} or more)")
     parser.add_argument("--kv-cache", choices=CACHES, help="how keys and values are stored: in the dtype "
                         "attention computes in (float, the default), int8 with a scale per token and head, "
                         "int4 / int2 in groups, the most recent tokens in float too; or --kv-budget slots: the "
@@ -186,7 +192,7 @@ def encode_prompt(vocab: CharVocab, prompt: str, what: str = "the prompt") -> li
 def check_combinations(args) -> None:
     """Refuse options that cannot apply together, naming them."""
     one_row = {"--draft": args.draft, "--interactive": args.interactive, "--each-line": args.each_line}
-    plain_decoding = {"--no-kv-cache": args.no_kv_cache, "--compile": args.compile, "--kv-cache": args.kv_cache,
+    plain_decoding = {"--no-kv-cache": args.no_kv_cache, "--kv-cache": args.kv_cache,
                       "--read-all-slots": args.read_all_slots, "--num-samples": args.num_samples != 1}
     if args.speculate_k is not None and not args.draft:
         raise UsageError("--speculate-k applies to speculative decoding: give --draft too")
@@ -194,6 +200,9 @@ def check_combinations(args) -> None:
         raise UsageError(f"--speculate-k must be >= 1, got {args.speculate_k}")
     if args.compile and args.kv_cache in EAGER:
         raise UsageError(f"--kv-cache {args.kv_cache} decodes eagerly: drop --compile")
+    if args.compile and args.device not in ("auto", *STEP_DEVICES):
+        raise UsageError(f"--compile builds steps for {' or '.join(STEP_DEVICES)}, not --device {args.device}: "
+                         f"drop --compile")
     if args.read_all_slots and args.kv_cache in BUDGETED:
         raise UsageError(f"--read-all-slots applies to the ring; --kv-cache {args.kv_cache} reads its own slots: "
                          f"drop one of them")
@@ -206,6 +215,9 @@ def check_combinations(args) -> None:
         raise UsageError(f"--session {args.session}: no folder {args.session.parent} to save it in; make it first")
     if args.draft and args.interactive:
         raise UsageError("--draft applies to sampling, not to --interactive: drop one of them")
+    if args.compile and (args.interactive or args.each_line):
+        raise UsageError(f"--compile applies to plain and --draft decoding, not to "
+                         f"{'--interactive' if args.interactive else '--each-line'}: drop one of them")
     if args.each_line and (args.prompt_file is None or args.draft or args.interactive):
         raise UsageError("--each-line continues the lines of --prompt-file, without --draft or --interactive")
     if args.each_line and args.window is not None:
@@ -383,6 +395,26 @@ def write_samples(steps, prompt: str, vocab: CharVocab, num_samples: int, out, e
         raise KeyboardInterrupt
 
 
+def compiled_step(args, model: GPT, cache, tokens: int = 1):
+    """The compiled pass of `tokens` tokens per row (one: the decoding step; more: speculative decoding's
+    verification) that --compile asks for, or by default one kept before, or one worth compiling for a long
+    generation; None: decode eagerly. Says on stderr which, and why."""
+    if args.compile is False or cache is None or args.kv_cache in EAGER or cache.device.type not in STEP_DEVICES:
+        return None
+    kept = has_compiled_step(model, cache, tokens)
+    if not (args.compile or kept or args.max_new_tokens >= COMPILE_PAYS_AFTER):
+        return None
+    what = "decoding step" if tokens == 1 else f"verification pass of {tokens} tokens"
+    if not kept:
+        print(f"compiling the {what} for this model's shape, once: a minute or less (--no-compile decodes "
+              f"eagerly)", file=sys.stderr)
+    try:
+        return load_or_compile_step(model, cache, tokens, say=lambda line: print(line, file=sys.stderr))
+    except Exception as e:  # noqa: BLE001  no C++ compiler, or one that fails: the eager step still decodes
+        print(f"compiling the {what} failed ({one_line(e)[:200]}); decoding eagerly", file=sys.stderr)
+        return None
+
+
 def sample(args) -> None:
     if args.num_samples < 1:
         raise UsageError(f"--num-samples must be >= 1, got {args.num_samples}")
@@ -433,27 +465,36 @@ def sample(args) -> None:
             if args.prompt is not None or args.prompt_file is not None:
                 raise UsageError(f"--session {args.session} goes on from its own text: drop --prompt")
             take_up(conversation, args.session, path, model)
+    idx = torch.tensor([prompt_ids] * args.num_samples, dtype=torch.long, device=device)
+    if not (args.interactive or args.each_line):
+        try:  # the decoding loop's own checks, before a step is compiled
+            check_arguments(model, idx, args.max_new_tokens, args.window)
+        except ValueError as e:  # its messages name the argument, as the options do
+            raise UsageError(e) from None
+    state = contents.get("training")
+    evaluated = f"best val loss {state['best_val_loss']:.4f}" if state and math.isfinite(state["best_val_loss"]) \
+        else "not yet evaluated"
+    progress = f"step {state['step']}, {evaluated}" if state else "weights only"
+    print(f"sampling {path} ({progress}), trained on {trained_on(contents)}", file=sys.stderr)
     use_cache = not args.no_kv_cache
     cache = cache_for(args, model, args.num_samples) if use_cache and not (draft or args.each_line) else None
-    idx = torch.tensor([prompt_ids] * args.num_samples, dtype=torch.long, device=device)
+    k = args.speculate_k or SPECULATE_K
+    # a compiled one-token step, or for --draft the compiled pass that verifies k drafts and one token after them
+    step = compiled_step(args, model, text_cache(model, k), k + 1) if draft else \
+        None if args.interactive else compiled_step(args, model, cache)
     start = time.perf_counter()
     speculation = SpeculativeStats()
     if args.interactive or args.each_line:
         steps = None
     elif draft:
         steps = checked(speculative_generate(model, idx, args.max_new_tokens, draft=draft,
-                                             k=args.speculate_k or SPECULATE_K, sampling=sampling,
-                                             generator=generator, window=args.window, stats=speculation))
+                                             k=k, sampling=sampling,
+                                             generator=generator, window=args.window, stats=speculation,
+                                             verify_pass=step))
     else:
         steps = checked(generate_tokens(model, idx, args.max_new_tokens, sampling=sampling, generator=generator,
-                                        window=args.window, use_cache=use_cache, cache=cache,
-                                        compile=args.compile))
+                                        window=args.window, use_cache=use_cache, cache=cache, step=step))
 
-    state = contents.get("training")
-    evaluated = f"best val loss {state['best_val_loss']:.4f}" if state and math.isfinite(state["best_val_loss"]) \
-        else "not yet evaluated"
-    progress = f"step {state['step']}, {evaluated}" if state else "weights only"
-    print(f"sampling {path} ({progress}), trained on {trained_on(contents)}", file=sys.stderr)
     try:
         vocab.chars.encode(sys.stdout.encoding)
     except UnicodeEncodeError:  # an ASCII-only locale, PYTHONIOENCODING=ascii, ...
@@ -499,6 +540,7 @@ def sample(args) -> None:
     speculated = f", draft acceptance {speculation.acceptance_rate:.0%}, {speculation.tokens_per_pass:.2f} " \
         f"tokens per model pass" if draft else ""
     on = f"{device.type}, {threads} thread{'s' if threads > 1 else ''}" if device.type == "cpu" else device.type
+    on += ", compiled step" if step is not None else ""
     print(f"{tokens} tokens in {seconds:.2f} s, {tokens / max(seconds, 1e-9):.1f} tokens/s at {args.precision}, "
           f"{cache_size} ({on}){speculated}", file=sys.stderr)
 

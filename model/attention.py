@@ -2,6 +2,8 @@
 cache while decoding. The textbook block, with cross-attention, padding masks, distinct widths and returned
 weights, is model/labs/multihead.py; grouped queries and shared layers are in model/labs/ too."""
 
+from contextlib import nullcontext
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -38,6 +40,11 @@ def attention_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """What attention computes in for inputs of `dtype`, and a cache's default dtype: float32 for bf16 on the CPU,
     where torch's bf16 attention is slower than its float32 one (docs/benchmarks.md); else `dtype`."""
     return torch.float32 if dtype == torch.bfloat16 and device.type == "cpu" else dtype
+
+
+def no_autocast(device: torch.device):
+    """A context in which autocast leaves dtypes alone; entered only when autocast is on (it costs a step time)."""
+    return torch.autocast(device.type, enabled=False) if torch.is_autocast_enabled(device.type) else nullcontext()
 
 
 class CausalSelfAttention(nn.Module):
@@ -86,7 +93,7 @@ class CausalSelfAttention(nn.Module):
         if attn_mask is None and T_q not in (1, T_k):  # new queries after cached keys: aligned bottom-right
             attn_mask = causal_mask(T_q, T_k, q.device)
         dropout_p = self.attn_dropout if self.training else 0.0
-        with torch.autocast(q.device.type, enabled=False):  # in q's dtype, as attention_dtype says
+        with no_autocast(q.device):  # in q's dtype, as attention_dtype says
             return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=attn_mask,
                                                   dropout_p=dropout_p, is_causal=attn_mask is None and T_q > 1,
                                                   enable_gqa=k.size(1) < q.size(1))  # model/labs/grouped.py

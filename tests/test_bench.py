@@ -63,6 +63,7 @@ def test_a_candidate_may_be_named_with_commas_and_spaces(tmp_path: Path):
     ("kv_budget.py", ["--checkpoint", "MISSING"], ["--checkpoint", "no checkpoint at"]),
     ("kv_budget.py", ["--caches", "int3"], ["--caches", "'int3'"]),
     ("sample_speed.py", ["--repeats", "0"], ["--repeats", "got 0"]),
+    ("step_paths.py", ["--shape", "huge"], ["--shape", "'huge'"]),
     ("train_throughput.py", ["--steps", "0"], ["--steps", "got 0"]),
 ])
 def test_a_benchmark_given_a_mistake_says_so_in_one_line_with_status_2(tmp_path, script, args, fragments):

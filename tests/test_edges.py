@@ -792,7 +792,8 @@ def test_a_reader_that_stops_early_ends_sampling_quietly(checkpoint):
 
 def test_a_reader_that_stops_early_ends_a_long_sample_promptly(checkpoint):
     """Like `| head -c 10`: a lone sample is written as it grows, so the closed pipe is noticed at once."""
-    process = subprocess.Popen(sample_command(checkpoint, "--max-new-tokens", 10**8), env=ENV,
+    # --no-compile: a generation this long would compile its step first (runtime/compiled_step.py)
+    process = subprocess.Popen(sample_command(checkpoint, "--max-new-tokens", 10**8, "--no-compile"), env=ENV,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         assert select.select([process.stdout], [], [], 60)[0], "nothing written within 60 s"
@@ -815,7 +816,8 @@ def signal_state(pid: int) -> str:
 def test_ctrl_c_keeps_the_text_written_so_far(checkpoint, tmp_path):
     out = tmp_path / "sample.txt"
     with open(out, "w") as file:
-        process = subprocess.Popen(sample_command(checkpoint, "--max-new-tokens", 10**8, "--prompt", "JULIET:"),
+        process = subprocess.Popen(sample_command(checkpoint, "--max-new-tokens", 10**8, "--prompt", "JULIET:",
+                                                  "--no-compile"),
                                    env=ENV, stdout=file, stderr=subprocess.PIPE, text=True,
                                    preexec_fn=child_signal(signal.SIGINT))
         try:

@@ -239,6 +239,7 @@ def unavailable_device() -> str:
     (["--compile", "--no-kv-cache"], ["--compile", "--no-kv-cache"]),
     (["--kv-cache", "int3"], ["--kv-cache", "'int3'"]),
     (["--kv-cache", "int4", "--compile"], ["--kv-cache int4 decodes eagerly", "drop --compile"]),
+    (["--compile", "--device", "mps"], ["--compile builds steps for cpu or cuda, not --device mps"]),
     (["--kv-budget", 8], ["--kv-budget applies to --kv-cache window, sinks, h2o, tova"]),
     (["--kv-cache", "h2o"], ["--kv-cache h2o: ", "needs pos_emb=rope"]),
 ])
@@ -334,11 +335,22 @@ def test_a_file_that_is_no_pickle_is_not_called_unsafe(tmp_path, make_file):
     assert "unsafe" not in line and "run code" not in line
 
 
-@pytest.mark.slow
-def test_compiled_step_gives_the_same_text(checkpoint, greedy):
-    result = sample_ok("--checkpoint", checkpoint, "--prompt", PROMPT, "--temperature", 0,
-                       "--max-new-tokens", NEW_TOKENS, "--compile")
-    assert result.stdout == greedy.stdout
+def test_the_compiled_step_gives_the_same_text_and_is_kept(checkpoint, greedy, tmp_path):
+    """--compile compiles the step once and says so; later runs take the kept step by default, and --no-compile
+    decodes eagerly. The text is the eager text each time (runtime/compiled_step.py)."""
+    env = {**ENV, "KVGPT_CACHE_DIR": str(tmp_path)}
+    args = [sys.executable, str(SAMPLE), "--checkpoint", str(checkpoint), "--prompt", PROMPT, "--temperature", "0",
+            "--max-new-tokens", str(NEW_TOKENS)]
+    runs = {flag: subprocess.run(args + ([flag] if flag else []), cwd=REPO, env=env, capture_output=True, text=True,
+                                 timeout=300) for flag in ("--compile", None, "--no-compile")}
+    for flag, result in runs.items():
+        assert result.returncode == 0, result.stderr
+        assert result.stdout == greedy.stdout, flag
+        summary = result.stderr.splitlines()[-1]
+        assert summary.endswith("(cpu, 1 thread, compiled step)" if flag != "--no-compile" else "(cpu, 1 thread)")
+    assert runs["--compile"].stderr.splitlines()[1].startswith("compiling the decoding step for this model's shape, "
+                                                               "once")
+    assert "compiling" not in runs[None].stderr and len(runs[None].stderr.splitlines()) == 2
 
 
 @pytest.mark.parametrize("bits", [4, 2])

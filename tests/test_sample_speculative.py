@@ -61,6 +61,18 @@ def test_the_ngram_draft_counts_the_training_text_and_keeps_the_greedy_text(chec
     assert acceptance > 100 / len(VOCAB)  # better than a uniform guess
 
 
+def test_compile_verifies_full_drafts_through_a_compiled_pass(checkpoints, plain_greedy, tmp_path):
+    result = subprocess.run([sys.executable, str(SAMPLE), "--checkpoint", str(checkpoints["model"]), "--prompt", PROMPT,
+                             "--temperature", "0", "--max-new-tokens", str(NEW_TOKENS), "--draft", "lookup",
+                             "--speculate-k", "3", "--compile"], env={**ENV, "KVGPT_CACHE_DIR": str(tmp_path)},
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == plain_greedy
+    assert result.stderr.splitlines()[1].startswith("compiling the verification pass of 4 tokens for this model's "
+                                                    "shape, once")
+    assert ", compiled step), draft acceptance " in result.stderr.splitlines()[-1]
+
+
 def test_the_ngram_draft_refuses_a_text_that_changed_since_training(checkpoints, tmp_path):
     folder = tmp_path / "moved"
     folder.mkdir()
@@ -83,6 +95,7 @@ def test_the_ngram_draft_refuses_a_text_that_changed_since_training(checkpoints,
     (["--interactive", "--num-samples", "3"], ["--num-samples applies to plain decoding, not to --interactive"]),
     (["--interactive", "--draft", "lookup"], ["--draft applies to sampling, not to --interactive"]),
     (["--interactive", "--kv-cache", "int8"], ["--kv-cache applies to plain decoding, not to --interactive"]),
+    (["--interactive", "--compile"], ["--compile applies to plain and --draft decoding, not to --interactive"]),
     (["--draft", "MISSING"], ["--draft: no checkpoint at"]),
     (["--draft", "lookup", "--speculate-k", "10000000"], ["--speculate-k must be at most", "block_size", "10000000"]),
     (["--draft", "lookup", "--speculate-k", str(10**14)], ["--speculate-k must be at most", str(10**14)]),

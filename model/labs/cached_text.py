@@ -14,6 +14,11 @@ from ..gpt import GPT
 from .generate import context_limits, moved_start, prefill
 
 
+def text_cache(model: GPT, spare: int = 0):
+    """The cache a CachedText keeps: one row of block_size + spare slots."""
+    return model.new_kv_cache(1, max_len=model.config.block_size + spare)
+
+
 class CachedText:
     """tokens: the text, token ids, which callers extend; the cache holds tokens[start:fed].
 
@@ -24,10 +29,11 @@ class CachedText:
     def __init__(self, model: GPT, *, spare: int = 0, window: int | None = None):
         self.model = model
         self.tokens: list[int] = []
-        self.cache = model.new_kv_cache(1, max_len=model.config.block_size + spare)
+        self.cache = text_cache(model, spare)
         self.rolling = model.config.pos_emb == "rope"  # the ring rolls on: the context never jumps
         self.span, self.window = context_limits(model.config, window)
         self.start = 0  # the context is tokens[start:]
+        self.passes = {}  # compiled passes by their tokens per row (aot_step.py), used where one fits
 
     @property
     def fed(self) -> int:
@@ -58,7 +64,9 @@ class CachedText:
         self.prepare(end - n + 1)
         if self.fed < end - n:  # what the cache lacks before them
             prefill(self.model, self._ids(self.fed, end - n), self.cache)
-        return self.model(self._ids(end - n, end), cache=self.cache)[0][0]
+        ids = self._ids(end - n, end)
+        compiled = self.passes.get(n)
+        return (compiled(ids, self.cache) if compiled else self.model(ids, cache=self.cache)[0])[0]
 
     def truncate(self, length: int) -> None:
         """Keep tokens[:length] only, rolling the cache back past the rest."""

@@ -103,10 +103,11 @@ GREEDY = Sampling(temperature=0)
 def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampling: Sampling = Sampling(),
              generator: torch.Generator | None = None, window: int | None = None,
              n_pad: Sequence[int] | torch.Tensor | None = None, use_cache: bool = True,
-             cache: RingKVCache | None = None, compile: bool = False) -> torch.Tensor:
+             cache: RingKVCache | None = None, compile: bool = False, step=None) -> torch.Tensor:
     """idx (B, T) -> (B, T + max_new_tokens): the prompt followed by the new tokens. See generate_tokens."""
     new = list(generate_tokens(model, idx, max_new_tokens, sampling=sampling, generator=generator,
-                               window=window, n_pad=n_pad, use_cache=use_cache, cache=cache, compile=compile))
+                               window=window, n_pad=n_pad, use_cache=use_cache, cache=cache, compile=compile,
+                               step=step))
     return torch.cat([idx, torch.stack(new, dim=1)], dim=1) if new else idx
 
 
@@ -114,23 +115,27 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampling: Sa
 def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampling: Sampling = Sampling(),
                     generator: torch.Generator | None = None, window: int | None = None,
                     n_pad: Sequence[int] | torch.Tensor | None = None, use_cache: bool = True,
-                    cache: RingKVCache | None = None, compile: bool = False) -> Iterator[torch.Tensor]:
+                    cache: RingKVCache | None = None, compile: bool = False, step=None) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, (B,), max_new_tokens times.
 
     sampling: how each token is drawn; generator: a torch.Generator, for reproducible sampling. window: context
     tokens kept when the context passes block_size, for learned positions (see the module's docstring). n_pad:
     left padding per row. use_cache=False recomputes the whole context at every step; cache is a RingKVCache to
-    reuse (from model.new_kv_cache), and compile torch.compiles the one-token step: both need the cache.
-    Arguments that cannot work are a ValueError naming the argument.
+    reuse (from model.new_kv_cache), and compile torch.compiles the one-token step; step: a compiled step to take
+    one-token steps through instead (aot_step.py). Each needs the cache. Arguments that cannot work are a
+    ValueError naming the argument.
     """
     block_size = model.config.block_size
-    start = check_arguments(model, idx, max_new_tokens, window, n_pad, use_cache, cache, compile)
+    start = check_arguments(model, idx, max_new_tokens, window, n_pad, use_cache, cache, compile, step)
     # the cache rolls on past block_size: with rotary positions, or a budget that places tokens itself
     rolling = model.config.pos_emb == "rope" or (cache is not None and cache.budgeted)
     span, window = context_limits(model.config, window)
     if use_cache:
         cache = cache if cache is not None else model.new_kv_cache(idx.size(0))
-        one_token_step = compiled_step(model) if compile else model.decode_step
+        if step is not None and not (step.fits(cache) and step.tokens == 1):
+            raise ValueError("step was compiled for another cache, or for passes of more than one token: compile "
+                             "a one-token step for this cache")
+        one_token_step = step.decode_step if step else compiled_step(model) if compile else model.decode_step
     # the whole sequence, filled as it grows: seq = buffer[:, :length]
     buffer = torch.cat([idx, idx.new_empty(idx.size(0), max_new_tokens)], dim=1)
     length = idx.size(1)
@@ -216,7 +221,7 @@ def _prefill_once(model: GPT, prompt: torch.Tensor, cache: RingKVCache) -> torch
 
 
 def check_arguments(model: GPT, idx, max_new_tokens, window=None, n_pad=None, use_cache=True, cache=None,
-                    compile=False) -> list[int]:
+                    compile=False, step=None) -> list[int]:
     """Refuse generate's arguments that cannot work, each in a ValueError naming it; each row's left padding as a
     list of ints."""
     c = model.config
@@ -241,8 +246,10 @@ def check_arguments(model: GPT, idx, max_new_tokens, window=None, n_pad=None, us
                          f"token sees the last block_size={block_size} tokens; drop window")
     if window is not None and not (is_integer(window) and 1 <= window <= block_size):
         raise ValueError(f"window must be an integer in [1, block_size={block_size}], got {window!r}")
-    if not use_cache and (cache is not None or compile):
-        raise ValueError("cache and compile apply to cached decoding: pass use_cache=True, or neither of them")
+    if not use_cache and (cache is not None or compile or step is not None):
+        raise ValueError("cache, compile and step apply to cached decoding: pass use_cache=True, or none of them")
+    if compile and step is not None:
+        raise ValueError("step is a compiled step already: drop compile")
     if cache is not None:
         check_cache(model, cache, B)
         if compile and not cache.compilable:

@@ -169,13 +169,15 @@ def verify(logits: torch.Tensor, proposals: list[int], q: torch.Tensor | None, s
 def speculative_generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *,
                          draft: "GPT | NGramTable | PromptLookup",
                          k: int, sampling: Sampling = GREEDY, generator: torch.Generator | None = None,
-                         window: int | None = None, stats: SpeculativeStats | None = None
-                         ) -> Iterator[torch.Tensor]:
+                         window: int | None = None, stats: SpeculativeStats | None = None,
+                         verify_pass=None) -> Iterator[torch.Tensor]:
     """Yield the next token, (1,), max_new_tokens times, as generate_tokens does for one row, drafting k tokens
     per model pass. draft: a GPT with the model's vocabulary (in eval mode, on its device), an NGramTable of its
     vocabulary, or PromptLookup().
     window: as in generate, for learned positions (the model's; a draft model keeps its default). stats: a
-    SpeculativeStats to fill. Arguments that cannot work are a ValueError naming the argument.
+    SpeculativeStats to fill. verify_pass: a compiled pass of k + 1 tokens (aot_step.py) for caches like
+    text_cache(model, k) (cached_text.py), which verifies each full draft. Arguments that cannot work are a
+    ValueError naming the argument.
     """
     check_arguments(model, idx, max_new_tokens, window)
     check_sampling(sampling)
@@ -200,6 +202,11 @@ def speculative_generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *,
     stats = stats if stats is not None else SpeculativeStats()
     target = CachedText(model, spare=k, window=window)
     target.tokens = idx[0].tolist()
+    if verify_pass is not None:
+        if not (verify_pass.fits(target.cache) and verify_pass.tokens == k + 1):
+            raise ValueError(f"verify_pass must be compiled for passes of k + 1 = {k + 1} tokens through "
+                             f"text_cache(model, {k}) (model/labs/cached_text.py)")
+        target.passes[k + 1] = verify_pass
     stats.cache_bytes = target.cache.nbytes + proposer.cache_bytes
     made = 0
     while made < max_new_tokens:

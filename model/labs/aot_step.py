@@ -1,0 +1,115 @@
+"""What compiling ahead of time adds to the one-token step: a cached pass of the model traced once by torch.export
+and built into C++ by AOTInductor, so that a step runs with no Python between its operations.
+
+torch.compile (generate's compile=True) checks its guards and runs a Python wrapper at every call. For a model
+this small that costs about what its arithmetic does (docs/benchmarks.md). Here the step is exported with the
+cache's tensors as inputs, which the compiled step updates in place, as the eager step does. The weights stay
+the model's: the compiled step reads them where they are (user-managed constants). So one compiled step serves
+every model of its shape and precision, and it sees a later load_state_dict.
+
+    program = export_step(model, cache)
+    package = torch._inductor.aoti_compile_and_package(program)   # runtime/compiled_step.py keeps it on disk
+    step = AotStep(torch._inductor.aoti_load_package(package), model, cache)
+    ids = generate(model, prompt, 500, cache=cache, step=step)     # one-token steps through the compiled step
+
+export_step(model, cache, tokens=k + 1) compiles a pass of k + 1 tokens per row instead: speculative decoding's
+verification (model/labs/speculative.py).
+"""
+
+import warnings
+from contextlib import contextmanager
+
+import torch
+import torch.nn as nn
+
+
+def cache_tensors(cache) -> list[tuple[str, torch.Tensor]]:
+    """The cache's state, (name, tensor) in a fixed order: what the compiled step takes after the tokens."""
+    return list(cache.named_buffers())
+
+
+def swap_buffers(module: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Put tensors in place of module's buffers of those (dotted) names; return the buffers they replaced."""
+    replaced = {}
+    for name, tensor in tensors.items():
+        owner, _, leaf = name.rpartition(".")
+        buffers = module.get_submodule(owner)._buffers
+        replaced[name], buffers[leaf] = buffers[leaf], tensor
+    return replaced
+
+
+class CacheAsInputs(nn.Module):
+    """model(idx, cache=cache)'s logits with the cache's tensors passed in, so that export traces them as inputs
+    the step updates in place, not as constants it may fold."""
+
+    def __init__(self, model, cache):
+        super().__init__()
+        self.model = model
+        self.cache = [cache]  # in a list: not a submodule, so that its buffers are no constants of the step
+        self.names = [name for name, _ in cache_tensors(cache)]
+
+    def forward(self, idx, *tensors):
+        cache = self.cache[0]
+        own = swap_buffers(cache, dict(zip(self.names, tensors)))
+        try:
+            return self.model(idx, cache=cache)[0]  # (B, T, vocab_size)
+        finally:
+            swap_buffers(cache, own)
+
+
+def check_step_cache(cache) -> None:
+    if not getattr(cache, "compilable", False):
+        raise ValueError(f"a {type(cache).__name__} decodes eagerly: its steps cannot be compiled")
+
+
+@torch.no_grad()
+def export_step(model, cache, tokens: int = 1) -> torch.export.ExportedProgram:
+    """A cached pass of `tokens` tokens per row for caches shaped like `cache`, traced by torch.export."""
+    if model.training:
+        raise ValueError("model is in training mode: call model.eval() before exporting its decoding step")
+    check_step_cache(cache)
+    idx = torch.zeros(cache.batch_size, tokens, dtype=torch.long, device=cache.device)
+    with quiet_tracing():
+        return torch.export.export(CacheAsInputs(model, cache), (idx, *(t for _, t in cache_tensors(cache))))
+
+
+@contextmanager
+def quiet_tracing():
+    """Hide the FutureWarning that torch's own export and compile code raises about an API it deprecates."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
+        yield
+
+
+def step_signature(cache) -> list[tuple[str, tuple, torch.dtype]]:
+    """What a cache must match to go through a compiled step: each tensor's name, shape and dtype."""
+    return [(name, tuple(t.shape), t.dtype) for name, t in cache_tensors(cache)]
+
+
+class AotStep:
+    """A loaded compiled pass, bound to the model's weights: step(idx, cache) is model(idx, cache=cache)[0] for
+    idx (B, tokens) and a cache shaped like the one it was exported with; step.decode_step is model.decode_step."""
+
+    def __init__(self, runner, model, cache, tokens: int = 1):
+        self.runner, self.model, self.tokens, self.signature = runner, model, tokens, step_signature(cache)
+        weights = {f"model.{name}": t for name, t in [*model.named_parameters(remove_duplicate=False),
+                                                      *model.named_buffers(remove_duplicate=False)]}
+        missing = [name for name in runner.get_constant_fqns() if name not in weights]
+        if missing:
+            raise ValueError(f"the compiled step reads {', '.join(missing[:3])}, which this model lacks: it was "
+                             f"compiled for another model")
+        # user-managed: the step reads the model's own tensors, never a copy of them
+        runner.load_constants({name: weights[name] for name in runner.get_constant_fqns()}, check_full_update=True,
+                              user_managed=True)
+
+    def fits(self, cache) -> bool:
+        return step_signature(cache) == self.signature
+
+    def __call__(self, idx, cache):
+        """idx (B, tokens) -> logits (B, tokens, vocab_size)."""
+        # contiguous: the step was built for rows of tokens side by side, not slices of longer sequences
+        return self.runner(idx.contiguous(), *(t for _, t in cache_tensors(cache)))
+
+    def decode_step(self, idx, cache):
+        """The last position's logits (B, vocab_size), as GPT.decode_step gives them."""
+        return self(idx, cache)[:, -1]

@@ -1,0 +1,92 @@
+"""Compiled decoding steps kept on disk: compiling costs tens of seconds once per model shape, and loading a step
+compiled before takes milliseconds (model/labs/aot_step.py).
+
+A step is named by everything that shapes its code: the model's config and precision, the cache's tensors, the
+device, torch's version, the CPU's instruction set and the model code itself. It is kept in
+$KVGPT_CACHE_DIR, else $XDG_CACHE_HOME/kvgpt, else ~/.cache/kvgpt, under steps/.
+"""
+
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+import model as model_package
+from model.labs.aot_step import AotStep, export_step, quiet_tracing, step_signature
+from runtime.files import write_atomically
+
+# one-token steps after which compiling the step for the first time has paid for itself (docs/benchmarks.md)
+COMPILE_PAYS_AFTER = 10_000
+DEVICES = ("cpu", "cuda")  # where AOTInductor builds steps
+
+
+def cache_dir() -> Path:
+    if os.environ.get("KVGPT_CACHE_DIR"):
+        return Path(os.environ["KVGPT_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvgpt"
+
+
+def model_code_digest() -> str:
+    """sha256 of model/'s source: a step compiled from other code is another step."""
+    digest = hashlib.sha256()
+    root = Path(model_package.__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def step_path(model, cache, tokens: int = 1) -> Path:
+    """Where the compiled pass of `tokens` tokens per row for this model's shape and precision and this cache's
+    shape is kept."""
+    device = cache.device
+    identity = {
+        "tokens": tokens,
+        "config": dataclasses.asdict(model.config),
+        "weights": sorted({str(t.dtype) for t in [*model.parameters(), *model.buffers()]}),
+        "cache": [type(cache).__name__, *[(name, shape, str(dtype)) for name, shape, dtype in step_signature(cache)]],
+        "device": device.type,
+        "torch": torch.__version__,
+        "cpu": torch.backends.cpu.get_cpu_capability(),
+        "code": model_code_digest(),
+    }
+    key = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:32]
+    return cache_dir() / "steps" / f"{key}.pt2"
+
+
+def has_compiled_step(model, cache, tokens: int = 1) -> bool:
+    return step_path(model, cache, tokens).is_file()
+
+
+def load_or_compile_step(model, cache, tokens: int = 1, say=print) -> AotStep:
+    """The compiled pass of `tokens` tokens per row (one: the decoding step) for model and caches shaped like
+    `cache`: loaded if compiled before, else compiled and kept (or, where nothing can be written, compiled for this
+    run only). say: one line to the user."""
+    path = step_path(model, cache, tokens)
+    if path.is_file():
+        try:
+            return AotStep(torch._inductor.aoti_load_package(str(path)), model, cache, tokens)
+        except (RuntimeError, ValueError, OSError) as e:  # damaged, or from an incompatible build
+            say(f"the compiled step in {path} could not be loaded ({str(e).splitlines()[0][:120]}); compiling it "
+                f"again")
+    program = export_step(model, cache, tokens)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, lambda file: compile_step(program, file))
+    except OSError as e:  # a read-only or full disk: this run still gets its step
+        say(f"cannot keep the compiled step in {path.parent} ({e.strerror or e}); it serves this run only")
+        with tempfile.TemporaryDirectory(prefix="kvgpt-step-") as folder:
+            compile_step(program, f"{folder}/step.pt2")
+            return AotStep(torch._inductor.aoti_load_package(f"{folder}/step.pt2"), model, cache, tokens)
+    return AotStep(torch._inductor.aoti_load_package(str(path)), model, cache, tokens)
+
+
+def compile_step(program, package) -> None:
+    """AOTInductor's build of the exported step into package (a path or a file), without a copy of the weights:
+    the step reads the model's own (AotStep)."""
+    with quiet_tracing():
+        torch._inductor.aoti_compile_and_package(program, package_path=package,
+                                                 inductor_configs={"aot_inductor.package_constants_in_so": False})

@@ -1,0 +1,169 @@
+"""The one-token step compiled ahead of time (model/labs/aot_step.py, runtime/compiled_step.py): at every step it
+gives the logits of a full forward over the same context, it reads the weights of the model it is bound to, and
+a step kept on disk is loaded, not compiled again, for that shape only."""
+
+import time
+
+import pytest
+import torch
+
+from model import GREEDY, Sampling, generate
+from model.labs.aot_step import AotStep, export_step
+from model.labs.cached_text import text_cache
+from model.labs.speculative import PromptLookup, SpeculativeStats, speculative_generate
+from runtime.compiled_step import has_compiled_step, load_or_compile_step, step_path
+from tiny_models import BLOCK_SIZE, random_model, random_tokens
+
+ROWS, PROMPT = 2, 5
+PAD = torch.tensor([0, 3])  # the second row starts with 3 tokens of left padding
+
+
+@pytest.fixture(scope="module")
+def kept(tmp_path_factory):
+    """A rotary model, a cache of two rows, and the step compiled for them, kept in a folder of its own."""
+    folder = tmp_path_factory.mktemp("steps")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KVGPT_CACHE_DIR", str(folder))
+        model = random_model(seed=1, pos_emb="rope")
+        cache = model.new_kv_cache(ROWS)
+        start = time.perf_counter()
+        step = load_or_compile_step(model, cache)
+        compile_seconds = time.perf_counter() - start
+        yield model, cache, step, folder, compile_seconds
+
+
+def test_each_step_gives_the_logits_of_a_full_forward(kept):
+    """3 x block_size one-token steps through the compiled step, past the ring's wrap, with a left-padded row:
+    the logits equal a full forward over each row's whole context, at every step."""
+    model, cache, step, _, _ = kept
+    seq = random_tokens(ROWS, PROMPT + 3 * BLOCK_SIZE, seed=2)
+    cache.reset(PAD)
+    model.decode_step(seq[:, :PROMPT], cache)  # the prompt, eagerly
+    for t in range(PROMPT, seq.size(1)):
+        logits = step.decode_step(seq[:, t:t + 1], cache)
+        full = model(seq[:, :t + 1], n_pad=PAD)[0][:, -1]
+        torch.testing.assert_close(logits, full, rtol=1e-5, atol=1e-5, msg=f"step {t}")
+
+
+def test_generate_through_the_step_gives_the_eager_text(kept):
+    model, cache, step, _, _ = kept
+    prompt = random_tokens(ROWS, PROMPT, seed=3)
+    eager = generate(model, prompt, 2 * BLOCK_SIZE, sampling=GREEDY)
+    assert torch.equal(generate(model, prompt, 2 * BLOCK_SIZE, sampling=GREEDY, cache=cache, step=step), eager)
+
+
+def test_a_kept_step_is_loaded_and_reads_the_weights_it_is_given(kept, monkeypatch):
+    """Another model of the same shape loads the kept step at once, and the step computes with that model's
+    weights, not those it was compiled with."""
+    first, _, _, folder, compile_seconds = kept
+    monkeypatch.setenv("KVGPT_CACHE_DIR", str(folder))
+    model = random_model(seed=7, pos_emb="rope")
+    cache = model.new_kv_cache(ROWS)
+    assert has_compiled_step(model, cache)
+    start = time.perf_counter()
+    step = load_or_compile_step(model, cache)
+    assert time.perf_counter() - start < compile_seconds / 5
+    tokens = random_tokens(ROWS, 1, seed=4)
+    cache.reset()
+    reference = model.new_kv_cache(ROWS)
+    torch.testing.assert_close(step.decode_step(tokens, cache), model.decode_step(tokens, reference), rtol=1e-5,
+                               atol=1e-5)
+    assert not torch.allclose(first.decode_step(tokens, first.new_kv_cache(ROWS)), model.decode_step(tokens, reference))
+    model.load_state_dict(random_model(seed=8, pos_emb="rope").state_dict())  # in place: the step sees it
+    cache.reset()
+    fresh = model.new_kv_cache(ROWS)
+    torch.testing.assert_close(step.decode_step(tokens, cache), model.decode_step(tokens, fresh), rtol=1e-5, atol=1e-5)
+
+
+def test_another_shape_or_cache_has_another_step(kept, monkeypatch):
+    model, cache, _, folder, _ = kept
+    monkeypatch.setenv("KVGPT_CACHE_DIR", str(folder))
+    paths = {step_path(model, cache),
+             step_path(model, model.new_kv_cache(ROWS + 1)),
+             step_path(model, model.new_kv_cache(ROWS, dtype=torch.int8)),
+             step_path(random_model(pos_emb="rope", n_layer=3), cache),
+             step_path(random_model(pos_emb="learned"), cache),
+             step_path(random_model(seed=1, pos_emb="rope").to(torch.bfloat16), cache)}
+    assert len(paths) == 6
+
+
+def test_a_step_refuses_a_cache_of_another_shape(kept):
+    model, _, step, _, _ = kept
+    with pytest.raises(ValueError, match="compiled for another cache"):
+        generate(model, random_tokens(ROWS + 1, PROMPT), 3, cache=model.new_kv_cache(ROWS + 1), step=step)
+    with pytest.raises(ValueError, match="drop compile"):
+        generate(model, random_tokens(ROWS, PROMPT), 3, step=step, compile=True)
+
+
+def test_a_cache_that_decodes_eagerly_is_refused():
+    from model.labs.caches import new_cache
+    model = random_model(pos_emb="rope")
+    with pytest.raises(ValueError, match="decodes eagerly"):
+        export_step(model, new_cache(model, "h2o", 1, budget=8))
+
+
+def test_speculative_decoding_verifies_through_a_compiled_pass(kept, monkeypatch):
+    """A compiled pass of k + 1 tokens verifies each full draft: greedy text is plain greedy text past the ring's
+    wrap, sampled text is the eager verification's for the same seed, and no full draft goes through the eager
+    model."""
+    model, _, _, folder, _ = kept
+    monkeypatch.setenv("KVGPT_CACHE_DIR", str(folder))
+    k, prompt = 3, random_tokens(1, PROMPT, seed=6)
+    verify_pass = load_or_compile_step(model, text_cache(model, k), k + 1)  # before the hook: tracing runs forward
+    eager_passes = []
+    hook = model.register_forward_hook(lambda m, args, out: eager_passes.append(args[0].size(1)))
+    try:
+        stats = SpeculativeStats()
+        greedy = speculative_generate(model, prompt, 3 * BLOCK_SIZE, draft=PromptLookup(), k=k, stats=stats,
+                                      verify_pass=verify_pass)
+        assert torch.equal(torch.cat([prompt[0], *greedy]), generate(model, prompt, 3 * BLOCK_SIZE,
+                                                                    sampling=GREEDY)[0])
+        assert stats.accepted and k + 1 not in eager_passes  # full drafts were verified, all compiled
+        sampled = [speculative_generate(model, prompt, 2 * BLOCK_SIZE, draft=PromptLookup(), k=k,
+                                        sampling=Sampling(temperature=1.0), generator=torch.Generator().manual_seed(0),
+                                        verify_pass=passes) for passes in (verify_pass, None)]
+        assert torch.equal(*[torch.cat(list(tokens)) for tokens in sampled])
+    finally:
+        hook.remove()
+    with pytest.raises(ValueError, match="verify_pass must be compiled for passes of k \\+ 1 = 3 tokens"):
+        list(speculative_generate(model, prompt, 4, draft=PromptLookup(), k=2, verify_pass=verify_pass))
+
+
+@pytest.mark.slow
+def test_a_folder_that_cannot_be_written_still_gives_a_step(tmp_path, monkeypatch):
+    (tmp_path / "a file").write_text("")
+    monkeypatch.setenv("KVGPT_CACHE_DIR", str(tmp_path / "a file" / "kvgpt"))  # no folder can be made there
+    model = random_model(seed=1)
+    cache = model.new_kv_cache(1)
+    said = []
+    step = load_or_compile_step(model, cache, say=said.append)
+    assert len(said) == 1 and "it serves this run only" in said[0]
+    assert isinstance(step, AotStep) and not has_compiled_step(model, cache)
+    prompt = random_tokens(1, PROMPT)
+    assert torch.equal(generate(model, prompt, BLOCK_SIZE, sampling=GREEDY, cache=cache, step=step),
+                       generate(model, prompt, BLOCK_SIZE, sampling=GREEDY))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("design, int8", [
+    (dict(n_kv_head=1), False),
+    (dict(), True),
+    (dict(window_pattern="LG", local_window=5), False),
+    (dict(kv_latent=12, kv_latent_rope=4), False),
+    (dict(learned_sink=True), False),
+], ids=["mqa", "int8 cache", "local and global", "latent", "learned sink"])
+def test_each_design_compiles_to_a_step_equal_to_a_full_forward(design, int8, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVGPT_CACHE_DIR", str(tmp_path))
+    model = random_model(seed=3, pos_emb="rope", n_head=2, n_embd=24, **design)
+    cache = model.new_kv_cache(ROWS, dtype=torch.int8 if int8 else None)
+    step = load_or_compile_step(model, cache)
+    seq = random_tokens(ROWS, PROMPT + 2 * BLOCK_SIZE, seed=5)
+    cache.reset(PAD)
+    model.decode_step(seq[:, :PROMPT], cache)
+    reference = model.new_kv_cache(ROWS, dtype=torch.int8 if int8 else None)  # int8: the eager step's rounding
+    reference.reset(PAD)
+    model.decode_step(seq[:, :PROMPT], reference)
+    for t in range(PROMPT, seq.size(1)):
+        logits = step.decode_step(seq[:, t:t + 1], cache)
+        expected = model.decode_step(seq[:, t:t + 1], reference) if int8 else model(seq[:, :t + 1], n_pad=PAD)[0][:, -1]
+        torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4, msg=f"step {t}")
