@@ -3,6 +3,7 @@
     python bench/speculative.py --checkpoint runs/<date>_<time>                      # prompt lookup and n-gram drafts
     python bench/speculative.py --checkpoint runs/<big> --draft runs/<small>         # also a draft checkpoint
     python bench/speculative.py --ceiling-only                                       # the verification pass alone
+    python bench/speculative.py --checkpoint runs/<date>_<time> --compiled           # compiled steps and passes
 
 Decoding: --new-tokens new tokens after "ROMEO:" from --checkpoint, plain cached decoding (model/labs/generate.py) and
 speculative decoding (model/labs/speculative.py) with prompt lookup, with the n-gram draft counted over the
@@ -12,6 +13,8 @@ speculative decoding run in turns, and "x plain" is the median of the ratios of 
 drifts moves both alike.
 Greedy speculative text is checked against plain greedy text; sampled text differs by design (the same
 distribution, other draws), so at 0.8 the acceptance rate and the tokens per model pass are what to read.
+--compiled: plain decoding takes its one-token steps, and speculative decoding verifies its full drafts, through
+passes compiled ahead of time (model/labs/aot_step.py), loaded or first compiled by runtime/compiled_step.py.
 
 The ceiling: the classic shape (conf/model/classic.yaml), random weights, fp32, batch 1, a context of --context
 tokens in a rotary model's cache with k spare slots: one cached pass over k + 1 = 9 tokens against a one-token step.
@@ -30,9 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.configs import host, model_config, run_tool  # noqa: E402
 from bench.decode import fmt, rates, timings  # noqa: E402
 from model import GPT, GREEDY, Sampling, generate  # noqa: E402
+from model.labs.cached_text import text_cache  # noqa: E402
 from model.labs.ngram_draft import NGramTable  # noqa: E402
 from model.labs.speculative import PromptLookup, SpeculativeStats, speculative_generate  # noqa: E402
 from runtime.checkpoint import existing_checkpoint, load_model, training_text  # noqa: E402
+from runtime.compiled_step import load_or_compile_step  # noqa: E402
 from runtime.errors import OneLineErrorParser, positive_int  # noqa: E402
 
 BENCH_PROMPT = "ROMEO:"
@@ -40,11 +45,11 @@ KS = (1, 2, 4, 8)
 TEMPERATURES = (0.0, 0.8)
 
 
-def speculative_run(model, prompt, n, draft, k, temperature):
+def speculative_run(model, prompt, n, draft, k, temperature, verify_pass=None):
     """(new tokens, stats) of one speculative generation, seeded."""
     stats = SpeculativeStats()
     steps = speculative_generate(model, prompt, n, draft=draft, k=k, sampling=sampling_at(temperature),
-                                 generator=torch.Generator().manual_seed(0), stats=stats)
+                                 generator=torch.Generator().manual_seed(0), stats=stats, verify_pass=verify_pass)
     return torch.cat(list(steps)).tolist(), stats
 
 
@@ -66,21 +71,26 @@ def paired_ratios(plain, speculative, n: int, repeats: int):
     return rates(n, plain_s), rates(n, spec_s), (statistics.median(ratios), ratios[0], ratios[-1])
 
 
-def decoding_table(model, vocab, drafts: dict, n: int, repeats: int) -> None:
+def decoding_table(model, vocab, drafts: dict, n: int, repeats: int, compiled: bool) -> None:
     prompt = torch.tensor([vocab.encode(BENCH_PROMPT)])
+    cache = model.new_kv_cache(1)
+    step = load_or_compile_step(model, cache) if compiled else None
+    verify_passes = {k: load_or_compile_step(model, text_cache(model, k), k + 1) if compiled else None for k in KS}
     print("| temperature | draft | k | acceptance | tokens per model pass | plain tok/s | speculative tok/s "
           "| x plain | identical text |")
     print("|---|---|---|---|---|---|---|---|---|")
     for temperature in TEMPERATURES:
         def plain():
             return generate(model, prompt, n, sampling=sampling_at(temperature),
-                            generator=torch.Generator().manual_seed(0))[0, prompt.size(1):].tolist()
+                            generator=torch.Generator().manual_seed(0), cache=cache if compiled else None,
+                            step=step)[0, prompt.size(1):].tolist()
         plain_text = plain()
         for name, draft in drafts.items():
             for k in KS:
-                text, stats = speculative_run(model, prompt, n, draft, k, temperature)
+                text, stats = speculative_run(model, prompt, n, draft, k, temperature, verify_passes[k])
                 plain_rate, rate, ratio = paired_ratios(
-                    plain, lambda: speculative_run(model, prompt, n, draft, k, temperature), n, repeats)
+                    plain, lambda: speculative_run(model, prompt, n, draft, k, temperature, verify_passes[k]), n,
+                    repeats)
                 same = ("yes" if text == plain_text else "NO") if temperature == 0 else "-"
                 print(f"| {temperature} | {name} | {k} | {stats.acceptance_rate:.0%} | {stats.tokens_per_pass:.2f} "
                       f"| {fmt(plain_rate)} | {fmt(rate)} | {ratio[0]:.2f} ({ratio[1]:.2f}-{ratio[2]:.2f}) "
@@ -124,12 +134,14 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=positive_int, default=500)
     parser.add_argument("--context", type=positive_int, default=200, help="the ceiling's context")
     parser.add_argument("--ceiling-only", action="store_true")
+    parser.add_argument("--compiled", action="store_true", help="plain and speculative decoding through compiled "
+                        "steps and passes (the ceiling stays eager)")
     args = parser.parse_args()
     if not args.ceiling_only and args.checkpoint is None:
         parser.error("--checkpoint is needed for the decoding table (or --ceiling-only)")
 
     print(f"# speculative decoding benchmark: {host()}, torch {torch.__version__}, {torch.get_num_threads()} "
-          f"threads, cpu, batch 1, median (min-max) of {args.repeats}")
+          f"threads, cpu, batch 1, median (min-max) of {args.repeats}{', compiled' if args.compiled else ''}")
     if not args.ceiling_only:
         model, vocab, contents = load_model(args.checkpoint, torch.device("cpu"))
         drafts = {"prompt lookup": PromptLookup()}
@@ -144,7 +156,7 @@ def main() -> None:
                 parser.error(f"--draft {args.draft} has another vocabulary than --checkpoint")
             drafts[f"draft {args.draft}"] = draft
         print(f"\ndecoding: {args.checkpoint}, {args.new_tokens} new tokens after {BENCH_PROMPT!r}")
-        decoding_table(model, vocab, drafts, args.new_tokens, args.repeats)
+        decoding_table(model, vocab, drafts, args.new_tokens, args.repeats, args.compiled)
     ceiling(args.context, KS[-1], args.repeats)
 
 
