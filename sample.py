@@ -215,9 +215,9 @@ def check_combinations(args) -> None:
         raise UsageError(f"--session {args.session}: no folder {args.session.parent} to save it in; make it first")
     if args.draft and args.interactive:
         raise UsageError("--draft applies to sampling, not to --interactive: drop one of them")
-    if args.compile and (args.interactive or args.each_line):
-        raise UsageError(f"--compile applies to plain and --draft decoding, not to "
-                         f"{'--interactive' if args.interactive else '--each-line'}: drop one of them")
+    if args.compile and args.each_line:
+        raise UsageError("--compile applies to plain, --draft and --interactive decoding, not to --each-line: drop "
+                         "one of them")
     if args.each_line and (args.prompt_file is None or args.draft or args.interactive):
         raise UsageError("--each-line continues the lines of --prompt-file, without --draft or --interactive")
     if args.each_line and args.window is not None:
@@ -481,7 +481,9 @@ def sample(args) -> None:
     k = args.speculate_k or SPECULATE_K
     # a compiled one-token step, or for --draft the compiled pass that verifies k drafts and one token after them
     step = compiled_step(args, model, text_cache(model, k), k + 1) if draft else \
-        None if args.interactive else compiled_step(args, model, cache)
+        compiled_step(args, model, text_cache(model)) if args.interactive else compiled_step(args, model, cache)
+    if args.interactive and step is not None:
+        conversation.decode_through(step)
     start = time.perf_counter()
     speculation = SpeculativeStats()
     if args.interactive or args.each_line:

@@ -10,6 +10,7 @@ import torch
 from model import GREEDY, Sampling, generate
 from model.labs.aot_step import AotStep, export_step
 from model.labs.cached_text import text_cache
+from model.labs.conversation import Conversation
 from model.labs.speculative import PromptLookup, SpeculativeStats, speculative_generate
 from runtime.compiled_step import has_compiled_step, load_or_compile_step, step_path
 from tiny_models import BLOCK_SIZE, random_model, random_tokens
@@ -129,6 +130,28 @@ def test_speculative_decoding_verifies_through_a_compiled_pass(kept, monkeypatch
         list(speculative_generate(model, prompt, 4, draft=PromptLookup(), k=2, verify_pass=verify_pass))
 
 
+def test_a_conversation_takes_its_steps_through_a_compiled_step(kept, monkeypatch):
+    """Each reply equals the eager conversation's, past block_size, and the reply's steps never run eagerly."""
+    model, _, _, folder, _ = kept
+    monkeypatch.setenv("KVGPT_CACHE_DIR", str(folder))
+    step = load_or_compile_step(model, text_cache(model))
+    eager, compiled = Conversation(model), Conversation(model)
+    compiled.decode_through(step)
+    eager_steps = []
+    hook = model.register_forward_hook(lambda m, args, out: eager_steps.append(args[0].size(1)))
+    try:
+        for turn in range(3):
+            line = random_tokens(1, 4, seed=10 + turn)[0].tolist()
+            expected = list(eager.reply(line, BLOCK_SIZE))
+            eager_steps.clear()
+            assert list(compiled.reply(line, BLOCK_SIZE)) == expected
+            assert 1 not in eager_steps
+    finally:
+        hook.remove()
+    with pytest.raises(ValueError, match="one-token step compiled for text_cache"):
+        Conversation(model).decode_through(load_or_compile_step(model, text_cache(model, 3), 4))
+
+
 @pytest.mark.slow
 def test_a_folder_that_cannot_be_written_still_gives_a_step(tmp_path, monkeypatch):
     (tmp_path / "a file").write_text("")
@@ -167,3 +190,20 @@ def test_each_design_compiles_to_a_step_equal_to_a_full_forward(design, int8, tm
         logits = step.decode_step(seq[:, t:t + 1], cache)
         expected = model.decode_step(seq[:, t:t + 1], reference) if int8 else model(seq[:, :t + 1], n_pad=PAD)[0][:, -1]
         torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4, msg=f"step {t}")
+
+
+@pytest.mark.slow
+def test_a_damaged_kept_step_is_compiled_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVGPT_CACHE_DIR", str(tmp_path))
+    model = random_model(seed=1)
+    cache = model.new_kv_cache(1)
+    path = step_path(model, cache)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"not a package")
+    said = []
+    step = load_or_compile_step(model, cache, say=said.append)
+    assert len(said) == 1 and "could not be loaded" in said[0] and said[0].endswith("compiling it again")
+    assert path.stat().st_size > 1000  # kept anew
+    prompt = random_tokens(1, PROMPT)
+    assert torch.equal(generate(model, prompt, BLOCK_SIZE, sampling=GREEDY, cache=cache, step=step),
+                       generate(model, prompt, BLOCK_SIZE, sampling=GREEDY))

@@ -123,8 +123,8 @@ def test_each_line_of_a_file_is_continued_as_if_alone_and_written_in_order(model
                                                                       "not to --each-line"),
     (["--each-line", "--prompt-file", "LINES", "--max-new-tokens", "16"], "draws 1 to block_size - 1 = 15 tokens"),
     (["--each-line", "--prompt-file", "LINES", "--window", "8"], "--each-line keeps each line and its"),
-    (["--each-line", "--prompt-file", "LINES", "--compile"], "--compile applies to plain and --draft decoding, not to "
-                                                              "--each-line"),
+    (["--each-line", "--prompt-file", "LINES", "--compile"], "--compile applies to plain, --draft and --interactive "
+                                                              "decoding, not to --each-line"),
 ])
 def test_each_line_options_that_cannot_work_are_refused(models, tmp_path, args, fragment):
     (tmp_path / "lines.txt").write_text("All:\n")

@@ -61,6 +61,7 @@ def test_the_ngram_draft_counts_the_training_text_and_keeps_the_greedy_text(chec
     assert acceptance > 100 / len(VOCAB)  # better than a uniform guess
 
 
+@pytest.mark.slow
 def test_compile_verifies_full_drafts_through_a_compiled_pass(checkpoints, plain_greedy, tmp_path):
     result = subprocess.run([sys.executable, str(SAMPLE), "--checkpoint", str(checkpoints["model"]), "--prompt", PROMPT,
                              "--temperature", "0", "--max-new-tokens", str(NEW_TOKENS), "--draft", "lookup",
@@ -95,7 +96,6 @@ def test_the_ngram_draft_refuses_a_text_that_changed_since_training(checkpoints,
     (["--interactive", "--num-samples", "3"], ["--num-samples applies to plain decoding, not to --interactive"]),
     (["--interactive", "--draft", "lookup"], ["--draft applies to sampling, not to --interactive"]),
     (["--interactive", "--kv-cache", "int8"], ["--kv-cache applies to plain decoding, not to --interactive"]),
-    (["--interactive", "--compile"], ["--compile applies to plain and --draft decoding, not to --interactive"]),
     (["--draft", "MISSING"], ["--draft: no checkpoint at"]),
     (["--draft", "lookup", "--speculate-k", "10000000"], ["--speculate-k must be at most", "block_size", "10000000"]),
     (["--draft", "lookup", "--speculate-k", str(10**14)], ["--speculate-k must be at most", str(10**14)]),
@@ -124,15 +124,20 @@ def expected_conversation(checkpoint, prompt: str, lines: list[str]) -> str:
     return shown + ("" if shown.endswith("\n") else "\n")
 
 
-def test_interactive_replies_are_fresh_greedy_generations_and_unknown_characters_are_skipped(checkpoints):
+@pytest.mark.parametrize("compile", [[], pytest.param(["--compile"], marks=pytest.mark.slow)],
+                         ids=["eager", "compiled step"])
+def test_interactive_replies_are_fresh_greedy_generations_and_unknown_characters_are_skipped(checkpoints, compile,
+                                                                                           tmp_path):
     lines = ["First Citizen:", "Speak, speak.", "All:", "You are all resolved rather to die than to famish?"]
     typed = "\n".join(lines[:2] + ["Speak \u00e9"] + lines[2:]) + "\n"
     result = subprocess.run([sys.executable, str(SAMPLE), "--checkpoint", str(checkpoints["model"]), "--interactive",
-                             "--temperature", "0", "--max-new-tokens", str(REPLY), "--prompt", "All:\n"],
-                            input=typed, env=ENV, capture_output=True, text=True, timeout=300)
+                             "--temperature", "0", "--max-new-tokens", str(REPLY), "--prompt", "All:\n", *compile],
+                            input=typed, env={**ENV, "KVGPT_CACHE_DIR": str(tmp_path)}, capture_output=True,
+                            text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout == expected_conversation(checkpoints["model"], "All:\n", lines)
     assert "the line has characters not in the checkpoint's vocabulary: '\u00e9'" in result.stderr
+    assert ("compiling the decoding step for this model's shape" in result.stderr) == bool(compile)
 
 
 def test_interactive_with_standard_input_closed_is_one_line_with_status_2(checkpoints):

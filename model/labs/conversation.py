@@ -37,6 +37,12 @@ class Conversation:
         """The whole text so far: every turn's tokens and every reply."""
         return self.text.tokens
 
+    def decode_through(self, step) -> None:
+        """Take each one-token step through a compiled step (aot_step.py) made for text_cache(model)."""
+        if not (step.fits(self.text.cache) and step.tokens == 1):
+            raise ValueError("step must be a one-token step compiled for text_cache(model) (cached_text.py)")
+        self.text.passes[1] = step
+
     def state(self) -> dict:
         """The text, where its context starts, and the cache's buffers: tensors and ints, for torch.save."""
         text = self.text
