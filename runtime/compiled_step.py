@@ -7,6 +7,7 @@ $KVGPT_CACHE_DIR, else $XDG_CACHE_HOME/kvgpt, else ~/.cache/kvgpt, under steps/.
 """
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -30,8 +31,9 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvgpt"
 
 
+@functools.cache
 def model_code_digest() -> str:
-    """sha256 of model/'s source: a step compiled from other code is another step."""
+    """sha256 of model/'s source, read once per process: a step compiled from other code is another step."""
     digest = hashlib.sha256()
     root = Path(model_package.__file__).parent
     for path in sorted(root.rglob("*.py")):
@@ -65,10 +67,13 @@ def load_or_compile_step(model, cache, tokens: int = 1, say=print) -> AotStep:
     """The compiled pass of `tokens` tokens per row (one: the decoding step) for model and caches shaped like
     `cache`: loaded if compiled before, else compiled and kept (or, where nothing can be written, compiled for this
     run only). say: one line to the user."""
+    def load(package) -> AotStep:
+        return AotStep(torch._inductor.aoti_load_package(str(package)), model, cache, tokens)
+
     path = step_path(model, cache, tokens)
     if path.is_file():
         try:
-            return AotStep(torch._inductor.aoti_load_package(str(path)), model, cache, tokens)
+            return load(path)
         except (RuntimeError, ValueError, OSError) as e:  # damaged, or from an incompatible build
             say(f"the compiled step in {path} could not be loaded ({str(e).splitlines()[0][:120]}); compiling it "
                 f"again")
@@ -80,8 +85,8 @@ def load_or_compile_step(model, cache, tokens: int = 1, say=print) -> AotStep:
         say(f"cannot keep the compiled step in {path.parent} ({e.strerror or e}); it serves this run only")
         with tempfile.TemporaryDirectory(prefix="kvgpt-step-") as folder:
             compile_step(program, f"{folder}/step.pt2")
-            return AotStep(torch._inductor.aoti_load_package(f"{folder}/step.pt2"), model, cache, tokens)
-    return AotStep(torch._inductor.aoti_load_package(str(path)), model, cache, tokens)
+            return load(f"{folder}/step.pt2")
+    return load(path)
 
 
 def compile_step(program, package) -> None:

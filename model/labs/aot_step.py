@@ -94,16 +94,17 @@ class AotStep:
         self.runner, self.model, self.tokens, self.signature = runner, model, tokens, step_signature(cache)
         weights = {f"model.{name}": t for name, t in [*model.named_parameters(remove_duplicate=False),
                                                       *model.named_buffers(remove_duplicate=False)]}
-        missing = [name for name in runner.get_constant_fqns() if name not in weights]
+        names = runner.get_constant_fqns()
+        missing = [name for name in names if name not in weights]
         if missing:
             raise ValueError(f"the compiled step reads {', '.join(missing[:3])}, which this model lacks: it was "
                              f"compiled for another model")
         # user-managed: the step reads the model's own tensors, never a copy of them
-        runner.load_constants({name: weights[name] for name in runner.get_constant_fqns()}, check_full_update=True,
-                              user_managed=True)
+        runner.load_constants({name: weights[name] for name in names}, check_full_update=True, user_managed=True)
 
-    def fits(self, cache) -> bool:
-        return step_signature(cache) == self.signature
+    def fits(self, cache, tokens: int = 1) -> bool:
+        """Whether this step takes passes of `tokens` tokens per row through `cache`."""
+        return self.tokens == tokens and step_signature(cache) == self.signature
 
     def __call__(self, idx, cache):
         """idx (B, tokens) -> logits (B, tokens, vocab_size)."""

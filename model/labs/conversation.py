@@ -39,7 +39,7 @@ class Conversation:
 
     def decode_through(self, step) -> None:
         """Take each one-token step through a compiled step (aot_step.py) made for text_cache(model)."""
-        if not (step.fits(self.text.cache) and step.tokens == 1):
+        if not step.fits(self.text.cache):
             raise ValueError("step must be a one-token step compiled for text_cache(model) (cached_text.py)")
         self.text.passes[1] = step
 

@@ -132,7 +132,7 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampl
     span, window = context_limits(model.config, window)
     if use_cache:
         cache = cache if cache is not None else model.new_kv_cache(idx.size(0))
-        if step is not None and not (step.fits(cache) and step.tokens == 1):
+        if step is not None and not step.fits(cache):
             raise ValueError("step was compiled for another cache, or for passes of more than one token: compile "
                              "a one-token step for this cache")
         one_token_step = step.decode_step if step else compiled_step(model) if compile else model.decode_step

@@ -203,7 +203,7 @@ def speculative_generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *,
     target = CachedText(model, spare=k, window=window)
     target.tokens = idx[0].tolist()
     if verify_pass is not None:
-        if not (verify_pass.fits(target.cache) and verify_pass.tokens == k + 1):
+        if not verify_pass.fits(target.cache, k + 1):
             raise ValueError(f"verify_pass must be compiled for passes of k + 1 = {k + 1} tokens through "
                              f"text_cache(model, {k}) (model/labs/cached_text.py)")
         target.passes[k + 1] = verify_pass
