@@ -26,7 +26,8 @@ import math
 import torch
 import torch.nn as nn
 
-from ..attention import CausalSelfAttention, rotate
+from ..attention import rotate
+from .grouped import GroupedQueryAttention
 
 
 def cache_layout(config) -> tuple[int, int]:
@@ -57,8 +58,9 @@ def check_latent(config) -> None:
         raise ValueError("kv_latent replaces the key/value heads: it does not combine with n_kv_head or kv_share")
 
 
-class LatentAttention(CausalSelfAttention):
-    """Causal self-attention whose keys and values come from a cached latent per token."""
+class LatentAttention(GroupedQueryAttention):
+    """Causal self-attention whose keys and values come from a cached latent per token. Decoding reads the latent
+    as one key/value head for every query head: grouped-query attention's one-token step (grouped.py)."""
 
     def __init__(self, config, kv_layer: int):
         super().__init__(config, kv_layer)
