@@ -108,8 +108,9 @@ class AotStep:
 
     def __call__(self, idx, cache):
         """idx (B, tokens) -> logits (B, tokens, vocab_size)."""
-        # contiguous: the step was built for rows of tokens side by side, not slices of longer sequences
-        return self.runner(idx.contiguous(), *(t for _, t in cache_tensors(cache)))
+        # contiguous: the step was built for rows of tokens side by side, not slices of longer sequences. The
+        # loader's own call: the package's __call__ parses its input and output specs again at every step.
+        return self.runner.loader.boxed_run([idx.contiguous(), *(t for _, t in cache_tensors(cache))])[0]
 
     def decode_step(self, idx, cache):
         """The last position's logits (B, vocab_size), as GPT.decode_step gives them."""
