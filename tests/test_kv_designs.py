@@ -183,6 +183,20 @@ def test_grouped_query_attention_equals_torch_sdpa_with_enable_gqa(n_kv_head, ne
     torch.testing.assert_close(out[1], expected[1], atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("mask", ["none", "rows", "2-d"])
+@pytest.mark.parametrize("n_kv_head", [1, 2, 4])
+def test_a_one_token_step_of_grouped_queries_equals_torch_sdpa_with_enable_gqa(n_kv_head, mask):
+    torch.manual_seed(0)
+    model = random_model(**SHAPE, n_kv_head=n_kv_head)
+    attention = model.blocks[0].attn
+    q, k, v = torch.randn(3, 4, 1, 6), torch.randn(3, n_kv_head, 9, 6), torch.randn(3, n_kv_head, 9, 6)
+    allowed = {"none": None, "rows": torch.rand(3, 1, 1, 9) < 0.7, "2-d": torch.rand(1, 9) < 0.7}[mask]
+    if allowed is not None:
+        allowed[..., -1] = True  # the new token sees itself
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=n_kv_head < 4)
+    torch.testing.assert_close(attention.attend(q, k, v, allowed), expected, atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("pos_emb", ["learned", "rope"])
 @pytest.mark.parametrize("n_kv_head", [1, 2])
 def test_a_plain_model_with_each_key_value_head_repeated_gives_the_same_logits(n_kv_head, pos_emb):
