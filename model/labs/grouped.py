@@ -3,7 +3,7 @@ n_head query heads, each read by a group of n_head / n_kv_head query heads (Llam
 n_kv_head = 1 it is multi-query attention. The cache holds n_kv_head heads, not n_head: a smaller cache to read at
 every step. The projection's widths change; SDPA's enable_gqa lets each group read its key/value head. A one-token
 step instead puts a group's query heads side by side, as the queries of one head: on the CPU, enable_gqa copies
-each key/value head once per query head, which costs more than the attention itself (docs/benchmarks.md)."""
+each key/value head once per query head (docs/benchmarks.md)."""
 
 import torch.nn.functional as F
 
@@ -22,8 +22,8 @@ class GroupedQueryAttention(CausalSelfAttention):
         query heads of a group become g queries of its key/value head, (B, n_kv, g, hs), and its mask, one row per
         batch row, reaches them all."""
         B, nh, T_q, hs = q.shape
-        if isinstance(k, tuple) or k.size(1) == nh or T_q > 1 or (attn_mask is not None and attn_mask.dim() == 4
-                                                                     and attn_mask.size(1) > 1):
+        mask_per_row = attn_mask is None or attn_mask.dim() <= 2 or (attn_mask.dim() == 4 and attn_mask.size(1) == 1)
+        if isinstance(k, tuple) or k.size(1) == nh or T_q > 1 or not mask_per_row:
             return super().attend(q, k, v, attn_mask)
         dropout_p = self.attn_dropout if self.training else 0.0
         with no_autocast(q.device):  # in q's dtype, as attention_dtype says
