@@ -395,7 +395,7 @@ def write_samples(steps, prompt: str, vocab: CharVocab, num_samples: int, out, e
         raise KeyboardInterrupt
 
 
-def compiled_step(args, model: GPT, cache, tokens: int = 1):
+def kept_or_compiled_step(args, model: GPT, cache, tokens: int = 1):
     """The compiled pass of `tokens` tokens per row (one: the decoding step; more: speculative decoding's
     verification) that --compile asks for, or by default one kept before, or one worth compiling for a long
     generation; None: decode eagerly. Says on stderr which, and why."""
@@ -480,8 +480,9 @@ def sample(args) -> None:
     cache = cache_for(args, model, args.num_samples) if use_cache and not (draft or args.each_line) else None
     k = args.speculate_k or SPECULATE_K
     # a compiled one-token step, or for --draft the compiled pass that verifies k drafts and one token after them
-    step = compiled_step(args, model, text_cache(model, k), k + 1) if draft else \
-        compiled_step(args, model, text_cache(model)) if args.interactive else compiled_step(args, model, cache)
+    step = kept_or_compiled_step(args, model, text_cache(model, k), k + 1) if draft else \
+        kept_or_compiled_step(args, model, text_cache(model)) if args.interactive else \
+        kept_or_compiled_step(args, model, cache)
     if args.interactive and step is not None:
         conversation.decode_through(step)
     start = time.perf_counter()

@@ -20,10 +20,11 @@ class GroupedQueryAttention(CausalSelfAttention):
     def attend(self, q, k, v, attn_mask):
         """q (B, nh, T_q, hs), k and v (B, n_kv, T_k, hs) -> (B, nh, T_q, hs). One new token (T_q = 1): the g
         query heads of a group become g queries of its key/value head, (B, n_kv, g, hs), and its mask, one row per
-        batch row, reaches them all."""
+        batch row or one for all, reaches them all."""
         B, nh, T_q, hs = q.shape
-        mask_per_row = attn_mask is None or attn_mask.dim() <= 2 or (attn_mask.dim() == 4 and attn_mask.size(1) == 1)
-        if isinstance(k, tuple) or k.size(1) == nh or T_q > 1 or not mask_per_row:
+        mask_shared_by_heads = attn_mask is None or attn_mask.dim() <= 2 or (attn_mask.dim() == 4
+                                                                              and attn_mask.size(1) == 1)
+        if isinstance(k, tuple) or k.size(1) == nh or T_q > 1 or not mask_shared_by_heads:
             return super().attend(q, k, v, attn_mask)
         dropout_p = self.attn_dropout if self.training else 0.0
         with no_autocast(q.device):  # in q's dtype, as attention_dtype says
