@@ -16,222 +16,38 @@ sample is written as it is generated (to a terminal token by token, elsewhere ev
 generated side by side are written one after another at the end. Ctrl-C writes what was generated and exits
 with status 130. A one-line summary (tokens, seconds, tokens/s, precision, the cache's size and dtype) ends
 stderr (with speculative decoding also the draft's acceptance rate and the tokens per model pass).
---interactive reads lines instead (see interact). A mistake in the command line or its inputs is one line on
-stderr with exit status 2; an output that cannot be written (a full disk) is one line with status 1; a reader
-that stops early (`| head`) ends sampling quietly.
+--interactive reads lines instead (runtime/sample_output.py: interact). A mistake in the command line or its
+inputs is one line on stderr with exit status 2 (runtime/sample_options.py checks them); an output that cannot
+be written (a full disk) is one line with status 1; a reader that stops early (`| head`) ends sampling quietly.
 """
 
-import argparse
-import contextlib
-import itertools
 import math
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
 import torch
 
-from data import CharVocab, DataError, UnknownCharacterError, read_regular_file
-from model import GPT, Sampling, generate_tokens, kv_cache_bytes
-from model.labs.caches import BUDGETED, CACHES, EAGER, new_cache
+from data import CharVocab, DataError
+from model import GPT, Sampling, generate_tokens
+from model.labs.caches import EAGER
 from model.labs.cached_text import text_cache
 from model.labs.conversation import Conversation
-from model.labs.engine import Engine
 from model.labs.generate import check_arguments
 from model.labs.ngram_draft import NGramTable
 from model.labs.speculative import PromptLookup, SpeculativeStats, speculative_generate
-from model.labs.quantize import DECODING_PRECISIONS
-from model.labs.ring_cache import kv_cache_dtype
 from runtime.compiled_step import COMPILE_PAYS_AFTER, DEVICES as STEP_DEVICES, has_compiled_step, load_or_compile_step
 from runtime.checkpoint import find_latest_checkpoint, load_model, resolve_checkpoint, trained_on, training_text
-from runtime.devices import (DEFAULT_THREADS, choose_device, environment_threads, fastest_threads, memory_of,
-                              thread_counts)
-from runtime.session import SessionError, load_session, save_session
-from runtime.errors import (CheckpointError, OneLineErrorParser, UsageError, check_standard_streams, fail, mistakes,
-                            one_line, silence)
+from runtime.devices import DEFAULT_THREADS, choose_device, environment_threads, fastest_threads, thread_counts
+from runtime.errors import (CheckpointError, UsageError, check_standard_streams, fail, mistakes, one_line,
+                            silence)
+from runtime.sample_options import (MAX_NEW_TOKENS, SPECULATE_K, build_parser, cache_for, check_memory,
+                                    check_options, encode_prompt, read_prompt)
+from runtime.sample_output import continue_lines, interact, take_up, write_samples, checked
+from runtime.session import save_session
 
-SAMPLE_SEPARATOR = "---------------\n"
-MAX_NEW_TOKENS = 500  # --max-new-tokens's default
-MAX_GENERATOR_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
-MEMORY_SHARE = 0.5  # the largest share of the device's memory that the samples' KV cache and tokens may take
-EACH_LINE_BATCH, BLOCK_TOKENS = 16, 16  # --each-line: lines decoded at once, and tokens per block of the pool
 CHUNK = 64  # tokens read back from the device at once when the output is no terminal: each read is a sync
-SPECULATE_K = 4  # --speculate-k's default
 DECODE_TIMED = 16  # tokens decoded at each thread count to choose the fastest
-REPLY_STOP = "\n\n"  # --interactive: a reply ends with a blank line (a speech's end, in a play)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineErrorParser(description="Sample text from a trained kvgpt checkpoint.")
-    prompt = parser.add_mutually_exclusive_group()
-    prompt.add_argument("--prompt", metavar="TEXT", help="text to continue (default: a newline)")
-    prompt.add_argument("--prompt-file", metavar="PATH", type=Path, help="read the prompt from this UTF-8 file")
-    parser.add_argument("--checkpoint", metavar="PATH", type=Path,
-                        help="checkpoint file or run directory (default: the newest best.pt under ./runs)")
-    parser.add_argument("--max-new-tokens", metavar="N", type=int,
-                        help=f"characters to generate (default: {MAX_NEW_TOKENS}; with --each-line, half of the "
-                             f"model's block_size)")
-    parser.add_argument("--temperature", metavar="T", type=float, default=0.8,
-                        help="0 means greedy (default: %(default)s)")
-    parser.add_argument("--top-k", metavar="K", type=int, help="sample only from the K likeliest characters")
-    parser.add_argument("--top-p", metavar="P", type=float,
-                        help="sample only from the fewest likeliest characters whose probabilities reach P")
-    parser.add_argument("--num-samples", metavar="N", type=int, default=1,
-                        help="samples, generated together as one batch (default: %(default)s)")
-    parser.add_argument("--seed", metavar="S", type=int, help="random seed, for reproducible samples")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda", "mps"), default="auto",
-                        help="auto: cuda, else mps, else cpu (default: %(default)s)")
-    cache = parser.add_mutually_exclusive_group()
-    cache.add_argument("--no-kv-cache", action="store_true",
-                       help="recompute the whole context at every step (slow; for comparison)")
-    parser.add_argument("--window", metavar="N", type=int,
-                        help="context tokens kept when it grows past block_size, 1..block_size "
-                             "(default: the model's, block_size // 2; block_size is the classic crop)")
-    parser.add_argument("--threads", metavar="N", type=int,
-                        help="CPU threads (default: the count whose decoding is fastest now, timed at start)")
-    parser.add_argument("--precision", choices=DECODING_PRECISIONS, default="fp32",
-                        help="decode with the weights as trained (fp32), in bf16, or with int8 weights "
-                             "quantized when loaded (default: %(default)s)")
-    cache.add_argument("--compile", action=argparse.BooleanOptionalAction,
-                       help="decode through a one-token step compiled ahead of time for the model's shape "
-                            "(model/labs/aot_step.py), kept under ~/.cache/kvgpt (runtime/compiled_step.py); "
-                            "compiling takes a minute or less (default: when one is kept, or for "
-                            f"--max-new-tokens of {COMPILE_PAYS_AFTER} or more)")
-    parser.add_argument("--kv-cache", choices=CACHES, help="how keys and values are stored: in the dtype "
-                        "attention computes in (float, the default), int8 with a scale per token and head, "
-                        "int4 / int2 in groups, the most recent tokens in float too; or --kv-budget slots: the "
-                        "last tokens (window), the first few and the last (sinks), or, for rotary models, those "
-                        "each head attends most (h2o, tova). See model/labs/caches.py")
-    parser.add_argument("--kv-budget", metavar="SLOTS", type=int,
-                        help=f"--kv-cache {', '.join(BUDGETED)}: the tokens the cache keeps (default: half of "
-                             "block_size)")
-    parser.add_argument("--read-all-slots", action="store_true",
-                        help="attend every slot of the cache through the ring's mask (model/labs/ring_cache.py), "
-                             "as compiled and GPU steps do (eagerly on the CPU the filled slots are read)")
-    parser.add_argument("--draft", metavar="PATH|ngram|lookup",
-                        help="speculative decoding: a checkpoint with the same vocabulary (a smaller model), "
-                             "ngram (what followed the last few characters in the training text, counted) or "
-                             "lookup (the text's own continuation of its last few characters) proposes "
-                             "--speculate-k characters, which the model checks in one pass; the same text when "
-                             "greedy, the same distribution when sampling")
-    parser.add_argument("--speculate-k", metavar="K", type=int,
-                        help=f"characters the draft proposes per model pass (default: {SPECULATE_K})")
-    parser.add_argument("--interactive", action="store_true",
-                        help="read lines from the terminal: each is added to the text and the model continues "
-                             "it, up to --max-new-tokens characters or a blank line; Ctrl-C ends a reply, "
-                             "Ctrl-D ends the session")
-    parser.add_argument("--each-line", action="store_true",
-                        help="continue each line of --prompt-file, the lines decoded together over one pool of KV "
-                             "blocks (model/labs/engine.py); each is written, with its line, in the file's order")
-    parser.add_argument("--session", metavar="FILE", type=Path,
-                        help="--interactive: take up the conversation saved in FILE, its KV cache included, and "
-                             "save it there when the session ends")
-    return parser
-
-
-def cache_for(args, model: GPT, rows: int):
-    """The KV cache --kv-cache asks for, for rows rows."""
-    try:
-        return new_cache(model, args.kv_cache or "float", rows, budget=args.kv_budget,
-                         read_all_slots=args.read_all_slots)
-    except ValueError as e:  # a cache for a model it cannot serve, or a budget it cannot keep
-        raise UsageError(f"--kv-cache {args.kv_cache}: {e}") from None
-
-
-def check_memory(args, prompt_len: int, model, device: torch.device) -> None:
-    """Refuse up front samples whose KV cache (as the decoder builds it) and tokens (the int64 sequence it fills)
-    would not fit, rather than run out of memory midway. Without the cache, the forward passes hold at least as
-    much."""
-    kind = args.kv_cache or "float"
-    block_size = model.config.block_size
-    spare = (args.speculate_k or SPECULATE_K) if args.draft else 0  # slots for the drafts a pass verifies
-    if spare > block_size:
-        raise UsageError(f"--speculate-k must be at most the model's block_size, {block_size}: a pass verifies "
-                         f"the drafts within one context; got {spare}")
-    cache_bytes = cache_for(args, model, 1).nbytes if kind in EAGER else \
-        kv_cache_bytes(model.config, kv_cache_dtype(model, torch.int8 if kind == "int8" else None), block_size + spare)
-    per_sample = cache_bytes + (prompt_len + args.max_new_tokens) * torch.long.itemsize
-    memory = memory_of(device)
-    if args.num_samples * per_sample > MEMORY_SHARE * memory:
-        most = int(MEMORY_SHARE * memory // per_sample)
-        raise UsageError(f"--num-samples {args.num_samples} of --max-new-tokens {args.max_new_tokens} need "
-                         f"{args.num_samples * per_sample / 2**30:.1f} GiB of KV cache and tokens, more than "
-                         f"{MEMORY_SHARE:.0%} of the {memory / 2**30:.1f} GiB of {device.type} memory; "
-                         + (f"use at most {most} samples" if most else "ask for fewer new tokens"))
-
-
-def read_prompt(args) -> str:
-    if args.prompt_file is None:
-        if args.prompt == "":
-            raise UsageError("--prompt is empty; give at least one character to continue from")
-        return "\n" if args.prompt is None else args.prompt
-    try:
-        prompt = read_regular_file(args.prompt_file).decode("utf-8")
-    except UnicodeDecodeError:
-        raise UsageError(f"--prompt-file {args.prompt_file} is not UTF-8 text") from None
-    except DataError as e:
-        raise UsageError(f"--prompt-file {e}") from None
-    except OSError as e:
-        raise UsageError(f"cannot read --prompt-file {args.prompt_file}: {e.strerror or e}") from None
-    if not prompt:
-        raise UsageError(f"--prompt-file {args.prompt_file} is empty; give at least one character")
-    return prompt
-
-
-def encode_prompt(vocab: CharVocab, prompt: str, what: str = "the prompt") -> list[int]:
-    try:
-        return vocab.encode(prompt)
-    except UnknownCharacterError as e:
-        unknown = ", ".join(repr(c) for c in e.chars)
-        raise UsageError(f"{what} has characters not in the checkpoint's vocabulary: {unknown}; "
-                         f"the vocabulary is {vocab.chars!r}") from None
-
-
-def check_combinations(args) -> None:
-    """Refuse options that cannot apply together, naming them."""
-    one_row = {"--draft": args.draft, "--interactive": args.interactive, "--each-line": args.each_line}
-    plain_decoding = {"--no-kv-cache": args.no_kv_cache, "--kv-cache": args.kv_cache,
-                      "--read-all-slots": args.read_all_slots, "--num-samples": args.num_samples != 1}
-    if args.speculate_k is not None and not args.draft:
-        raise UsageError("--speculate-k applies to speculative decoding: give --draft too")
-    if args.speculate_k is not None and args.speculate_k < 1:
-        raise UsageError(f"--speculate-k must be >= 1, got {args.speculate_k}")
-    if args.compile and args.kv_cache in EAGER:
-        raise UsageError(f"--kv-cache {args.kv_cache} decodes eagerly: drop --compile")
-    if args.compile and args.device not in ("auto", *STEP_DEVICES):
-        raise UsageError(f"--compile builds steps for {' or '.join(STEP_DEVICES)}, not --device {args.device}: "
-                         f"drop --compile")
-    if args.read_all_slots and args.kv_cache in BUDGETED:
-        raise UsageError(f"--read-all-slots applies to the ring; --kv-cache {args.kv_cache} reads its own slots: "
-                         f"drop one of them")
-    if args.kv_budget is not None and args.kv_cache not in BUDGETED:
-        raise UsageError(f"--kv-budget applies to --kv-cache {', '.join(BUDGETED)}: give one of them, or drop "
-                         f"--kv-budget")
-    if args.session and not args.interactive:
-        raise UsageError("--session saves an --interactive conversation: give --interactive too")
-    if args.session and not args.session.parent.is_dir():
-        raise UsageError(f"--session {args.session}: no folder {args.session.parent} to save it in; make it first")
-    if args.draft and args.interactive:
-        raise UsageError("--draft applies to sampling, not to --interactive: drop one of them")
-    if args.compile and args.each_line:
-        raise UsageError("--compile applies to plain, --draft and --interactive decoding, not to --each-line: drop "
-                         "one of them")
-    if args.each_line and (args.prompt_file is None or args.draft or args.interactive):
-        raise UsageError("--each-line continues the lines of --prompt-file, without --draft or --interactive")
-    if args.each_line and args.window is not None:
-        raise UsageError("--window moves a long generation's context; --each-line keeps each line and its "
-                         "continuation within block_size: drop --window")
-    if args.max_new_tokens is not None and args.max_new_tokens < 0:
-        raise UsageError(f"--max-new-tokens: max_new_tokens must be an integer >= 0, got {args.max_new_tokens}")
-    if args.interactive and sys.stdin is None:
-        raise UsageError("--interactive reads lines from standard input, which is closed; give it a terminal or a "
-                         "file")
-    for mode, on in one_row.items():
-        for option, given in plain_decoding.items():
-            if on and given:
-                raise UsageError(f"{option} applies to plain decoding, not to {mode}: drop one of them")
 
 
 def load_draft(args, model: GPT, vocab: CharVocab, contents: dict,
@@ -270,131 +86,6 @@ def choose_threads(args, model: GPT, prompt_ids: list[int], device: torch.device
     return fastest_threads(decode, rounds=3)[0]
 
 
-@contextlib.contextmanager
-def ctrl_c_sets_flag():
-    """While inside, Ctrl-C sets the flag yielded instead of raising KeyboardInterrupt: a reply then ends between
-    two tokens, with the conversation whole."""
-    flag = threading.Event()
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: flag.set())
-    try:
-        yield flag
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-def interact(conversation: Conversation, vocab: CharVocab, prompt: str, max_new_tokens: int, out,
-             resumed: bool = False) -> None:
-    """Read lines from standard input to its end (Ctrl-D). Each line, with its newline (and, first, the prompt), is
-    added to the text and the model continues it, written as it is drawn, up to max_new_tokens characters or
-    through REPLY_STOP. Ctrl-C ends a reply (while typing: the line). A line with characters outside the
-    vocabulary is one line on stderr, and the loop goes on. resumed: the prompt is the text so far, shown only."""
-    newline = "\n" if "\n" in vocab.chars else ""
-    stop = vocab.encode(REPLY_STOP) if set(REPLY_STOP) <= set(vocab.chars) else ()
-    print(f"type a line and press Enter: the model continues the text for up to {max_new_tokens} characters"
-          f"{' or to a blank line' if stop else ''}. Ctrl-C ends a reply, Ctrl-D the session.", file=sys.stderr)
-    out.write(prompt)
-    out.flush()
-    before = "" if resumed else prompt  # the prompt goes in with the first line
-    while True:
-        try:
-            line = input()
-            line.encode()  # bytes that are not UTF-8 arrive as lone surrogates
-        except UnicodeError:
-            print("the line is not UTF-8 text; type another", file=sys.stderr)
-            continue
-        except EOFError:
-            if not vocab.decode(conversation.tokens[-1:]).endswith("\n"):
-                out.write("\n")  # leave the shell's prompt a line of its own
-            return
-        except KeyboardInterrupt:
-            print(file=sys.stderr)
-            continue
-        try:
-            new = encode_prompt(vocab, before + line + newline, "the line")
-        except UsageError as e:
-            print(f"{e}; type another", file=sys.stderr)
-            continue
-        before = ""
-        with ctrl_c_sets_flag() as stopped:
-            for token in conversation.reply(new, max_new_tokens, stop):
-                out.write(vocab.decode([token]))
-                out.flush()
-                if stopped.is_set():
-                    break
-
-
-def take_up(conversation: Conversation, session: Path, checkpoint: Path, model: GPT) -> None:
-    """Restore the conversation saved in session, or refuse it in one line."""
-    try:
-        contents = load_session(session, checkpoint, model)
-        conversation.restore(contents)
-    except SessionError as e:
-        raise UsageError(f"--session {e}") from None
-    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:
-        raise UsageError(f"--session {session} is damaged ({e}): start a new one under another name") from None
-    fed = conversation.text.fed
-    print(f"took up {session}: {len(conversation.tokens)} tokens, {fed} of them cached; the next line is all the "
-          f"model reads", file=sys.stderr)
-
-
-def checked(steps):
-    """generate_tokens checks its arguments when asked for its first token: ask now, so that a mistake is
-    reported before anything is written. Its messages name the argument, as the options do."""
-    try:
-        first = next(steps, None)
-    except ValueError as e:
-        raise UsageError(e) from None
-    return steps if first is None else itertools.chain([first], steps)
-
-
-def continue_lines(model: GPT, vocab: CharVocab, text: str, max_new_tokens: int, sampling: Sampling,
-                   generator: torch.Generator, out) -> tuple[Engine, int]:
-    """--each-line: each line of text with characters in it, with its newline, continued by max_new_tokens tokens
-    (its last block_size - max_new_tokens are read), the lines decoded together. Each is written as soon as it and
-    those before it are done."""
-    block = model.config.block_size
-    lines = [line + "\n" for line in text.splitlines() if line.strip()]
-    engine = Engine(model, n_blocks=EACH_LINE_BATCH * -(-block // BLOCK_TOKENS), block_tokens=BLOCK_TOKENS,
-                    max_batch=EACH_LINE_BATCH, sampling=sampling, generator=generator)
-    requests = [engine.add(i, vocab.encode(line)[-(block - max_new_tokens):], max_new_tokens)
-                for i, line in enumerate(lines)]
-    written = 0
-    for _ in engine.run():
-        while written < len(lines) and requests[written].drawn == max_new_tokens:
-            continuation = vocab.decode(requests[written].tokens[requests[written].prompt_len:])
-            out.write((SAMPLE_SEPARATOR if written else "") + lines[written] + continuation + "\n")
-            out.flush()
-            written += 1
-    return engine, len(lines)
-
-
-def write_samples(steps, prompt: str, vocab: CharVocab, num_samples: int, out, every: int) -> None:
-    """Write the samples as they are generated: a lone one as it grows, its tokens read back from the device
-    every `every` steps; samples generated side by side, one after another at the end. Ctrl-C stops the
-    generation; what it had generated is written before the KeyboardInterrupt goes on."""
-    texts, pending = [prompt] * num_samples, []  # text not yet written; the newest tokens, still on the device
-
-    def read_back():
-        rows = torch.stack(pending, dim=1).tolist() if pending else [[]] * num_samples
-        pending.clear()
-        return [text + vocab.decode(row) for text, row in zip(texts, rows)]
-
-    interrupted = False
-    try:
-        for next_ids in steps:
-            pending.append(next_ids)
-            if num_samples == 1 and len(pending) == every:
-                out.write(read_back()[0])
-                out.flush()
-                texts = [""]
-    except KeyboardInterrupt:
-        interrupted = True
-    out.write(SAMPLE_SEPARATOR.join(text + "\n" for text in read_back()))
-    out.flush()
-    if interrupted:
-        raise KeyboardInterrupt
-
-
 def kept_or_compiled_step(args, model: GPT, cache, tokens: int = 1):
     """The compiled pass of `tokens` tokens per row (one: the decoding step; more: speculative decoding's
     verification) that --compile asks for, or by default one kept before, or one worth compiling for a long
@@ -416,14 +107,7 @@ def kept_or_compiled_step(args, model: GPT, cache, tokens: int = 1):
 
 
 def sample(args) -> None:
-    if args.num_samples < 1:
-        raise UsageError(f"--num-samples must be >= 1, got {args.num_samples}")
-    if args.seed is not None and not 0 <= args.seed <= MAX_GENERATOR_SEED:
-        raise UsageError(f"--seed must be in [0, {MAX_GENERATOR_SEED}], got {args.seed}")
-    if args.no_kv_cache and (args.kv_cache or args.read_all_slots):
-        raise UsageError(f"{'--kv-cache' if args.kv_cache else '--read-all-slots'} applies to the KV cache: "
-                         f"drop it, or --no-kv-cache")
-    check_combinations(args)
+    check_options(args)
     try:
         sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     except ValueError as e:  # its messages name the argument, as the options do
@@ -432,8 +116,6 @@ def sample(args) -> None:
         device = choose_device(args.device)
     except ValueError as e:
         raise UsageError(f"--device {e}") from None
-    if args.threads is not None and args.threads < 1:
-        raise UsageError(f"--threads must be >= 1, got {args.threads}")
     prompt = read_prompt(args)
     # without --checkpoint: the newest under the working directory, where train.py writes
     path = resolve_checkpoint(args.checkpoint) if args.checkpoint else find_latest_checkpoint("runs")

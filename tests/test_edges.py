@@ -1061,8 +1061,8 @@ def test_the_gpu_preset_compiled_trains_a_few_steps_at_a_tiny_size(tmp_path, dat
 @pytest.mark.parametrize("kv_cache, draft", [(None, None), ("int8", None), (None, "lookup")])
 def test_the_memory_check_counts_the_cache_the_decoder_really_builds(monkeypatch, kv_cache, draft):
     """The cache as the decoder builds it: in its dtype, with speculative decoding's spare slots for k drafts."""
-    import sample
     from model.labs.quantize import to_precision
+    from runtime.sample_options import check_memory
 
     model = to_precision(random_model(), "bf16")
     spare = 3 if draft else 0
@@ -1074,10 +1074,10 @@ def test_the_memory_check_counts_the_cache_the_decoder_really_builds(monkeypatch
     for memory, fits in ((2 * need, True), (2 * need - 2, False)):  # sample.py may use half of it
         monkeypatch.setattr(os, "sysconf", lambda name: memory if name == "SC_PHYS_PAGES" else 1)
         if fits:
-            sample.check_memory(args, 1, model, torch.device("cpu"))
+            check_memory(args, 1, model, torch.device("cpu"))
         else:
             with pytest.raises(UsageError, match="need 0.0 GiB of KV cache and tokens"):
-                sample.check_memory(args, 1, model, torch.device("cpu"))
+                check_memory(args, 1, model, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("error, status, fragment", [

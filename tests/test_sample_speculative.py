@@ -9,11 +9,11 @@ import sys
 import pytest
 import torch
 
-import sample
 from data import CharVocab, prepare_text
 from model import GPT, GPTConfig, GREEDY, generate
 from model.labs.conversation import Conversation
 from runtime.checkpoint import build_checkpoint, load_model, save_checkpoint
+from runtime.sample_output import interact
 from test_sample import (ENV, NEW_TOKENS, PROMPT, SAMPLE, TEXT, VOCAB, assert_usage_error, run_sample, sample_ok,
                          tiny_model)
 
@@ -182,7 +182,7 @@ def test_ctrl_c_ends_a_reply_between_two_tokens_and_the_session_goes_on(checkpoi
 
     monkeypatch.setattr("builtins.input", fake_input)
     out = Terminal()
-    sample.interact(conversation, vocab, "a", 30, out)
+    interact(conversation, vocab, "a", 30, out)
     first = generate(model, torch.tensor([vocab.encode("aabc")]), 9, sampling=GREEDY)[0, 4:].tolist()
     text = "aabc" + vocab.decode(first) + "de"
     second = generate(model, torch.tensor([vocab.encode(text)]), 30, sampling=GREEDY)[0, len(text):].tolist()

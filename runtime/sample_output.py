@@ -1,0 +1,148 @@
+"""How sample.py writes what the model generates: samples as they grow, the lines of a file continued side by
+side, and the interactive loop, whose conversation a session file takes up."""
+
+import contextlib
+import itertools
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+from data import CharVocab
+from model import GPT, Sampling
+from model.labs.conversation import Conversation
+from model.labs.engine import Engine
+from .errors import UsageError
+from .sample_options import encode_prompt
+from .session import SessionError, load_session
+
+SAMPLE_SEPARATOR = "---------------\n"
+EACH_LINE_BATCH, BLOCK_TOKENS = 16, 16  # --each-line: lines decoded at once, and tokens per block of the pool
+REPLY_STOP = "\n\n"  # --interactive: a reply ends with a blank line (a speech's end, in a play)
+
+
+def checked(steps):
+    """generate_tokens checks its arguments when asked for its first token: ask now, so that a mistake is
+    reported before anything is written. Its messages name the argument, as the options do."""
+    try:
+        first = next(steps, None)
+    except ValueError as e:
+        raise UsageError(e) from None
+    return steps if first is None else itertools.chain([first], steps)
+
+
+def write_samples(steps, prompt: str, vocab: CharVocab, num_samples: int, out, every: int) -> None:
+    """Write the samples as they are generated: a lone one as it grows, its tokens read back from the device
+    every `every` steps; samples generated side by side, one after another at the end. Ctrl-C stops the
+    generation; what it had generated is written before the KeyboardInterrupt goes on."""
+    texts, pending = [prompt] * num_samples, []  # text not yet written; the newest tokens, still on the device
+
+    def read_back():
+        rows = torch.stack(pending, dim=1).tolist() if pending else [[]] * num_samples
+        pending.clear()
+        return [text + vocab.decode(row) for text, row in zip(texts, rows)]
+
+    interrupted = False
+    try:
+        for next_ids in steps:
+            pending.append(next_ids)
+            if num_samples == 1 and len(pending) == every:
+                out.write(read_back()[0])
+                out.flush()
+                texts = [""]
+    except KeyboardInterrupt:
+        interrupted = True
+    out.write(SAMPLE_SEPARATOR.join(text + "\n" for text in read_back()))
+    out.flush()
+    if interrupted:
+        raise KeyboardInterrupt
+
+
+def continue_lines(model: GPT, vocab: CharVocab, text: str, max_new_tokens: int, sampling: Sampling,
+                   generator: torch.Generator, out) -> tuple[Engine, int]:
+    """--each-line: each line of text with characters in it, with its newline, continued by max_new_tokens tokens
+    (its last block_size - max_new_tokens are read), the lines decoded together. Each is written as soon as it and
+    those before it are done."""
+    block = model.config.block_size
+    lines = [line + "\n" for line in text.splitlines() if line.strip()]
+    engine = Engine(model, n_blocks=EACH_LINE_BATCH * -(-block // BLOCK_TOKENS), block_tokens=BLOCK_TOKENS,
+                    max_batch=EACH_LINE_BATCH, sampling=sampling, generator=generator)
+    requests = [engine.add(i, vocab.encode(line)[-(block - max_new_tokens):], max_new_tokens)
+                for i, line in enumerate(lines)]
+    written = 0
+    for _ in engine.run():
+        while written < len(lines) and requests[written].drawn == max_new_tokens:
+            continuation = vocab.decode(requests[written].tokens[requests[written].prompt_len:])
+            out.write((SAMPLE_SEPARATOR if written else "") + lines[written] + continuation + "\n")
+            out.flush()
+            written += 1
+    return engine, len(lines)
+
+
+@contextlib.contextmanager
+def ctrl_c_sets_flag():
+    """While inside, Ctrl-C sets the flag yielded instead of raising KeyboardInterrupt: a reply then ends between
+    two tokens, with the conversation whole."""
+    flag = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: flag.set())
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def interact(conversation: Conversation, vocab: CharVocab, prompt: str, max_new_tokens: int, out,
+             resumed: bool = False) -> None:
+    """Read lines from standard input to its end (Ctrl-D). Each line, with its newline (and, first, the prompt), is
+    added to the text and the model continues it, written as it is drawn, up to max_new_tokens characters or
+    through REPLY_STOP. Ctrl-C ends a reply (while typing: the line). A line with characters outside the
+    vocabulary is one line on stderr, and the loop goes on. resumed: the prompt is the text so far, shown only."""
+    newline = "\n" if "\n" in vocab.chars else ""
+    stop = vocab.encode(REPLY_STOP) if set(REPLY_STOP) <= set(vocab.chars) else ()
+    print(f"type a line and press Enter: the model continues the text for up to {max_new_tokens} characters"
+          f"{' or to a blank line' if stop else ''}. Ctrl-C ends a reply, Ctrl-D the session.", file=sys.stderr)
+    out.write(prompt)
+    out.flush()
+    before = "" if resumed else prompt  # the prompt goes in with the first line
+    while True:
+        try:
+            line = input()
+            line.encode()  # bytes that are not UTF-8 arrive as lone surrogates
+        except UnicodeError:
+            print("the line is not UTF-8 text; type another", file=sys.stderr)
+            continue
+        except EOFError:
+            if not vocab.decode(conversation.tokens[-1:]).endswith("\n"):
+                out.write("\n")  # leave the shell's prompt a line of its own
+            return
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            continue
+        try:
+            new = encode_prompt(vocab, before + line + newline, "the line")
+        except UsageError as e:
+            print(f"{e}; type another", file=sys.stderr)
+            continue
+        before = ""
+        with ctrl_c_sets_flag() as stopped:
+            for token in conversation.reply(new, max_new_tokens, stop):
+                out.write(vocab.decode([token]))
+                out.flush()
+                if stopped.is_set():
+                    break
+
+
+def take_up(conversation: Conversation, session: Path, checkpoint: Path, model: GPT) -> None:
+    """Restore the conversation saved in session, or refuse it in one line."""
+    try:
+        contents = load_session(session, checkpoint, model)
+        conversation.restore(contents)
+    except SessionError as e:
+        raise UsageError(f"--session {e}") from None
+    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:
+        raise UsageError(f"--session {session} is damaged ({e}): start a new one under another name") from None
+    fed = conversation.text.fed
+    print(f"took up {session}: {len(conversation.tokens)} tokens, {fed} of them cached; the next line is all the "
+          f"model reads", file=sys.stderr)
