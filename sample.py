@@ -167,6 +167,8 @@ def sample(args) -> None:
         kept_or_compiled_step(args, model, cache)
     if args.interactive and step is not None:
         conversation.decode_through(step)
+    on = f"{device.type}, {threads} thread{'s' if threads > 1 else ''}" if device.type == "cpu" else device.type
+    on += ", compiled step" if step is not None else ""  # where the summary line says it decoded
     start = time.perf_counter()
     speculation = SpeculativeStats()
     if args.interactive or args.each_line:
@@ -204,8 +206,7 @@ def sample(args) -> None:
             print(f"{tokens} tokens for {n_lines} lines in {seconds:.2f} s, {tokens / max(seconds, 1e-9):.1f} "
                   f"tokens/s at {args.precision}, a pool of {pool.n_blocks} blocks of {pool.block_tokens} tokens "
                   f"({pool.nbytes / 2**20:.2f} MiB, at most {stats.peak_blocks} in use), prefix cache hit rate "
-                  f"{stats.hit_rate:.0%} ({device.type}, {threads} thread{'s' if threads > 1 else ''})",
-                  file=sys.stderr)
+                  f"{stats.hit_rate:.0%} ({on})", file=sys.stderr)
             return
         write_samples(steps, prompt, vocab, args.num_samples, sys.stdout, every=1 if sys.stdout.isatty() else CHUNK)
     except BrokenPipeError:  # the reader stopped early (`| head`): nothing more is wanted
@@ -224,8 +225,6 @@ def sample(args) -> None:
         if cache is not None else f"KV caches {speculation.cache_bytes / 2**20:.2f} MiB" if draft else "no cache"
     speculated = f", draft acceptance {speculation.acceptance_rate:.0%}, {speculation.tokens_per_pass:.2f} " \
         f"tokens per model pass" if draft else ""
-    on = f"{device.type}, {threads} thread{'s' if threads > 1 else ''}" if device.type == "cpu" else device.type
-    on += ", compiled step" if step is not None else ""
     print(f"{tokens} tokens in {seconds:.2f} s, {tokens / max(seconds, 1e-9):.1f} tokens/s at {args.precision}, "
           f"{cache_size} ({on}){speculated}", file=sys.stderr)
 
