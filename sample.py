@@ -41,8 +41,8 @@ from runtime.checkpoint import find_latest_checkpoint, load_model, resolve_check
 from runtime.devices import DEFAULT_THREADS, choose_device, environment_threads, fastest_threads, thread_counts
 from runtime.errors import (CheckpointError, UsageError, check_standard_streams, fail, mistakes, one_line,
                             silence)
-from runtime.sample_options import (MAX_NEW_TOKENS, SPECULATE_K, build_parser, cache_for, check_memory,
-                                    check_options, encode_prompt, read_prompt)
+from runtime.sample_options import (MAX_NEW_TOKENS, build_parser, cache_for, check_memory, check_options,
+                                    drafts_per_pass, encode_prompt, read_prompt)
 from runtime.sample_output import continue_lines, interact, take_up, write_samples, checked
 from runtime.session import save_session
 
@@ -160,7 +160,7 @@ def sample(args) -> None:
     print(f"sampling {path} ({progress}), trained on {trained_on(contents)}", file=sys.stderr)
     use_cache = not args.no_kv_cache
     cache = cache_for(args, model, args.num_samples) if use_cache and not (draft or args.each_line) else None
-    k = args.speculate_k or SPECULATE_K
+    k = drafts_per_pass(args)
     # a compiled one-token step, or for --draft the compiled pass that verifies k drafts and one token after them
     step = kept_or_compiled_step(args, model, text_cache(model, k), k + 1) if draft else \
         kept_or_compiled_step(args, model, text_cache(model)) if args.interactive else \

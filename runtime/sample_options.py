@@ -90,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+
+def drafts_per_pass(args) -> int:
+    """--speculate-k, or its default."""
+    return args.speculate_k or SPECULATE_K
+
 def check_options(args) -> None:
     """Refuse option values out of range, and options that cannot apply together, naming them."""
     if args.num_samples < 1:
@@ -160,7 +165,7 @@ def check_memory(args, prompt_len: int, model, device: torch.device) -> None:
     much."""
     kind = args.kv_cache or "float"
     block_size = model.config.block_size
-    spare = (args.speculate_k or SPECULATE_K) if args.draft else 0  # slots for the drafts a pass verifies
+    spare = drafts_per_pass(args) if args.draft else 0  # slots for the drafts a pass verifies
     if spare > block_size:
         raise UsageError(f"--speculate-k must be at most the model's block_size, {block_size}: a pass verifies "
                          f"the drafts within one context; got {spare}")
