@@ -13,6 +13,7 @@ makes each cache from its name.
 
 import torch
 
+from .checks import is_integer
 from .evicting_cache import POLICIES, new_evicting_cache
 from .lowbit_cache import LOW_BITS, new_lowbit_cache
 from .sink_cache import SINKS, new_sink_cache
@@ -39,7 +40,6 @@ def new_cache(model, name: str, batch_size: int, *, budget: int | None = None, r
         raise ValueError(f"the {name} cache reads its own slots: read_all_slots applies to the ring")
     if lowbit and name not in LOWBIT:
         raise ValueError(f"{', '.join(lowbit)} applies to {', '.join(LOWBIT)}, not to the {name} cache")
-    from .generate import is_integer
     budget = default_budget(model) if budget is None else budget
     if name in ("window", "sinks"):
         sinks = SINKS if name == "sinks" else 0

@@ -19,7 +19,9 @@ import torch
 
 from ..gpt import GPT
 from .cached_text import CachedText
-from .generate import GREEDY, Sampling, check_arguments, check_sampling, is_integer
+from .checks import is_integer
+from .generate import check_arguments
+from .sampling import GREEDY, Sampling, check_sampling
 
 
 class Conversation:

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from ..gpt import GPT
-from .generate import check_arguments, default_window, generate_tokens, is_integer
+from .checks import is_integer
+from .generate import check_arguments, default_window, generate_tokens
 from .ring_cache import RingKVCache
 
 

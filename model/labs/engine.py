@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .generate import GREEDY, Sampling, is_integer
+from .checks import is_integer
 from .paged import BlockPool, PagedPass, chain_hash
+from .sampling import GREEDY, Sampling
 
 
 @dataclass

@@ -23,6 +23,7 @@ import torch
 
 from ..attention import causal_mask
 from .budget_cache import BudgetKVCache
+from .checks import is_integer
 
 
 class H2O:
@@ -130,7 +131,6 @@ class EvictingKVCache(BudgetKVCache):
 
 def new_evicting_cache(model, batch_size: int, *, policy: str, budget: int) -> EvictingKVCache:
     """An empty cache for batch_size rows of model, each layer's key/value heads keeping `budget` tokens."""
-    from .generate import is_integer
     c = model.config
     if policy not in POLICIES:
         raise ValueError(f"unknown eviction policy {policy!r}: choose one of {', '.join(POLICIES)}")

@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from ..attention import rotate
+from .checks import is_integer
 from .grouped import GroupedQueryAttention
 
 
@@ -44,11 +45,11 @@ def check_latent(config) -> None:
             raise ValueError(f"kv_latent_rope applies to multi-head latent attention: give kv_latent, or drop "
                              f"kv_latent_rope={rope}")
         return
-    if isinstance(latent, bool) or not isinstance(latent, int) or latent < 1:
+    if not is_integer(latent) or latent < 1:
         raise ValueError(f"kv_latent must be an integer of at least 1, got {latent!r}")
     if config.pos_emb == "learned" and rope:
         raise ValueError(f"kv_latent_rope is the width of a rotary key, and pos_emb is learned: drop it")
-    if config.pos_emb == "rope" and (isinstance(rope, bool) or not isinstance(rope, int) or rope < 2 or rope % 2):
+    if config.pos_emb == "rope" and (not is_integer(rope) or rope < 2 or rope % 2):
         raise ValueError(f"with rotary positions, multi-head latent attention needs kv_latent_rope, the width of "
                          f"its rotary key: an even integer of at least 2, got {rope!r}")
     if (latent + rope) % 2:

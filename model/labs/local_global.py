@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 
 from ..attention import causal_mask
+from .checks import is_integer
 from .int8_cache import Int8KVCache
 from .ring_cache import RingKVCache
 
@@ -41,7 +42,7 @@ def check_window_pattern(config) -> None:
             raise ValueError(f"local_window applies to local layers, and window_pattern {pattern!r} has none: drop "
                              f"local_window, or give window_pattern an {LOCAL}")
         return
-    if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window < config.block_size:
+    if not is_integer(window) or not 1 <= window < config.block_size:
         raise ValueError(f"window_pattern {pattern!r} has local layers: local_window must be an integer in "
                          f"[1, block_size - 1 = {config.block_size - 1}], got {window!r}")
     local = local_layers(config)

@@ -19,6 +19,7 @@ decoding): a rolled-back token has overwritten the full-precision copy of an old
 
 import torch
 
+from .checks import is_integer
 from .ring_cache import RingKVCache
 
 LOW_BITS = (2, 4)  # 8 bits is the int8 cache (int8_cache.py)
@@ -164,7 +165,6 @@ def lowbit_defaults(max_len: int, group: int | None, residual: int | None) -> tu
 
 def check_lowbit(bits, group, residual, max_len, head_dim) -> None:
     """A ValueError naming what is wrong with a low-bit cache's settings."""
-    from .generate import is_integer
     if bits not in LOW_BITS:
         raise ValueError(f"a low-bit KV cache holds 2 or 4 bits per value (8: the int8 cache), got bits={bits!r}")
     if not (is_integer(group) and group >= 1 and max_len % group == 0):

@@ -16,7 +16,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from .generate import Sampling, is_integer
+from .checks import is_integer
+from .sampling import Sampling
 
 
 class NGramTable:

@@ -29,6 +29,7 @@ import torch
 
 from ..attention import causal_mask
 from ..kv_cache import KVCache
+from .checks import is_integer
 
 
 class RingKVCache(KVCache):
@@ -98,7 +99,6 @@ class RingKVCache(KVCache):
 
     def rollback(self, n: int) -> None:
         """Forget the last n tokens fed (speculative decoding's rejected drafts): the next ones overwrite them."""
-        from .generate import is_integer
         if not (is_integer(n) and 0 <= n <= len(self)):
             raise ValueError(f"n must be an integer in [0, {len(self)}], the tokens the cache holds: cannot roll back "
                              f"{n!r}")
@@ -144,7 +144,6 @@ def new_kv_cache(model, batch_size: int, max_len: int | None = None, dtype: torc
     """An empty cache for batch_size rows, on the model's device. max_len: its slots (default block_size; more let
     a chunk of tokens wrap the ring). dtype: the dtype attention computes in unless given; torch.int8 stores int8
     keys and values (model/labs/int8_cache.py). read_all_slots: always read every slot through the mask."""
-    from .generate import is_integer
     for name, value in (("batch_size", batch_size), ("max_len", max_len)):
         if value is not None and not (is_integer(value) and value >= 1):
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

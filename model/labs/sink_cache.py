@@ -22,6 +22,7 @@ import torch
 
 from ..attention import rotary, rotate
 from .budget_cache import BudgetKVCache
+from .checks import is_integer
 
 SINKS = 4  # StreamingLLM's count: the first tokens kept by default
 
@@ -80,7 +81,6 @@ class SinkKVCache(BudgetKVCache):
 
 def new_sink_cache(model, batch_size: int, *, sinks: int, window: int) -> SinkKVCache:
     """An empty cache for batch_size rows of model that keeps the first `sinks` tokens and the last `window`."""
-    from .generate import is_integer
     c = model.config
     if c.kv_latent is not None or c.local_window is not None:
         raise ValueError("attention sinks keep whole keys in a budget of their own: they need neither latent "

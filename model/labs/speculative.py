@@ -31,9 +31,11 @@ from dataclasses import dataclass
 import torch
 
 from ..gpt import GPT
+from .checks import is_integer
 from .cached_text import CachedText
-from .generate import GREEDY, Sampling, check_arguments, check_sampling, is_integer
+from .generate import check_arguments
 from .ngram_draft import NGramDraft, NGramTable
+from .sampling import GREEDY, Sampling, check_sampling
 
 
 @dataclass

@@ -1,0 +1,70 @@
+"""How each next token is drawn from the model's logits: greedy, or sampled after temperature, top-k and top-p.
+
+    sampling = Sampling(temperature=0.8, top_k=40)
+    next_ids = sampling.next_token(logits)  # (B, vocab_size) -> (B,)
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .checks import is_integer, is_number
+
+
+# Below this temperature, logits / temperature can overflow float32 to inf and softmax to NaN; the
+# distribution is then a point mass on the argmax anyway, so such a temperature is refused.
+MIN_TEMPERATURE = 1e-6
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """temperature 0 is greedy (argmax); top_k keeps the k likeliest tokens; top_p keeps the fewest likeliest
+    tokens whose probabilities sum to at least p. Invalid values are a ValueError naming the argument."""
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def __post_init__(self):
+        t = self.temperature
+        if not (is_number(t) and math.isfinite(t) and (t == 0 or t >= MIN_TEMPERATURE)):
+            raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {t!r}")
+        if self.top_k is not None and not (is_integer(self.top_k) and self.top_k >= 1):
+            raise ValueError(f"top_k must be an integer >= 1, got {self.top_k!r}")
+        if self.top_p is not None and not (is_number(self.top_p) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def next_token(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """logits (B, vocab_size) -> next token ids (B,)."""
+        if self.greedy:
+            return logits.argmax(dim=-1)
+        return torch.multinomial(self.probs(logits), num_samples=1, generator=generator).squeeze(-1)
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits (..., vocab_size) -> the distribution a token is drawn from, after temperature, top-k and top-p
+        (not for greedy)."""
+        logits = logits.float() / self.temperature
+        if self.top_k is not None:
+            kth_best = torch.topk(logits, min(self.top_k, logits.size(-1))).values[:, -1:]
+            logits = logits.masked_fill(logits < kth_best, float("-inf"))
+        if self.top_p is not None:
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            probs = sorted_logits.softmax(dim=-1)
+            # drop a token when the likelier ones before it already reach top_p (the first always stays)
+            drop_sorted = probs.cumsum(dim=-1) - probs >= self.top_p
+            logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+        return logits.softmax(dim=-1)
+
+
+GREEDY = Sampling(temperature=0)
+
+
+def check_sampling(sampling) -> None:
+    if not isinstance(sampling, Sampling):
+        raise ValueError(f"sampling must be a Sampling (GREEDY, or Sampling(temperature=..., top_k=..., top_p=...)), "
+                         f"got {type(sampling).__name__}")
