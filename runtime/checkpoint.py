@@ -29,6 +29,7 @@ import torch
 from data import (DATASETS, SHAKESPEARE, VAL_FRACTION, CharVocab, DataError, PreparedData,
                   prepare_training_text)
 from model import GPT, GPTConfig
+from model.labs.checks import is_integer
 from model.labs.quantize import to_precision
 
 from .errors import CheckpointError, OutputError, one_line
@@ -155,7 +156,7 @@ def layout_damage(contents: dict) -> str | None:
     missing = [key for key in TRAINING_KEYS if key not in state]
     if missing:
         return f"training lacks {', '.join(missing)}"
-    checks = {"step": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+    checks = {"step": lambda v: is_integer(v) and v >= 0,
               "best_val_loss": is_number, "config": lambda v: isinstance(v, dict),
               "optimizers": lambda v: isinstance(v, list), "schedulers": lambda v: isinstance(v, list),
               "rng": lambda v: isinstance(v, list) and all(isinstance(r, dict) and isinstance(r.get("torch"),

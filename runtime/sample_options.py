@@ -90,10 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-
 def drafts_per_pass(args) -> int:
     """--speculate-k, or its default."""
     return args.speculate_k or SPECULATE_K
+
 
 def check_options(args) -> None:
     """Refuse option values out of range, and options that cannot apply together, naming them."""
