@@ -316,13 +316,3 @@ def test_bad_batch_shapes_are_rejected(distinct_tokens):
         Batches(distinct_tokens, block_size=5000, batch_size=4)
     with pytest.raises(DataError, match="at least 1"):
         Batches(distinct_tokens, block_size=8, batch_size=0)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_batches_match_cpu_batches(distinct_tokens):
-    cpu = Batches(distinct_tokens, block_size=8, batch_size=4, seed=5)
-    cuda = Batches(distinct_tokens, block_size=8, batch_size=4, device="cuda", seed=5)
-    for _ in range(3):
-        (x, y), (x_cuda, y_cuda) = cpu.next(), cuda.next()
-        assert x_cuda.device.type == "cuda" and y_cuda.device.type == "cuda"
-        assert torch.equal(x, x_cuda.cpu()) and torch.equal(y, y_cuda.cpu())

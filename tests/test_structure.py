@@ -86,3 +86,11 @@ def test_sample_py_loads_checkpoints_without_the_run_machinery():
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'training', 'hydra', 'omegaconf', 'tensorboard'}))")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]", result.stdout
+
+
+def test_the_default_suite_hides_the_gpu_from_itself_and_the_processes_it_starts():
+    """Tests that check what a run on the CPU records pass alike on a CUDA machine; `-m cuda` runs the GPU's own."""
+    import os
+
+    import torch
+    assert os.environ.get("CUDA_VISIBLE_DEVICES") == "" and not torch.cuda.is_available()

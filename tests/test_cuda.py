@@ -1,0 +1,82 @@
+"""The GPU path: the suite's proofs again on a CUDA device, where attention reads every slot of the ring, masked.
+`python -m pytest -m cuda` runs them on a CUDA machine (bench/gpu_proof.sh does); the default run leaves them out."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from corpus import REPO
+from data import Batches
+from model import GREEDY, generate
+from runtime.compiled_step import load_or_compile_step
+from test_train import TINY, data_overrides
+from tiny_models import BLOCK_SIZE, random_model, random_tokens
+
+DEVICE = "cuda"
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+ROWS, PROMPT = 2, 5
+PAD = torch.tensor([0, 3])  # the second row starts with 3 tokens of left padding
+STEPS = {"learned": BLOCK_SIZE, "rope": 3 * BLOCK_SIZE}  # rotary positions go on past the ring's wrap
+
+
+def test_batches_on_the_device_are_the_cpus_batches():
+    tokens = np.random.default_rng(0).permutation(5000).astype(np.uint16)  # a window's first token is its offset
+    cpu = Batches(tokens, block_size=8, batch_size=4, seed=5)
+    device = Batches(tokens, block_size=8, batch_size=4, device=DEVICE, seed=5)
+    for _ in range(3):
+        (x, y), (x_device, y_device) = cpu.next(), device.next()
+        assert x_device.device.type == y_device.device.type == DEVICE
+        assert torch.equal(x, x_device.cpu()) and torch.equal(y, y_device.cpu())
+
+
+def assert_steps_give_full_forward_logits(model, decode_step, cache, pos_emb):
+    """One-token steps through decode_step; at each, the logits of a full forward over the same context, on the
+    device and on the CPU."""
+    cpu_model = random_model(seed=1, pos_emb=pos_emb)  # the same weights, on the CPU
+    seq = random_tokens(ROWS, STEPS[pos_emb], seed=2)
+    cache.reset(PAD.to(DEVICE))
+    model.decode_step(seq[:, :PROMPT].to(DEVICE), cache)  # the prompt, eagerly
+    for t in range(PROMPT, seq.size(1)):
+        logits = decode_step(seq[:, t:t + 1].to(DEVICE), cache)
+        torch.testing.assert_close(logits, model(seq[:, :t + 1].to(DEVICE), n_pad=PAD.to(DEVICE))[0][:, -1],
+                                   rtol=1e-5, atol=1e-5, msg=f"step {t}, against the device's full forward")
+        torch.testing.assert_close(logits.cpu(), cpu_model(seq[:, :t + 1], n_pad=PAD)[0][:, -1],
+                                   rtol=1e-4, atol=1e-4, msg=f"step {t}, against the CPU's full forward")
+
+
+@pytest.mark.parametrize("pos_emb", STEPS)
+def test_cached_steps_give_the_logits_of_a_full_forward(pos_emb):
+    model = random_model(seed=1, pos_emb=pos_emb).to(DEVICE)
+    cache = model.new_kv_cache(ROWS)
+    assert_steps_give_full_forward_logits(model, model.decode_step, cache, pos_emb)
+
+
+def test_the_compiled_step_gives_the_logits_of_a_full_forward():
+    model = random_model(seed=1, pos_emb="rope").to(DEVICE)
+    cache = model.new_kv_cache(ROWS)
+    step = load_or_compile_step(model, cache)
+    assert_steps_give_full_forward_logits(model, step.decode_step, cache, "rope")
+    prompt = random_tokens(ROWS, PROMPT, seed=3).to(DEVICE)
+    eager = generate(model, prompt, 2 * BLOCK_SIZE, sampling=GREEDY)
+    assert torch.equal(generate(model, prompt, 2 * BLOCK_SIZE, sampling=GREEDY, cache=cache, step=step), eager)
+
+
+def test_train_py_trains_on_the_device_and_sample_py_decodes_there_alike_with_and_without_the_cache(tmp_path):
+    run_dir = tmp_path / "run"
+    trained = subprocess.run([sys.executable, str(REPO / "train.py"), *TINY, *data_overrides(tmp_path / "data"),
+                              f"device={DEVICE}", "train.max_iters=200", f"hydra.run.dir={run_dir}"],
+                             capture_output=True, text=True, timeout=300)
+    assert trained.returncode == 0, trained.stderr
+    assert f" on {DEVICE} in " in trained.stdout.splitlines()[0], trained.stdout.splitlines()[0]
+    assert torch.load(run_dir / "last.pt", weights_only=True)["training"]["step"] == 200
+    texts = []
+    for flags in [[], ["--no-kv-cache"]]:
+        sampled = subprocess.run([sys.executable, str(REPO / "sample.py"), "--checkpoint", str(run_dir), "--device", DEVICE,
+                                  "--temperature", "0", "--max-new-tokens", "60", "--prompt", "ROMEO:", *flags],
+                                 capture_output=True, text=True, timeout=300)
+        assert sampled.returncode == 0, sampled.stderr
+        texts.append(sampled.stdout)
+    assert texts[0] == texts[1] and texts[0].startswith("ROMEO:\n") and len(set(texts[0])) > 8  # words, not one letter
