@@ -2,6 +2,7 @@
 starts from, and the training throughput is that of train.py's own step."""
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -76,6 +77,16 @@ def test_a_benchmark_given_a_mistake_says_so_in_one_line_with_status_2(tmp_path,
     assert len(lines) == 1 and lines[0].startswith(script) and ": error: " in lines[0], result.stderr
     for fragment in fragments:
         assert fragment in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("args, fragment", [(["0"], "minutes must be a whole number above 0, got '0'"),
+                                             ([], "no CUDA device here")])  # the suite hides the GPU
+def test_the_gpu_proof_refuses_in_one_line_with_status_2_before_any_work(tmp_path, args, fragment):
+    result = subprocess.run(["bash", str(REPO / "bench" / "gpu_proof.sh"), *args], capture_output=True, text=True,
+                            env={**os.environ, "PYTHON": sys.executable}, timeout=120)
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr.startswith("gpu_proof.sh: error: ") and fragment in result.stderr, result.stderr
+    assert result.stderr.count("\n") == 1
 
 
 def test_the_kv_budget_harness_measures_a_cache_against_the_float_one():
