@@ -5,17 +5,18 @@
 #    fused AdamW).
 # 3. Each model samples greedily at every precision, with the KV cache, without it and compiled; the texts are
 #    compared.
-# Each stage runs within the minutes left. runs/gpu-proof/<date>_<time>/summary.txt grows as stages end, beside the logs.
+# Each stage runs within the minutes left. runs/gpu-proof/<date>_<time>/summary.txt grows as stages end.
 # PYTHON names the interpreter where `python` is not the one with torch. The CPU's proofs are the suite's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python}
 minutes=${1:-8}
-[[ $minutes =~ ^[1-9][0-9]*$ ]] || { echo "gpu_proof.sh: error: minutes must be a whole number above 0, got '$minutes'" >&2; exit 2; }
-"$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu_proof.sh: error: no CUDA device here; run it on a CUDA machine')" \
-    || exit 2
+refuse() { echo "gpu_proof.sh: error: $*" >&2; exit 2; }
+[[ $minutes =~ ^[1-9][0-9]*$ ]] || refuse "minutes must be a whole number above 0, got '$minutes'"
+"$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null \
+    || refuse "$python finds no CUDA device (or no torch); run it on a CUDA machine, PYTHON naming the interpreter"
 out=runs/gpu-proof/$(date +%Y-%m-%d_%H-%M-%S)
-mkdir -p "$out" || exit 2
+mkdir -p "$out" 2>/dev/null || refuse "cannot create $out; run it where runs/ can be written"
 deadline=$((SECONDS + minutes * 60))
 
 say() { echo "$*" | tee -a "$out/summary.txt"; }
@@ -27,7 +28,8 @@ bounded() {  # runs a command within the time left; timeout stops the command's 
 descendants() { local child; for child in $(pgrep -P "$1"); do descendants "$child"; echo "$child"; done; }
 trap 'say "## stopped by a signal at $SECONDS s"; kill $(descendants $$) 2>/dev/null; exit 130' INT TERM
 
-say "# $("$python" -c "import torch; print(torch.cuda.get_device_name(), 'torch', torch.__version__)"), $minutes minutes"
+gpu=$("$python" -c "import torch; print(torch.cuda.get_device_name(), 'torch', torch.__version__)")
+say "# $gpu, within $minutes minutes"
 bounded "$python" -m pytest -q -m cuda -p no:cacheprovider >"$out/cuda-tests.log" 2>&1; tests_rc=$?
 say "## the cuda tests (rc $tests_rc, at $SECONDS s): $(tail -n 1 "$out/cuda-tests.log")"
 
@@ -41,7 +43,8 @@ greedy() {  # $1: the file stem, then sample.py's flags; one greedy text, with i
 prove() {  # trains one model, samples from it nine ways and compares the texts; the status says whether they agree
     local pos=$1 dir=$out/$1 failed=0
     bounded "$python" train.py preset=gpu model.pos_emb=$pos train.max_iters=300 train.eval_interval=100 \
-        hydra.run.dir=$dir >"$out/$pos.log" 2>&1 || { echo "## $pos: training failed"; tail -n 5 "$out/$pos.log"; return 1; }
+        hydra.run.dir=$dir >"$out/$pos.log" 2>&1 || { echo "## $pos: training failed"; tail -n 5 "$out/$pos.log"
+                                                        return 1; }
     echo "## $pos, trained at $SECONDS s: $(tr '\r' '\n' <"$out/$pos.log" | grep "^step 300")"
     for precision in fp32 bf16 int8; do  # the samples run side by side: each is a small process on the GPU
         greedy "$dir/$precision-cached" --checkpoint "$dir" --precision $precision &
@@ -51,12 +54,14 @@ prove() {  # trains one model, samples from it nine ways and compares the texts;
     wait
     for precision in fp32 bf16 int8; do
         echo "## $pos, $precision: $(tail -n 1 "$dir/$precision-cached.log")"
+        local unfinished=0
         for way in cached uncached compiled; do
-            [ "$(cat "$dir/$precision-$way.rc")" = 0 ] && continue
-            echo "   $way: did not finish (status $(cat "$dir/$precision-$way.rc")): $(tail -n 1 "$dir/$precision-$way.log")"
-            failed=1
+            local rc=$(cat "$dir/$precision-$way.rc")
+            [ "$rc" = 0 ] && continue
+            echo "   $way: did not finish (status $rc): $(tail -n 1 "$dir/$precision-$way.log")"
+            unfinished=1 failed=1
         done
-        ((failed)) && continue
+        ((unfinished)) && continue  # a text cut short proves nothing
         for other in uncached compiled; do
             if cmp -s "$dir/$precision-cached.txt" "$dir/$precision-$other.txt"; then
                 echo "   $other: the same text"

@@ -80,7 +80,7 @@ def test_a_benchmark_given_a_mistake_says_so_in_one_line_with_status_2(tmp_path,
 
 
 @pytest.mark.parametrize("args, fragment", [(["0"], "minutes must be a whole number above 0, got '0'"),
-                                             ([], "no CUDA device here")])  # the suite hides the GPU
+                                             ([], "finds no CUDA device")])  # the suite hides the GPU
 def test_the_gpu_proof_refuses_in_one_line_with_status_2_before_any_work(tmp_path, args, fragment):
     result = subprocess.run(["bash", str(REPO / "bench" / "gpu_proof.sh"), *args], capture_output=True, text=True,
                             env={**os.environ, "PYTHON": sys.executable}, timeout=120)
