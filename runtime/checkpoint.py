@@ -136,7 +136,7 @@ def layout_damage(contents: dict) -> str | None:
     """What in a checkpoint's contents is not of the layout above (a key missing, a value of another type), or
     None. Whether the values fit one another (the weights the model, the optimiser the weights) is found when
     they are loaded."""
-    def is_number(value) -> bool:
+    def is_loss(value) -> bool:  # a float, inf included (no evaluation yet), never NaN
         return isinstance(value, float) and not math.isnan(value)
 
     expected = {"model_config": dict, "vocab": str, "model": dict}
@@ -157,7 +157,7 @@ def layout_damage(contents: dict) -> str | None:
     if missing:
         return f"training lacks {', '.join(missing)}"
     checks = {"step": lambda v: is_integer(v) and v >= 0,
-              "best_val_loss": is_number, "config": lambda v: isinstance(v, dict),
+              "best_val_loss": is_loss, "config": lambda v: isinstance(v, dict),
               "optimizers": lambda v: isinstance(v, list), "schedulers": lambda v: isinstance(v, list),
               "rng": lambda v: isinstance(v, list) and all(isinstance(r, dict) and isinstance(r.get("torch"),
                                                                                                  torch.Tensor)
