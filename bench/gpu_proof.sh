@@ -80,7 +80,6 @@ prove learned >"$out/learned.proof" 2>&1 & learned=$!
 prove rope >"$out/rope.proof" 2>&1 & rope=$!
 wait $learned; learned_rc=$?
 wait $rope; rope_rc=$?
-cat "$out/learned.proof" "$out/rope.proof" >>"$out/summary.txt"
-cat "$out/learned.proof" "$out/rope.proof"
+cat "$out/learned.proof" "$out/rope.proof" | tee -a "$out/summary.txt"
 say "## done at $SECONDS s: the cuda tests rc $tests_rc, learned rc $learned_rc, rope rc $rope_rc (0: proved)"
 ((tests_rc + learned_rc + rope_rc == 0))
