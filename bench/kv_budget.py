@@ -6,7 +6,7 @@
 
 The caches (model/labs/caches.py): float (the reference), int8, int4 and int2, and a budget of slots as a fraction
 of block_size: window (the last tokens only), sinks (the first few tokens, then the last ones), and, for rotary
-models, h2o and tova (each head keeps the tokens it attends most).
+models, h2o and tova (each head keeps the tokens it attends most) and merge (tova's choice, merged into what stays).
 
 Each cache decodes the val split of the checkpoint's text through the real decoding loop (generate_tokens, fed the
 text's own tokens: model/labs/decoder_loss.py), STREAMS streams side by side, a prompt of --prompt-len tokens and
@@ -102,7 +102,7 @@ def main() -> None:
     parser = OneLineErrorParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", type=existing_checkpoint, required=True, help="a run directory or .pt file")
     parser.add_argument("--caches", nargs="+", choices=list(CACHES),
-                        help="default: every one the model can use (h2o and tova need rotary positions)")
+                        help="default: every one the model can use (h2o, tova and merge need rotary positions)")
     parser.add_argument("--prompt-len", type=positive_int, default=64)
     parser.add_argument("--stream-len", type=positive_int, default=1_000_000,
                         help="cut each stream to this many tokens")

@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "attention computes in (float, the default), int8 with a scale per token and head, "
                         "int4 / int2 in groups, the most recent tokens in float too; or --kv-budget slots: the "
                         "last tokens (window), the first few and the last (sinks), or, for rotary models, those "
-                        "each head attends most (h2o, tova). See model/labs/caches.py")
+                        "each head attends most (h2o, tova; merge folds what tova drops into the likest key it "
+                        "keeps). See model/labs/caches.py")
     parser.add_argument("--kv-budget", metavar="SLOTS", type=int,
                         help=f"--kv-cache {', '.join(BUDGETED)}: the tokens the cache keeps (default: half of "
                              "block_size)")

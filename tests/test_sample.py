@@ -240,7 +240,7 @@ def unavailable_device() -> str:
     (["--kv-cache", "int3"], ["--kv-cache", "'int3'"]),
     (["--kv-cache", "int4", "--compile"], ["--kv-cache int4 decodes eagerly", "drop --compile"]),
     (["--compile", "--device", "mps"], ["--compile builds steps for cpu or cuda, not --device mps"]),
-    (["--kv-budget", 8], ["--kv-budget applies to --kv-cache window, sinks, h2o, tova"]),
+    (["--kv-budget", 8], ["--kv-budget applies to --kv-cache window, sinks, h2o, tova, merge"]),
     (["--kv-cache", "h2o"], ["--kv-cache h2o: ", "needs pos_emb=rope"]),
 ])
 def test_bad_option_values(checkpoint, args, fragments):
@@ -384,7 +384,7 @@ def test_a_window_of_block_size_is_the_full_cache_and_sinks_decode_past_it(rope_
     assert re.search(r"KV cache [\d.]+ MiB in sinks ", sinks.stderr.splitlines()[-1])
 
 
-@pytest.mark.parametrize("policy", ["h2o"])  # tests/test_evicting_cache.py proves both policies
+@pytest.mark.parametrize("policy", ["h2o", "merge"])  # test_evicting_cache.py and test_merging_cache.py prove them
 def test_an_eviction_policy_decodes_past_its_budget_and_the_summary_names_it(rope_checkpoint, policy):
     """Until the prompt and the first new token fill the budget (block_size), the text is the float cache's; past
     it, the samples of one prompt still agree, and the summary names the policy."""

@@ -8,7 +8,7 @@ makes each cache from its name.
 - int4, int2: KIVI's low-bit caches (lowbit_cache.py);
 - budgeted, `budget` slots (default: half of block_size): window keeps the last tokens and sinks the first
   SINKS and the last (sink_cache.py); for rotary models, h2o and tova let each head choose what goes
-  (evicting_cache.py).
+  (evicting_cache.py), and merge folds what goes into what stays (merging_cache.py).
 """
 
 import torch
@@ -16,10 +16,11 @@ import torch
 from .checks import is_integer
 from .evicting_cache import POLICIES, new_evicting_cache
 from .lowbit_cache import LOW_BITS, new_lowbit_cache
+from .merging_cache import MergingKVCache, new_merging_cache
 from .sink_cache import SINKS, new_sink_cache
 
 LOWBIT = {f"int{bits}": bits for bits in LOW_BITS}
-BUDGETED = ("window", "sinks", *POLICIES)
+BUDGETED = ("window", "sinks", *POLICIES, *MergingKVCache.policies)
 CACHES = ("float", "int8", *LOWBIT, *BUDGETED)
 EAGER = (*LOWBIT, *BUDGETED)  # they refuse compile
 
@@ -49,6 +50,8 @@ def new_cache(model, name: str, batch_size: int, *, budget: int | None = None, r
         return new_sink_cache(model, batch_size, sinks=sinks, window=budget - sinks)
     if name in POLICIES:
         return new_evicting_cache(model, batch_size, policy=name, budget=budget)
+    if name in MergingKVCache.policies:
+        return new_merging_cache(model, batch_size, budget=budget)
     if name in LOWBIT:
         return new_lowbit_cache(model, batch_size, LOWBIT[name], read_all_slots=read_all_slots, **lowbit)
     return model.new_kv_cache(batch_size, dtype=torch.int8 if name == "int8" else None, read_all_slots=read_all_slots)

@@ -76,13 +76,17 @@ class EvictingLayerKV:
         self.score.scatter_(2, slot, 0.0)
         return self.k, self.v
 
+    def scores(self, q, k):
+        """q kᵀ / √hs: q (B, nh, t, hs), k (B, nh, S, hs) -> (B, nh, t, S)."""
+        return q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
+
     def attend(self, q, k, v, attn_mask):
         """softmax(q kᵀ / √hs) v, explicitly, and the policy's next victims: q (B, nh, t, hs) -> (B, nh, t, hs)."""
         B, nh, t, hs = q.shape
         n_kv, S = k.size(1), k.size(2)
         group = nh // n_kv
         k, v = (x.to(q.dtype).repeat_interleave(group, dim=1) for x in (k, v))
-        scores = q @ k.transpose(-2, -1) / math.sqrt(hs)  # (B, nh, t, S)
+        scores = self.scores(q, k)  # (B, nh, t, S)
         if t > 1:
             scores = scores.masked_fill(~causal_mask(t, S, q.device), -math.inf)
         weights = scores.softmax(dim=-1)
@@ -100,11 +104,12 @@ class EvictingKVCache(BudgetKVCache):
     """budget slots per layer and key/value head; a policy (POLICIES) chooses which token each head drops."""
 
     kind, keeps, moves = "an evicting cache", "numbers each row's tokens alike", "each needs the step before's victim"
+    policies = POLICIES  # the policies it takes, by name
 
     def __init__(self, n_kv_layer: int, batch_size: int, n_kv_head: int, head_dim: int, dtype=torch.float32,
                  device=None, *, policy: str, budget: int, block_size: int):
         super().__init__(n_kv_layer, batch_size, n_kv_head, budget, head_dim, dtype, device)
-        self.policy_name, self.policy, self.block_size = policy, POLICIES[policy](), block_size
+        self.policy_name, self.policy, self.block_size = policy, self.policies[policy](), block_size
         per_slot = (batch_size, n_kv_head, budget)
         self.add_layer_buffers(("token",), per_slot, torch.long, device)  # the number of the token each slot holds
         self.add_layer_buffers(("score",), per_slot, torch.float32, device)
@@ -131,9 +136,15 @@ class EvictingKVCache(BudgetKVCache):
 
 def new_evicting_cache(model, batch_size: int, *, policy: str, budget: int) -> EvictingKVCache:
     """An empty cache for batch_size rows of model, each layer's key/value heads keeping `budget` tokens."""
-    c = model.config
     if policy not in POLICIES:
         raise ValueError(f"unknown eviction policy {policy!r}: choose one of {', '.join(POLICIES)}")
+    return EvictingKVCache(**evicting_shape(model, batch_size, budget), policy=policy, budget=budget,
+                           block_size=model.config.block_size)
+
+
+def evicting_shape(model, batch_size: int, budget: int) -> dict:
+    """An evicting cache's shape for batch_size rows of model, once the model and budget are known to suit it."""
+    c = model.config
     if c.pos_emb != "rope" or not (c.kv_share == 1 and c.local_window is None and c.kv_latent is None
                                    and not c.learned_sink):
         raise ValueError("an evicting cache leaves gaps between the tokens it keeps, and attends itself: it needs "
@@ -142,4 +153,4 @@ def new_evicting_cache(model, batch_size: int, *, policy: str, budget: int) -> E
         raise ValueError(f"budget must be an integer from 2 to block_size={c.block_size}, got {budget!r}")
     shape = model.kv_cache_shape(batch_size)
     del shape["max_len"]
-    return EvictingKVCache(**shape, policy=policy, budget=budget, block_size=c.block_size)
+    return shape

@@ -1,0 +1,180 @@
+"""Eviction that merges (model/labs/merging_cache.py): against its rule written out here, on random attention
+scores and through a whole model; equal keys merged lose nothing; the full budget is the full cache."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import GREEDY, generate
+from model.attention import rotary
+from model.labs.caches import new_cache
+from model.labs.merging_cache import new_merging_cache
+from test_evicting_cache import RandomAttention, turn
+from test_sink_cache import cached_logits
+from tiny_models import random_model, random_tokens
+
+
+class MergingHead:
+    """One row's key/value head, written out: each kept token's key, value, count of tokens it stands for, and the
+    newest query's weight on it."""
+
+    def __init__(self, budget: int, block: int):
+        self.budget, self.block = budget, block
+        self.key, self.value, self.count, self.weight = {}, {}, {}, {}
+
+    def add(self, p: int, key, value) -> None:
+        """Token p comes. A full head first drops the token p would not see (block tokens back); else TOVA's least
+        weight among all but the newest budget // 4, merged into the kept key of highest cosine similarity."""
+        if len(self.key) == self.budget:
+            leaving = [j for j in self.key if j <= p - self.block]
+            old = leaving[0] if leaving else min((j for j in self.key if j <= p - 1 - self.budget // 4),
+                                                 key=lambda j: self.weight[j])
+            k, v, n = self.key.pop(old), self.value.pop(old), self.count.pop(old)
+            if not leaving:
+                host = max(self.key, key=lambda j: F.cosine_similarity(self.key[j], k, dim=0).item())
+                m = self.count[host]
+                self.key[host] = (m * self.key[host] + n * k) / (m + n)
+                self.value[host] = (m * self.value[host] + n * v) / (m + n)
+                self.count[host] = m + n
+        self.key[p], self.value[p], self.count[p] = key, value, 1
+
+    def attend(self, queries) -> torch.Tensor:
+        """queries (group, hd) -> (group, hd): softmax(q kᵀ / √hd + log count) v; keeps the heads' mean weights."""
+        kept = sorted(self.key)
+        k, v = torch.stack([self.key[j] for j in kept]), torch.stack([self.value[j] for j in kept])
+        bias = torch.tensor([float(self.count[j]) for j in kept]).log()
+        w = (queries @ k.T / math.sqrt(k.size(-1)) + bias).softmax(dim=-1)  # (group, kept)
+        self.weight = dict(zip(kept, w.mean(dim=0).tolist()))
+        return w @ v
+
+
+def cache_state(cache, layer: int, b: int, g: int) -> dict:
+    """Token number -> count of the tokens a cache's head keeps."""
+    tokens, counts = getattr(cache, f"token{layer}")[b, g], getattr(cache, f"count{layer}")[b, g]
+    n = min(int(cache.pos), cache.max_len)
+    return dict(zip(tokens[:n].tolist(), counts[:n].tolist()))
+
+
+def test_on_random_attention_scores_each_head_keeps_merges_and_attends_as_the_rule_written_out():
+    """One layer's view fed random queries, keys and values for 60 steps, past block_size: its output at every
+    step, and each head's tokens and counts, equal the rule's."""
+    model = random_model(pos_emb="rope", n_head=4, n_kv_head=2, n_embd=32)
+    B, budget, hd, group = 3, 7, 8, 2
+    cache = new_merging_cache(model, B, budget=budget)
+    source = RandomAttention(4, 2, hd, seed=9)
+    heads = {(b, g): MergingHead(budget, model.config.block_size) for b in range(B) for g in range(2)}
+    merged = 0
+    for p in range(60):
+        q, k, v = source.next(B)
+        cos, sin = (x.view(1, 1, 1, hd) for x in rotary(torch.tensor([p]), hd))
+        view = cache.layer(0, None, None)
+        k_read, v_read = view.update(k * cos + k.roll(hd // 2, -1) * sin, v)
+        y = view.attend(q * cos + q.roll(hd // 2, -1) * sin, k_read, v_read, None)
+        cache.advance(1)
+        for (b, g), head in heads.items():
+            head.add(p, turn(k[b, g, 0], p, hd), v[b, g, 0])
+            expected = head.attend(torch.stack([turn(q[b, h, 0], p, hd) for h in range(g * group, (g + 1) * group)]))
+            torch.testing.assert_close(y[b, g * group:(g + 1) * group, 0], expected, rtol=0, atol=1e-5)
+            assert cache_state(cache, 0, b, g) == head.count, f"step {p}"
+            merged = max(merged, max(head.count.values()))
+    assert merged > 2  # some slots stand for several tokens
+
+
+def merging_reference(model, seq, budget: int):
+    """Logits (B, T, vocab) of seq fed one token at a time, each layer's key/value head of each row a MergingHead;
+    and the heads."""
+    c = model.config
+    B, T = seq.shape
+    hd, group, kv_width = c.n_embd // c.n_head, c.n_head // c.n_kv_head, c.n_kv_head * c.n_embd // c.n_head
+    heads = {(b, layer, g): MergingHead(budget, c.block_size)
+             for b in range(B) for layer in range(c.n_layer) for g in range(c.n_kv_head)}
+    logits = []
+    for p in range(T):
+        x = model.wte(seq[:, p])  # (B, C)
+        for layer, block in enumerate(model.blocks):
+            out = F.linear(block.ln_1(x), block.attn.qkv.weight, block.attn.qkv.bias)
+            q = out[:, :c.n_embd].view(B, c.n_head, hd)
+            k = out[:, c.n_embd:c.n_embd + kv_width].view(B, c.n_kv_head, hd)
+            v = out[:, c.n_embd + kv_width:].view(B, c.n_kv_head, hd)
+            y = torch.zeros(B, c.n_head, hd)
+            for b in range(B):
+                for g in range(c.n_kv_head):
+                    head, own = heads[b, layer, g], slice(g * group, (g + 1) * group)
+                    head.add(p, turn(k[b, g], p, hd), v[b, g])
+                    y[b, own] = head.attend(torch.stack([turn(q[b, h], p, hd) for h in range(c.n_head)])[own])
+            x = x + block.attn.out_proj(y.reshape(B, c.n_embd))
+            x = x + block.mlp(block.ln_2(x))
+        logits.append(model.lm_head(model.ln_f(x)))
+    return torch.stack(logits, dim=1), heads
+
+
+@pytest.mark.parametrize("n_kv_head, budget, prompt_len", [(3, 6, 6), (1, 5, 3)])
+@torch.no_grad()
+def test_a_model_decodes_as_the_rule_written_out_would(n_kv_head, budget, prompt_len):
+    """Every step's logits over 3 x block_size tokens, the prompt prefilled in one chunk, and each row's, layer's
+    and key/value head's tokens and counts at the end."""
+    model = random_model(pos_emb="rope", n_kv_head=n_kv_head)
+    c = model.config
+    seq = random_tokens(2, 3 * c.block_size, seed=8)
+    cache = new_merging_cache(model, 2, budget=budget)
+    cached = cached_logits(model, seq, prompt_len, cache)
+    reference, heads = merging_reference(model, seq[:, :-1], budget)
+    torch.testing.assert_close(cached, reference[:, prompt_len - 1:], rtol=0, atol=1e-5)
+    assert {key: cache_state(cache, key[1], key[0], key[2]) for key in heads} == \
+        {key: head.count for key, head in heads.items()}
+
+
+def test_merging_tokens_whose_keys_are_equal_loses_nothing():
+    """Three tokens with one key and different values, merged into one slot, weigh what they weigh apart: the
+    output equals softmax attention over every token fed, written out."""
+    model = random_model(pos_emb="rope", n_head=2, n_kv_head=1, n_embd=16)
+    g = torch.Generator().manual_seed(3)
+    keys, values = torch.randn(6, 8, generator=g), torch.randn(6, 8, generator=g)
+    keys[[2, 4]] = keys[0].clone()  # tokens 2 and 4 repeat token 0's key
+    cache = new_merging_cache(model, 1, budget=4)
+    for p in range(6):
+        view = cache.layer(0, None, None)
+        if p >= 4:
+            view.victim.fill_(2)  # token 2 leaves slot 2 for token 4, which leaves it for token 5
+        k_read, v_read = view.update(keys[p].view(1, 1, 1, 8), values[p].view(1, 1, 1, 8))
+        q = torch.randn(1, 2, 1, 8, generator=g)
+        y = view.attend(q, k_read, v_read, None)
+        cache.advance(1)
+    assert cache_state(cache, 0, 0, 0) == {0: 3.0, 1: 1.0, 5: 1.0, 3: 1.0}  # token 0's slot holds 0, 2 and 4
+    full = (q[0, :, 0] @ keys.T / math.sqrt(8)).softmax(dim=-1) @ values  # (2, 8): every token, none merged
+    torch.testing.assert_close(y[0, :, 0], full, rtol=0, atol=1e-6)
+
+
+@torch.no_grad()
+def test_a_budget_that_holds_the_whole_context_is_the_full_cache():
+    """block_size slots drop only what the full cache's ring drops, and merge nothing, also far past block_size."""
+    model = random_model(pos_emb="rope", n_kv_head=1)
+    block = model.config.block_size
+    seq = random_tokens(2, 4 * block, seed=10)
+    full = cached_logits(model, seq, 5, model.new_kv_cache(2))
+    torch.testing.assert_close(cached_logits(model, seq, 5, new_cache(model, "merge", 2, budget=block)), full,
+                               rtol=0, atol=1e-5)
+    prompt = seq[:, :4]
+    assert torch.equal(generate(model, prompt, 3 * block, sampling=GREEDY,
+                                cache=new_cache(model, "merge", 2, budget=block)),
+                       generate(model, prompt, 3 * block, sampling=GREEDY))
+
+
+def test_many_samples_of_one_prompt_decode_as_one_row_does():
+    model = random_model(pos_emb="rope")
+    prompt = random_tokens(1, 7, seed=11)
+    alone = generate(model, prompt, 40, sampling=GREEDY, cache=new_merging_cache(model, 1, budget=6))
+    shared = generate(model, prompt.expand(3, -1), 40, sampling=GREEDY, cache=new_merging_cache(model, 3, budget=6))
+    assert torch.equal(shared, alone.expand(3, -1))
+
+
+@pytest.mark.parametrize("overrides, budget, fragment", [
+    (dict(), 6, "needs pos_emb=rope"),
+    (dict(pos_emb="rope"), 1, "budget must be an integer from 2 to block_size=16, got 1"),
+    (dict(pos_emb="rope"), 17, "got 17"),
+])
+def test_settings_that_cannot_work_are_refused(overrides, budget, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        new_cache(random_model(**overrides), "merge", 1, budget=budget)
