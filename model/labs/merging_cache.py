@@ -44,19 +44,19 @@ class MergingLayerKV(EvictingLayerKV):
 
     def merge_victim(self, fed: int) -> None:
         """Fold each head's victim slot into the slot whose key is likest, unless it leaves the full cache's view."""
-        slot = self.victim[..., None]  # (B, n_kv, 1)
-        wide = slot[..., None].expand(-1, -1, 1, self.k.size(-1))  # (B, n_kv, 1, hs)
-        k_out, v_out = self.k.gather(2, wide).float(), self.v.gather(2, wide).float()
-        likeness = F.cosine_similarity(self.k.float(), k_out, dim=-1).scatter(2, slot, -torch.inf)  # (B, n_kv, S)
-        host = likeness.argmax(dim=-1, keepdim=True)  # (B, n_kv, 1)
-        host_wide = host[..., None].expand_as(wide)
-        n_out, n_host = self.count.gather(2, slot), self.count.gather(2, host)
-        n_out = n_out.masked_fill(self.token.gather(2, slot) <= fed - self.cache.block_size, 0)  # dropped, as there
-        share = (n_out / (n_host + n_out))[..., None]  # (B, n_kv, 1, 1): the leaving token's part of the mean
-        for buffer, out in ((self.k, k_out), (self.v, v_out)):
-            kept = buffer.gather(2, host_wide).float()
-            buffer.scatter_(2, host_wide, (kept + share * (out - kept)).to(buffer.dtype))
-        self.count.scatter_(2, host, n_host + n_out)
+        k, v, count, token = (x.flatten(0, 1) for x in (self.k, self.v, self.count, self.token))  # a row per head
+        heads, out = torch.arange(k.size(0), device=k.device), self.victim.flatten()
+        k_out, v_out = k[heads, out].float(), v[heads, out].float()  # (B·n_kv, hs)
+        likeness = F.cosine_similarity(k.float(), k_out[:, None], dim=-1)  # (B·n_kv, S)
+        likeness[heads, out] = -torch.inf
+        host = likeness.argmax(dim=-1)
+        n_out = count[heads, out].masked_fill(token[heads, out] <= fed - self.cache.block_size, 0)  # dropped
+        n_host = count[heads, host]
+        share = (n_out / (n_host + n_out))[:, None]  # the leaving token's part of the mean
+        for buffer, leaving in ((k, k_out), (v, v_out)):
+            kept = buffer[heads, host].float()
+            buffer[heads, host] = (kept + share * (leaving - kept)).to(buffer.dtype)
+        count[heads, host] = n_host + n_out
 
     def scores(self, q, k):
         """Each slot's score plus log of the tokens it stands for."""
