@@ -110,11 +110,11 @@ def merging_reference(model, seq, budget: int):
     return torch.stack(logits, dim=1), heads
 
 
-@pytest.mark.parametrize("n_kv_head, budget, prompt_len", [(3, 6, 6), (1, 5, 3)])
+@pytest.mark.parametrize("n_kv_head, budget, prompt_len", [(3, 6, 6), (1, 5, 3), (3, 5, 9)])
 @torch.no_grad()
 def test_a_model_decodes_as_the_rule_written_out_would(n_kv_head, budget, prompt_len):
-    """Every step's logits over 3 x block_size tokens, the prompt prefilled in one chunk, and each row's, layer's
-    and key/value head's tokens and counts at the end."""
+    """Every step's logits over 3 x block_size tokens, the prompt prefilled in one chunk up to the budget (the rest
+    one token at a time), and each row's, layer's and key/value head's tokens and counts at the end."""
     model = random_model(pos_emb="rope", n_kv_head=n_kv_head)
     c = model.config
     seq = random_tokens(2, 3 * c.block_size, seed=8)
