@@ -39,45 +39,61 @@ def turn(v, position, hd):
     return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
 
 
-def eviction_reference(model, seq, policy: str, budget: int):
-    """Logits (B, T, vocab) of seq fed one token at a time, each layer's key/value head of each row keeping its own
-    tokens by the policy, at their own positions. Also each (row, layer, head)'s kept tokens at the end."""
+def token_by_token(model, seq, attention):
+    """Logits (B, T, vocab) of seq fed one token at a time, each layer's attention written out by
+    attention(p, layer, q (B, nh, hd), k (B, n_kv, hd), v (B, n_kv, hd)) -> (B, nh, hd), given the token's
+    projections before rotary positions turn them."""
     c = model.config
     B, T = seq.shape
-    hd, group = c.n_embd // c.n_head, c.n_head // c.n_kv_head
+    hd = c.n_embd // c.n_head
     kv_width = c.n_kv_head * hd
-    keys = [[] for _ in model.blocks]  # per layer, token j's raw keys (B, n_kv, hd) and values
-    values = [[] for _ in model.blocks]
-    kept = {(b, layer, g): [] for b in range(B) for layer in range(c.n_layer) for g in range(c.n_kv_head)}
-    score = {key: {} for key in kept}
     logits = []
     for p in range(T):
         x = model.wte(seq[:, p])  # (B, C)
         for layer, block in enumerate(model.blocks):
             out = F.linear(block.ln_1(x), block.attn.qkv.weight, block.attn.qkv.bias)
             q = out[:, :c.n_embd].view(B, c.n_head, hd)
-            keys[layer].append(out[:, c.n_embd:c.n_embd + kv_width].view(B, c.n_kv_head, hd))
-            values[layer].append(out[:, c.n_embd + kv_width:].view(B, c.n_kv_head, hd))
-            y = torch.zeros(B, c.n_head, hd)
-            for b in range(B):
-                for g in range(c.n_kv_head):
-                    own = kept[b, layer, g]
-                    if len(own) == budget:
-                        own.remove(evict(policy, own, score[b, layer, g], budget, p - 1, c.block_size))
-                    own.append(p)
-                    seen = sorted(own)
-                    k = torch.stack([turn(keys[layer][j][b, g], j, hd) for j in seen])
-                    v = torch.stack([values[layer][j][b, g] for j in seen])
-                    mean = torch.zeros(len(seen))
-                    for head in range(g * group, (g + 1) * group):
-                        w = (k @ turn(q[b, head], p, hd) / math.sqrt(hd)).softmax(dim=-1)
-                        y[b, head] = w @ v
-                        mean += w / group
-                    observe(policy, score[b, layer, g], dict(zip(seen, mean.tolist())))
-            x = x + block.attn.out_proj(y.reshape(B, c.n_embd))
+            k = out[:, c.n_embd:c.n_embd + kv_width].view(B, c.n_kv_head, hd)
+            v = out[:, c.n_embd + kv_width:].view(B, c.n_kv_head, hd)
+            x = x + block.attn.out_proj(attention(p, layer, q, k, v).reshape(B, c.n_embd))
             x = x + block.mlp(block.ln_2(x))
         logits.append(model.lm_head(model.ln_f(x)))
-    return torch.stack(logits, dim=1), {key: sorted(own) for key, own in kept.items()}
+    return torch.stack(logits, dim=1)
+
+
+def eviction_reference(model, seq, policy: str, budget: int):
+    """Logits (B, T, vocab) of seq fed one token at a time, each layer's key/value head of each row keeping its own
+    tokens by the policy, at their own positions. Also each (row, layer, head)'s kept tokens at the end."""
+    c = model.config
+    B = seq.size(0)
+    hd, group = c.n_embd // c.n_head, c.n_head // c.n_kv_head
+    keys = [[] for _ in model.blocks]  # per layer, token j's raw keys (B, n_kv, hd) and values
+    values = [[] for _ in model.blocks]
+    kept = {(b, layer, g): [] for b in range(B) for layer in range(c.n_layer) for g in range(c.n_kv_head)}
+    score = {key: {} for key in kept}
+
+    def attention(p, layer, q, k_new, v_new):
+        keys[layer].append(k_new)
+        values[layer].append(v_new)
+        y = torch.zeros(B, c.n_head, hd)
+        for b in range(B):
+            for g in range(c.n_kv_head):
+                own = kept[b, layer, g]
+                if len(own) == budget:
+                    own.remove(evict(policy, own, score[b, layer, g], budget, p - 1, c.block_size))
+                own.append(p)
+                seen = sorted(own)
+                k = torch.stack([turn(keys[layer][j][b, g], j, hd) for j in seen])
+                v = torch.stack([values[layer][j][b, g] for j in seen])
+                mean = torch.zeros(len(seen))
+                for head in range(g * group, (g + 1) * group):
+                    w = (k @ turn(q[b, head], p, hd) / math.sqrt(hd)).softmax(dim=-1)
+                    y[b, head] = w @ v
+                    mean += w / group
+                observe(policy, score[b, layer, g], dict(zip(seen, mean.tolist())))
+        return y
+
+    return token_by_token(model, seq, attention), {key: sorted(own) for key, own in kept.items()}
 
 
 def kept_tokens(cache, B, n_layer, n_kv_head) -> dict:

@@ -11,7 +11,7 @@ from model import GREEDY, generate
 from model.attention import rotary
 from model.labs.caches import new_cache
 from model.labs.merging_cache import new_merging_cache
-from test_evicting_cache import RandomAttention, turn
+from test_evicting_cache import RandomAttention, token_by_token, turn
 from test_sink_cache import cached_logits
 from tiny_models import random_model, random_tokens
 
@@ -86,28 +86,21 @@ def merging_reference(model, seq, budget: int):
     """Logits (B, T, vocab) of seq fed one token at a time, each layer's key/value head of each row a MergingHead;
     and the heads."""
     c = model.config
-    B, T = seq.shape
-    hd, group, kv_width = c.n_embd // c.n_head, c.n_head // c.n_kv_head, c.n_kv_head * c.n_embd // c.n_head
+    B = seq.size(0)
+    hd, group = c.n_embd // c.n_head, c.n_head // c.n_kv_head
     heads = {(b, layer, g): MergingHead(budget, c.block_size)
              for b in range(B) for layer in range(c.n_layer) for g in range(c.n_kv_head)}
-    logits = []
-    for p in range(T):
-        x = model.wte(seq[:, p])  # (B, C)
-        for layer, block in enumerate(model.blocks):
-            out = F.linear(block.ln_1(x), block.attn.qkv.weight, block.attn.qkv.bias)
-            q = out[:, :c.n_embd].view(B, c.n_head, hd)
-            k = out[:, c.n_embd:c.n_embd + kv_width].view(B, c.n_kv_head, hd)
-            v = out[:, c.n_embd + kv_width:].view(B, c.n_kv_head, hd)
-            y = torch.zeros(B, c.n_head, hd)
-            for b in range(B):
-                for g in range(c.n_kv_head):
-                    head, own = heads[b, layer, g], slice(g * group, (g + 1) * group)
-                    head.add(p, turn(k[b, g], p, hd), v[b, g])
-                    y[b, own] = head.attend(torch.stack([turn(q[b, h], p, hd) for h in range(c.n_head)])[own])
-            x = x + block.attn.out_proj(y.reshape(B, c.n_embd))
-            x = x + block.mlp(block.ln_2(x))
-        logits.append(model.lm_head(model.ln_f(x)))
-    return torch.stack(logits, dim=1), heads
+
+    def attention(p, layer, q, k, v):
+        y = torch.zeros(B, c.n_head, hd)
+        for (b, at, g), head in heads.items():
+            if at == layer:
+                own = slice(g * group, (g + 1) * group)
+                head.add(p, turn(k[b, g], p, hd), v[b, g])
+                y[b, own] = head.attend(torch.stack([turn(query, p, hd) for query in q[b, own]]))
+        return y
+
+    return token_by_token(model, seq, attention), heads
 
 
 @pytest.mark.parametrize("n_kv_head, budget, prompt_len", [(3, 6, 6), (1, 5, 3), (3, 5, 9)])
