@@ -72,7 +72,8 @@ class MergingKVCache(EvictingKVCache):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.add_layer_buffers(("count",), self.victim0.shape + (self.max_len,), torch.float32, self.k0.device)
+        per_slot = self.token0.shape  # (B, n_kv, budget), as the policy's own buffers
+        self.add_layer_buffers(("count",), per_slot, torch.float32, self.k0.device)  # the tokens each slot stands for
 
     @property
     def nbytes(self) -> int:
