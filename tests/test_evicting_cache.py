@@ -17,13 +17,13 @@ from tiny_models import random_model, random_tokens
 
 def evict(policy: str, kept: list[int], score: dict[int, float], budget: int, newest: int, block: int) -> int:
     """The token a full head drops before token newest + 1 comes: one that token would not see (block tokens back),
-    else h2o's least total weight among all but the newest budget // 2 tokens, or tova's least weight from the
-    newest query."""
+    else the least score among all but the newest budget // 2 tokens for h2o (its total weight), budget // 4 for
+    merge, none for tova (their newest query's weight)."""
     leaving = [j for j in kept if j <= newest + 1 - block]
     if leaving:
         return leaving[0]
-    candidates = [j for j in kept if j <= newest - budget // 2] if policy == "h2o" else kept
-    return min(candidates, key=lambda j: score[j])
+    protected = {"h2o": budget // 2, "merge": budget // 4}.get(policy, 0)
+    return min((j for j in kept if j <= newest - protected), key=lambda j: score[j])
 
 
 def observe(policy: str, score: dict[int, float], weights: dict[int, float]) -> None:

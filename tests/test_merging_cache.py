@@ -11,7 +11,7 @@ from model import GREEDY, generate
 from model.attention import rotary
 from model.labs.caches import new_cache
 from model.labs.merging_cache import new_merging_cache
-from test_evicting_cache import RandomAttention, token_by_token, turn
+from test_evicting_cache import RandomAttention, evict, token_by_token, turn
 from test_sink_cache import cached_logits
 from tiny_models import random_model, random_tokens
 
@@ -28,11 +28,9 @@ class MergingHead:
         """Token p comes. A full head first drops the token p would not see (block tokens back); else TOVA's least
         weight among all but the newest budget // 4, merged into the kept key of highest cosine similarity."""
         if len(self.key) == self.budget:
-            leaving = [j for j in self.key if j <= p - self.block]
-            old = leaving[0] if leaving else min((j for j in self.key if j <= p - 1 - self.budget // 4),
-                                                 key=lambda j: self.weight[j])
+            old = evict("merge", list(self.key), self.weight, self.budget, p - 1, self.block)
             k, v, n = self.key.pop(old), self.value.pop(old), self.count.pop(old)
-            if not leaving:
+            if old > p - self.block:  # merged, unless it leaves the view
                 host = max(self.key, key=lambda j: F.cosine_similarity(self.key[j], k, dim=0).item())
                 m = self.count[host]
                 self.key[host] = (m * self.key[host] + n * k) / (m + n)
