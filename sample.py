@@ -95,7 +95,7 @@ def kept_or_compiled_step(args, model: GPT, cache, tokens: int = 1):
     kept = has_compiled_step(model, cache, tokens)
     if not (args.compile or kept or args.max_new_tokens >= COMPILE_PAYS_AFTER):
         return None
-    what = "decoding step" if tokens == 1 else f"verification pass of {tokens} tokens"
+    what = "decoding step" if tokens == 1 else f"verification pass of up to {tokens} tokens"
     if not kept:
         print(f"compiling the {what} for this model's shape, once: a minute or less (--no-compile decodes "
               f"eagerly)", file=sys.stderr)

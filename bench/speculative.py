@@ -13,7 +13,7 @@ speculative decoding run in turns, and "x plain" is the median of the ratios of 
 drifts moves both alike.
 Greedy speculative text is checked against plain greedy text; sampled text differs by design (the same
 distribution, other draws), so at 0.8 the acceptance rate and the tokens per model pass are what to read.
---compiled: plain decoding takes its one-token steps, and speculative decoding verifies its full drafts, through
+--compiled: plain decoding takes its one-token steps, and speculative decoding verifies every draft, through
 passes compiled ahead of time (model/labs/aot_step.py), loaded or first compiled by runtime/compiled_step.py.
 
 The ceiling: the classic shape (conf/model/classic.yaml), random weights, fp32, batch 1, a context of --context

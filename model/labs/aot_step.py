@@ -12,8 +12,9 @@ every model of its shape and precision, and it sees a later load_state_dict.
     step = AotStep(torch._inductor.aoti_load_package(package), model, cache)
     ids = generate(model, prompt, 500, cache=cache, step=step)     # one-token steps through the compiled step
 
-export_step(model, cache, tokens=k + 1) compiles a pass of k + 1 tokens per row instead: speculative decoding's
-verification (model/labs/speculative.py).
+export_step(model, cache, tokens=k + 1) compiles a pass of 1 to k + 1 tokens per row instead, the count an input
+of the compiled code: speculative decoding's verification (model/labs/speculative.py), whose drafts may be
+shorter than k.
 """
 
 import warnings
@@ -64,13 +65,16 @@ def check_step_cache(cache) -> None:
 
 @torch.no_grad()
 def export_step(model, cache, tokens: int = 1) -> torch.export.ExportedProgram:
-    """A cached pass of `tokens` tokens per row for caches shaped like `cache`, traced by torch.export."""
+    """A cached pass of 1 to `tokens` tokens per row for caches shaped like `cache`, traced by torch.export."""
     if model.training:
         raise ValueError("model is in training mode: call model.eval() before exporting its decoding step")
     check_step_cache(cache)
     idx = torch.zeros(cache.batch_size, tokens, dtype=torch.long, device=cache.device)
+    tensors = tuple(t for _, t in cache_tensors(cache))
+    count = {1: torch.export.Dim("tokens", min=1, max=tokens)} if tokens > 1 else None  # an input, not a constant
     with quiet_tracing():
-        return torch.export.export(CacheAsInputs(model, cache), (idx, *(t for _, t in cache_tensors(cache))))
+        return torch.export.export(CacheAsInputs(model, cache), (idx, *tensors),
+                                   dynamic_shapes=(count, (None,) * len(tensors)))
 
 
 @contextmanager
@@ -88,7 +92,8 @@ def step_signature(cache) -> list[tuple[str, tuple, torch.dtype]]:
 
 class AotStep:
     """A loaded compiled pass, bound to the model's weights: step(idx, cache) is model(idx, cache=cache)[0] for
-    idx (B, tokens) and a cache shaped like the one it was exported with; step.decode_step is model.decode_step."""
+    idx (B, 1 to tokens) and a cache shaped like the one it was exported with; step.decode_step is
+    model.decode_step."""
 
     def __init__(self, runner, model, cache, tokens: int = 1):
         self.runner, self.model, self.tokens, self.signature = runner, model, tokens, step_signature(cache)
@@ -104,10 +109,10 @@ class AotStep:
 
     def fits(self, cache, tokens: int = 1) -> bool:
         """Whether this step takes passes of `tokens` tokens per row through `cache`."""
-        return self.tokens == tokens and step_signature(cache) == self.signature
+        return 1 <= tokens <= self.tokens and step_signature(cache) == self.signature
 
     def __call__(self, idx, cache):
-        """idx (B, tokens) -> logits (B, tokens, vocab_size)."""
+        """idx (B, T), T from 1 to tokens -> logits (B, T, vocab_size)."""
         # contiguous: the step was built for rows of tokens side by side, not slices of longer sequences. The
         # loader's own call: the package's __call__ parses its input and output specs again at every step.
         return self.runner.loader.boxed_run([idx.contiguous(), *(t for _, t in cache_tensors(cache))])[0]

@@ -33,7 +33,7 @@ class CachedText:
         self.rolling = model.config.pos_emb == "rope"  # the ring rolls on: the context never jumps
         self.span, self.window = context_limits(model.config, window)
         self.start = 0  # the context is tokens[start:]
-        self.passes = {}  # compiled passes by their tokens per row (aot_step.py), used where one fits
+        self.compiled = None  # a compiled pass for this cache (aot_step.py): it takes every pass that fits it
 
     @property
     def fed(self) -> int:
@@ -65,8 +65,8 @@ class CachedText:
         if self.fed < end - n:  # what the cache lacks before them
             prefill(self.model, self._ids(self.fed, end - n), self.cache)
         ids = self._ids(end - n, end)
-        compiled = self.passes.get(n)
-        return (compiled(ids, self.cache) if compiled else self.model(ids, cache=self.cache)[0])[0]
+        compiled = self.compiled is not None and n <= self.compiled.tokens
+        return (self.compiled(ids, self.cache) if compiled else self.model(ids, cache=self.cache)[0])[0]
 
     def truncate(self, length: int) -> None:
         """Keep tokens[:length] only, rolling the cache back past the rest."""

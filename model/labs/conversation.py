@@ -43,7 +43,7 @@ class Conversation:
         """Take each one-token step through a compiled step (aot_step.py) made for text_cache(model)."""
         if not step.fits(self.text.cache):
             raise ValueError("step must be a one-token step compiled for text_cache(model) (cached_text.py)")
-        self.text.passes[1] = step
+        self.text.compiled = step
 
     def state(self) -> dict:
         """The text, where its context starts, and the cache's buffers: tensors and ints, for torch.save."""

@@ -177,9 +177,9 @@ def speculative_generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *,
     per model pass. draft: a GPT with the model's vocabulary (in eval mode, on its device), an NGramTable of its
     vocabulary, or PromptLookup().
     window: as in generate, for learned positions (the model's; a draft model keeps its default). stats: a
-    SpeculativeStats to fill. verify_pass: a compiled pass of k + 1 tokens (aot_step.py) for caches like
-    text_cache(model, k) (cached_text.py), which verifies each full draft. Arguments that cannot work are a
-    ValueError naming the argument.
+    SpeculativeStats to fill. verify_pass: a compiled pass of up to k + 1 tokens (aot_step.py) for caches like
+    text_cache(model, k) (cached_text.py), which takes every pass after the prompt's, shorter drafts' too.
+    Arguments that cannot work are a ValueError naming the argument.
     """
     check_arguments(model, idx, max_new_tokens, window)
     check_sampling(sampling)
@@ -206,9 +206,9 @@ def speculative_generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *,
     target.tokens = idx[0].tolist()
     if verify_pass is not None:
         if not verify_pass.fits(target.cache, k + 1):
-            raise ValueError(f"verify_pass must be compiled for passes of k + 1 = {k + 1} tokens through "
+            raise ValueError(f"verify_pass must be compiled for passes of up to k + 1 = {k + 1} tokens through "
                              f"text_cache(model, {k}) (model/labs/cached_text.py)")
-        target.passes[k + 1] = verify_pass
+        target.compiled = verify_pass
     stats.cache_bytes = target.cache.nbytes + proposer.cache_bytes
     made = 0
     while made < max_new_tokens:
