@@ -414,6 +414,24 @@ def test_the_ngram_draft_gives_the_counts_that_followed_the_longest_ending_seen_
                                    msg=f"context {context}")
 
 
+@pytest.mark.parametrize("order", [1, 3])
+def test_the_ngram_draft_draws_each_proposal_from_q_after_its_text_met_before_or_new(order):
+    """Round after round, on a text whose contexts recur: each proposal's q is the definition's after the text and
+    the proposals before it, whether the draft has looked that context up before or not."""
+    from model.labs.ngram_draft import NGramDraft
+    vocab, min_count, g = 4, 2, torch.Generator().manual_seed(1)
+    text = torch.randint(0, vocab, (300,), generator=g).tolist()
+    draft = NGramDraft(NGramTable(text, vocab, order=order, min_count=min_count), Sampling(temperature=1.0), g,
+                       "cpu")
+    tokens = text[:5]
+    for _ in range(40):
+        proposals, q = draft.propose(tokens, 3)
+        for i, row in enumerate(q):
+            torch.testing.assert_close(row, followers_written_out(text, tokens + proposals[:i], vocab, order,
+                                                                  min_count), msg=f"after {tokens + proposals[:i]}")
+        tokens = tokens + proposals[:1] + [int(torch.randint(0, vocab, (), generator=g))]  # one kept, one the model's
+
+
 def test_the_ngram_draft_proposes_its_likeliest_tokens_when_greedy_and_draws_from_q_when_sampling():
     from model.labs.ngram_draft import NGramDraft
     table = NGramTable([0, 1, 2] * 10, 3, order=2)

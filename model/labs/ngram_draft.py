@@ -77,13 +77,21 @@ class NGramDraft:
 
     def __init__(self, table: NGramTable, sampling: Sampling, generator: torch.Generator | None, device):
         self.table, self.sampling, self.generator, self.device = table, sampling, generator, device
+        self.known = {}  # follower counts by context: a text, greedy text above all, meets its contexts again
+
+    def follower_counts(self, text: list[int]) -> np.ndarray:
+        """The table's follower counts after text, looked up once per ending of `order` tokens (all they read)."""
+        context = tuple(text[max(len(text) - self.table.order, 0):])
+        if context not in self.known:
+            self.known[context] = self.table.follower_counts(context)
+        return self.known[context]
 
     def propose(self, tokens: list[int], k: int) -> tuple[list[int], torch.Tensor | None]:
         """k tokens to follow `tokens`, and the distributions they were drawn from (k, vocab_size) (None when
         greedy)."""
         text, dists = list(tokens), []
         for _ in range(k):
-            counts = self.table.follower_counts(text)
+            counts = self.follower_counts(text)
             if self.sampling.greedy:
                 text.append(int(counts.argmax()))
                 continue
