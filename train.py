@@ -25,7 +25,6 @@ import signal
 import sys
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import hydra
@@ -37,22 +36,20 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from data import Batches, DataError, PreparedData, UnknownCharacterError, prepare_training_text
 from model import GPT
-from training.budget import process_started
-from runtime.checkpoint import resolve_checkpoint, trained_on
-from training.config import TrainConfig, explained, register, validate
-from runtime.devices import choose_device, keep_freed_memory, memory_needed, memory_of
-from training.distributed import init_distributed, is_rank_zero
+from runtime.devices import choose_device, keep_freed_memory
 from runtime.errors import (ConfigError, OutputError, UsageError, check_standard_streams, exit_status, fail,
-                             one_line, silence, write_line)
-from runtime.files import remove_stale_temporaries
+                            one_line, silence, write_line)
+from training.budget import process_started
+from training.config import explained, register, validate
+from training.distributed import init_distributed, is_rank_zero
 from training.loop import Stopped, Trainer
-from training.resume import load_resume_checkpoint
-from training.runs import continues_in_place, take_run_dir
+from training.resume import resumed_settings
+from training.runs import take_run_dir
 from training.signals import StopSignals, interrupt_on_signals
-from training.sizing import kept_on_resume, size_to_host
+from training.sizing import size_to_host
 from training.summaries import Summaries, report_thread_error
+from training.text import check_memory, prepare_data
 
 register()
 failed_jobs = []  # the exit statuses of a sweep's failed jobs
@@ -94,32 +91,6 @@ def main(cfg: DictConfig, run_dir, preset: str | None = None, named: set[str] | 
             dist.destroy_process_group()
 
 
-def resumed_settings(settings, named: set[str] | None, run_dir: Path) -> tuple:
-    """With train.resume: the settings the resumed run takes (its length, what sizing chose), the checkpoint it
-    continues, and the run's identity, which its checkpoints record (a new directory's own, or the run's that
-    continues there). Without: the settings as they are, None and a new identity."""
-    if settings.train.resume is None:
-        return settings, None, uuid.uuid4().hex
-    length_named = named is None or not named.isdisjoint({"train.max_iters", "train.max_minutes"})
-    resumed, length, kept_values = load_resume_checkpoint(settings.train.resume, settings.config, settings.optim,
-                                                          length_named, kept_on_resume(settings, named))
-    settings = settings.replaced(kept_values).planned(*length)
-    in_place = continues_in_place(resolve_checkpoint(settings.train.resume, prefer="last.pt"), run_dir)
-    if in_place and is_rank_zero():  # what a run killed mid-save left beside its checkpoints
-        remove_stale_temporaries(run_dir)
-    return settings, resumed, resumed["training"].get("run_id") if in_place else uuid.uuid4().hex
-
-
-def check_memory(settings, vocab_size: int, device: torch.device) -> None:
-    tc = settings.train
-    model_config = dataclasses.replace(settings.model, vocab_size=vocab_size)
-    needed, available = memory_needed(model_config, tc.batch_size), memory_of(device)
-    if needed > available:
-        raise ConfigError(f"the model and train.batch_size={tc.batch_size} need at least {needed / 2**30:,.1f} "
-                          f"GiB, and the {device.type} device has {available / 2**30:,.1f} GiB; choose a "
-                          f"smaller model or batch")
-
-
 @contextlib.contextmanager
 def events(run_dir: Path, config_yaml: str, resumed: dict | None, rank: int):
     """Rank 0's TensorBoard events (None elsewhere), closed at the end, and begin(): a run that fails before it is
@@ -147,34 +118,6 @@ def announce(trainer: Trainer, chosen: str, why: str, preset: str | None, world_
                f"{trainer.tokens_per_step} tokens per step) from step {trainer.step} to {to}; run directory "
                f"{trainer.run_dir}")
     write_line(why)
-
-
-def prepare_data(settings, resumed: dict | None = None) -> PreparedData:
-    """The text data.text names (tiny_shakespeare when none), obtained and encoded, checked to fit the settings:
-    splits longer than the model's context, a sample prompt made of the text's characters, and the text that a
-    resumed checkpoint was trained on."""
-    dc = settings.data
-    try:
-        data = prepare_training_text(dc.text, dc.root, val_fraction=dc.val_fraction)
-    except DataError as e:
-        raise ConfigError(str(e)) from None
-    for split in ("train", "val"):  # found now rather than at the first evaluation
-        try:
-            Batches(getattr(data, split), settings.model.block_size, batch_size=1)
-        except DataError as e:
-            raise ConfigError(f"the {split} split of {data.source} is too short: {e}") from None
-    try:
-        data.vocab.encode(settings.train.sample_prompt)
-    except UnknownCharacterError as e:
-        default = " (by default a line of Romeo and Juliet)" \
-            if settings.train.sample_prompt == TrainConfig.sample_prompt else ""
-        raise ConfigError(f"train.sample_prompt{default} has characters not in the vocabulary of {data.source} "
-                          f"({', '.join(map(repr, e.chars))}); set train.sample_prompt='...' to text made of its "
-                          f"characters") from None
-    if resumed is not None and resumed.get("text", {}).get("sha256") != data.sha256:
-        raise ConfigError(f"train.resume: the checkpoint was trained on {trained_on(resumed)}, not on "
-                          f"{data.source}; resume with the text it was trained on (data.text)")
-    return data
 
 
 def preset_picked(hydra_config) -> str:

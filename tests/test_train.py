@@ -38,6 +38,7 @@ from runtime.devices import training_dtype
 from training.evaluation import evaluate
 from training.loop import Diverged, Stopped, Trainer
 from training.optim import decay_begins
+from training.text import prepare_data
 from training.summaries import hparam_name
 
 REPO = corpus.REPO
@@ -314,7 +315,7 @@ def ema_run(tmp_path_factory, data_root) -> Path:
 def test_the_moving_average_starts_at_the_initial_weights_and_follows_each_step(tmp_path, data_root):
     decay = 0.8
     settings = validate(config(tmp_path, data_root, f"train.ema_decay={decay}"))
-    data = train.prepare_data(settings)
+    data = prepare_data(settings)
     model = GPT(dataclasses.replace(settings.model, vocab_size=len(data.vocab)))
     trainer = Trainer(settings, model, data, torch.device("cpu"), tmp_path, summaries=None)
     expected = {name: weight.clone() for name, weight in model.state_dict().items()}
@@ -332,7 +333,7 @@ def test_the_moving_average_starts_at_the_initial_weights_and_follows_each_step(
 def test_evaluations_see_the_moving_average_and_best_pt_holds_it(tmp_path, data_root, ema_run):
     best = torch.load(ema_run / "best.pt", weights_only=True)
     settings = validate(config(tmp_path, data_root, *EMA))
-    tc, data = settings.train, train.prepare_data(settings)
+    tc, data = settings.train, prepare_data(settings)
 
     def val_loss(weights: dict) -> float:
         model = GPT(GPTConfig(**best["model_config"]))
@@ -542,7 +543,7 @@ def test_a_slowed_run_ends_early_enough_for_the_process_to_exit(tmp_path, data_r
     budget (0.1 min) for the process to exit: steps of 0.1 s, evaluations of 0.5 s, left_s to spare after both.
     A step that evaluates anyway (due) must leave room for that evaluation too."""
     settings = validate(config(tmp_path, data_root, *BUDGET, *HOLD))
-    data = train.prepare_data(settings)
+    data = prepare_data(settings)
     trainer = Trainer(settings, GPT(dataclasses.replace(settings.model, vocab_size=len(data.vocab))), data,
                       torch.device("cpu"), tmp_path, summaries=None)
     monkeypatch.setattr(training.loop, "write_line", lambda line: None)
@@ -862,7 +863,7 @@ def test_ddp_two_cpu_processes_end_with_identical_weights(tmp_path, data_root, e
     model = GPT(GPTConfig(**last["model_config"]))  # the val loss logged last is the saved model's
     model.load_state_dict(last["model"])
     settings = validate(cfg)
-    data = train.prepare_data(settings)
+    data = prepare_data(settings)
     val = [evaluate(model, data, 16, settings.train.batch_size, 2, settings.train.seed + rank, torch.device("cpu"),
                     autocast_of(settings), 1)["val"] for rank in range(2)]  # each process evaluates batches of its own
     assert scalars(run_dir, "loss/val")[6] == pytest.approx(sum(val) / 2, rel=1e-5)

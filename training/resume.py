@@ -1,21 +1,43 @@
 """Continuing a run: the checkpoint train.resume names, checked to fit the config it continues with."""
 
 import dataclasses
+import uuid
+from pathlib import Path
 
 import torch
 
 from model import GPT, GPTConfig
-from runtime.checkpoint import load_checkpoint
+from runtime.checkpoint import load_checkpoint, resolve_checkpoint
 from runtime.errors import CheckpointError, ConfigError, one_line
+from runtime.files import remove_stale_temporaries
 
 from .config import OptimConfig, flatten
+from .distributed import is_rank_zero
 from .optim import make_optimizers, make_scheduler
+from .runs import continues_in_place
+from .sizing import kept_on_resume
 
 # Settings a resumed run must share with the run it continues: the model, the optimiser, the schedule, the weights'
-# average and the split of its text (train.py checks that the text is the same, whatever its path). Its length
+# average and the split of its text (training/text.py checks that the text is the same, whatever its path). Its length
 # may change: the plan is then extended (or shortened) as if it had been made so from the start.
 MUST_MATCH = ("model.", "optim.", "train.batch_size", "train.grad_accum_steps", "train.seed", "train.ema_decay",
               "data.val_fraction")
+
+
+def resumed_settings(settings, named: set[str] | None, run_dir: Path) -> tuple:
+    """With train.resume: the settings the resumed run takes (its length, what sizing chose), the checkpoint it
+    continues, and the run's identity, which its checkpoints record (a new directory's own, or the run's that
+    continues there). Without: the settings as they are, None and a new identity."""
+    if settings.train.resume is None:
+        return settings, None, uuid.uuid4().hex
+    length_named = named is None or not named.isdisjoint({"train.max_iters", "train.max_minutes"})
+    resumed, length, kept_values = load_resume_checkpoint(settings.train.resume, settings.config, settings.optim,
+                                                          length_named, kept_on_resume(settings, named))
+    settings = settings.replaced(kept_values).planned(*length)
+    in_place = continues_in_place(resolve_checkpoint(settings.train.resume, prefer="last.pt"), run_dir)
+    if in_place and is_rank_zero():  # what a run killed mid-save left beside its checkpoints
+        remove_stale_temporaries(run_dir)
+    return settings, resumed, resumed["training"].get("run_id") if in_place else uuid.uuid4().hex
 
 
 def load_resume_checkpoint(path, config: dict, optim: OptimConfig, length_named: bool = True,
