@@ -42,6 +42,7 @@ def prepare_data(settings, resumed: dict | None = None) -> PreparedData:
 
 
 def check_memory(settings, vocab_size: int, device: torch.device) -> None:
+    """Refuse a model and batch that the device's memory cannot hold, before either is built."""
     tc = settings.train
     model_config = dataclasses.replace(settings.model, vocab_size=vocab_size)
     needed, available = memory_needed(model_config, tc.batch_size), memory_of(device)
