@@ -19,6 +19,8 @@ passes compiled ahead of time (model/labs/aot_step.py), loaded or first compiled
 The ceiling: the classic shape (conf/model/classic.yaml), random weights, fp32, batch 1, a context of --context
 tokens in a rotary model's cache with k spare slots: one cached pass over k + 1 = 9 tokens against a one-token step.
 A draft that is always right, and free, would decode (k + 1) / that ratio times faster than one token per step.
+With --compiled, the same for the checkpoint's compiled pass at k = 4 and 8: the most speculation can buy against
+compiled plain decoding.
 """
 
 import dataclasses
@@ -71,7 +73,8 @@ def paired_ratios(plain, speculative, n: int, repeats: int):
     return rates(n, plain_s), rates(n, spec_s), (statistics.median(ratios), ratios[0], ratios[-1])
 
 
-def decoding_table(model, vocab, drafts: dict, n: int, repeats: int, compiled: bool) -> None:
+def decoding_table(model, vocab, drafts: dict, n: int, repeats: int, compiled: bool) -> dict:
+    """Print the table; return the verifying passes by k (compiled, else None)."""
     prompt = torch.tensor([vocab.encode(BENCH_PROMPT)])
     cache = model.new_kv_cache(1)
     step = load_or_compile_step(model, cache) if compiled else None
@@ -95,29 +98,44 @@ def decoding_table(model, vocab, drafts: dict, n: int, repeats: int, compiled: b
                 print(f"| {temperature} | {name} | {k} | {stats.acceptance_rate:.0%} | {stats.tokens_per_pass:.2f} "
                       f"| {fmt(plain_rate)} | {fmt(rate)} | {ratio[0]:.2f} ({ratio[1]:.2f}-{ratio[2]:.2f}) "
                       f"| {same} |", flush=True)
+    return verify_passes
 
 
 @torch.no_grad()
 def ceiling(context: int, k: int, repeats: int) -> None:
-    """One cached pass over k + 1 tokens against a one-token step, both after `context` tokens."""
+    """The classic shape, eager: one cached pass over k + 1 tokens against a one-token step."""
     torch.manual_seed(0)
     model = GPT(dataclasses.replace(model_config("classic"), pos_emb="rope")).eval()
-    cache = model.new_kv_cache(1, max_len=model.config.block_size + k)
-    model.decode_step(torch.randint(0, model.config.vocab_size, (1, context)), cache)
+    print_ceiling(f"the classic shape, rotary, random weights, fp32, eager, after {context} tokens", model,
+                  lambda ids, cache: model(ids, cache=cache), context, k, repeats)
+
+
+@torch.no_grad()
+def compiled_ceiling(model, verify_pass, k: int, repeats: int) -> None:
+    """The checkpoint's compiled pass over k + 1 tokens against the same pass over one token, after half a
+    context: what a free draft that is always right would buy against compiled plain decoding."""
+    context = model.config.block_size // 2
+    print_ceiling(f"the checkpoint, compiled, after {context} tokens", model, verify_pass, context, k, repeats)
+
+
+def print_ceiling(label: str, model, run_pass, context: int, k: int, repeats: int) -> None:
+    """Passes/s of run_pass(ids, cache) over k + 1 tokens and over one, after `context` tokens in a cache with k
+    spare slots, and what a draft that is always right, and free, would buy: (k + 1) / their time ratio."""
+    cache = text_cache(model, k)
+    model(torch.randint(0, model.config.vocab_size, (1, context)), cache=cache)
     chunk = torch.randint(0, model.config.vocab_size, (1, k + 1))
 
     def pass_of(tokens):
         def run():
             for _ in range(20):  # 20 passes per timing, so that timer resolution does not matter
-                model(tokens, cache=cache)
+                run_pass(tokens, cache)
                 cache.rollback(tokens.size(1))
         return run
 
     verify = rates(20, timings(pass_of(chunk), repeats, sync=lambda: None))
     step = rates(20, timings(pass_of(chunk[:, :1]), repeats, sync=lambda: None))
     ratio = step[0] / verify[0]
-    print(f"\nceiling: classic shape, rotary, random weights, fp32, batch 1, after {context} tokens "
-          f"(passes/s, median (min-max) of {repeats})")
+    print(f"\nceiling: {label}, batch 1 (passes/s, median (min-max) of {repeats})")
     print("| pass | passes/s | time / one-token step |")
     print("|---|---|---|")
     print(f"| one token | {fmt(step)} | 1.00 |")
@@ -156,7 +174,10 @@ def main() -> None:
                 parser.error(f"--draft {args.draft} has another vocabulary than --checkpoint")
             drafts[f"draft {args.draft}"] = draft
         print(f"\ndecoding: {args.checkpoint}, {args.new_tokens} new tokens after {BENCH_PROMPT!r}")
-        decoding_table(model, vocab, drafts, args.new_tokens, args.repeats, args.compiled)
+        verify_passes = decoding_table(model, vocab, drafts, args.new_tokens, args.repeats, args.compiled)
+        if args.compiled:
+            for k in (4, KS[-1]):
+                compiled_ceiling(model, verify_passes[k], k, args.repeats)
     ceiling(args.context, KS[-1], args.repeats)
 
 
