@@ -19,8 +19,7 @@ passes compiled ahead of time (model/labs/aot_step.py), loaded or first compiled
 The ceiling: the classic shape (conf/model/classic.yaml), random weights, fp32, batch 1, a context of --context
 tokens in a rotary model's cache with k spare slots: one cached pass over k + 1 = 9 tokens against a one-token step.
 A draft that is always right, and free, would decode (k + 1) / that ratio times faster than one token per step.
-With --compiled, the same for the checkpoint's compiled pass at k = 4 and 8: the most speculation can buy against
-compiled plain decoding.
+With --compiled, the same for the checkpoint's own compiled pass at k = 4 and 8.
 """
 
 import dataclasses
@@ -113,7 +112,7 @@ def ceiling(context: int, k: int, repeats: int) -> None:
 @torch.no_grad()
 def compiled_ceiling(model, verify_pass, k: int, repeats: int) -> None:
     """The checkpoint's compiled pass over k + 1 tokens against the same pass over one token, after half a
-    context: what a free draft that is always right would buy against compiled plain decoding."""
+    context: what a free draft that is always right would buy against compiled one-token passes."""
     context = model.config.block_size // 2
     print_ceiling(f"the checkpoint, compiled, after {context} tokens", model, verify_pass, context, k, repeats)
 
