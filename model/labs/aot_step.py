@@ -109,7 +109,11 @@ class AotStep:
 
     def fits(self, cache, tokens: int = 1) -> bool:
         """Whether this step takes passes of `tokens` tokens per row through `cache`."""
-        return 1 <= tokens <= self.tokens and step_signature(cache) == self.signature
+        return self.takes(tokens) and step_signature(cache) == self.signature
+
+    def takes(self, tokens: int) -> bool:
+        """Whether this step takes passes of `tokens` tokens per row through the caches it fits."""
+        return 1 <= tokens <= self.tokens
 
     def __call__(self, idx, cache):
         """idx (B, T), T from 1 to tokens -> logits (B, T, vocab_size)."""

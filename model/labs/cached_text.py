@@ -65,7 +65,7 @@ class CachedText:
         if self.fed < end - n:  # what the cache lacks before them
             prefill(self.model, self._ids(self.fed, end - n), self.cache)
         ids = self._ids(end - n, end)
-        compiled = self.compiled is not None and n <= self.compiled.tokens
+        compiled = self.compiled is not None and self.compiled.takes(n)
         return (self.compiled(ids, self.cache) if compiled else self.model(ids, cache=self.cache)[0])[0]
 
     def truncate(self, length: int) -> None:
