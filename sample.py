@@ -193,12 +193,7 @@ def sample(args) -> None:
             sys.stdin.reconfigure(errors="surrogateescape")  # bytes that are not UTF-8 cost their line, no more
             interact(conversation, vocab, vocab.decode(conversation.tokens) if resumed else prompt,
                      args.max_new_tokens, sys.stdout, resumed)
-            if args.session is not None:
-                save_session(args.session, conversation.state(), path, model)
-                print(f"saved the session, {len(conversation.tokens)} tokens and their cache, to {args.session}",
-                      file=sys.stderr)
-            return
-        if args.each_line:
+        elif args.each_line:
             engine, n_lines = continue_lines(model, vocab, prompt, args.max_new_tokens, sampling, generator,
                                              sys.stdout)
             seconds, pool, stats = time.perf_counter() - start, engine.pool, engine.stats
@@ -208,13 +203,19 @@ def sample(args) -> None:
                   f"({pool.nbytes / 2**20:.2f} MiB, at most {stats.peak_blocks} in use), prefix cache hit rate "
                   f"{stats.hit_rate:.0%} ({on})", file=sys.stderr)
             return
-        write_samples(steps, prompt, vocab, args.num_samples, sys.stdout, every=1 if sys.stdout.isatty() else CHUNK)
+        else:
+            write_samples(steps, prompt, vocab, args.num_samples, sys.stdout,
+                          every=1 if sys.stdout.isatty() else CHUNK)
     except BrokenPipeError:  # the reader stopped early (`| head`): nothing more is wanted
         silence(sys.stdout)
         return
     except OSError as e:  # a full disk, ...
         silence(sys.stdout)
         raise OSError(f"cannot write the samples to standard output ({e.strerror or e})") from None
+    if args.interactive:
+        if args.session is not None:
+            keep_session(args.session, conversation, path, model)
+        return
     seconds = time.perf_counter() - start
 
     tokens = args.num_samples * args.max_new_tokens
@@ -227,6 +228,16 @@ def sample(args) -> None:
         f"tokens per model pass" if draft else ""
     print(f"{tokens} tokens in {seconds:.2f} s, {tokens / max(seconds, 1e-9):.1f} tokens/s at {args.precision}, "
           f"{cache_size} ({on}){speculated}", file=sys.stderr)
+
+
+def keep_session(session: Path, conversation: Conversation, checkpoint: Path, model) -> None:
+    """Save the conversation to session; a failed save leaves the file there as it was, and says so."""
+    try:
+        save_session(session, conversation.state(), checkpoint, model)
+    except OSError as e:  # a full disk, ...
+        raise OSError(f"cannot save the session to {session} ({e.strerror or e}); the file there is as it "
+                      f"was") from None
+    print(f"saved the session, {len(conversation.tokens)} tokens and their cache, to {session}", file=sys.stderr)
 
 
 def main(argv=None) -> None:

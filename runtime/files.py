@@ -3,6 +3,7 @@
 import os
 import re
 import socket
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -32,6 +33,16 @@ def write_atomically(path, write) -> Path:
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def cannot_make_a_file_in(folder) -> OSError | None:
+    """The error that making a file in folder raises now (read-only, full, a file system that takes none), or
+    None if one can be made: asked before work whose result is saved there at the end."""
+    try:
+        tempfile.TemporaryFile(dir=folder).close()  # nameless where the system can: nothing is left behind
+    except OSError as e:
+        return e
+    return None
 
 
 def remove_stale_temporaries(folder) -> list[Path]:

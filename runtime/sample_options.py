@@ -15,6 +15,7 @@ from model.labs.ring_cache import kv_cache_dtype
 from .compiled_step import COMPILE_PAYS_AFTER, DEVICES as STEP_DEVICES
 from .devices import memory_of
 from .errors import OneLineErrorParser, UsageError
+from .files import cannot_make_a_file_in
 
 MAX_NEW_TOKENS = 500  # --max-new-tokens's default
 MAX_GENERATOR_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
@@ -129,6 +130,9 @@ def check_options(args) -> None:
         raise UsageError("--session saves an --interactive conversation: give --interactive too")
     if args.session and not args.session.parent.is_dir():
         raise UsageError(f"--session {args.session}: no folder {args.session.parent} to save it in; make it first")
+    if args.session and (error := cannot_make_a_file_in(args.session.parent)):
+        raise UsageError(f"--session {args.session}: cannot make a file in {args.session.parent} "
+                         f"({error.strerror or error}); choose another folder")
     if args.draft and args.interactive:
         raise UsageError("--draft applies to sampling, not to --interactive: drop one of them")
     if args.compile and args.each_line:

@@ -6,6 +6,7 @@ blocks (model/labs/engine.py), each as it would be alone."""
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -93,6 +94,31 @@ def test_a_session_of_another_model_or_a_damaged_one_is_refused_and_kept(models,
     result = subprocess.run([sys.executable, str(SAMPLE), "--checkpoint", str(models["model"]), "--session",
                              str(session)], env=ENV, capture_output=True, text=True, timeout=300)
     assert_usage_error(result, "--session saves an --interactive conversation: give --interactive too")
+
+
+def test_a_session_that_cannot_be_saved_is_one_line_and_the_file_there_is_kept(models, tmp_path):
+    """The disk fills as the session is saved: the line names the session, not standard output, and the file
+    saved before stays as it was. A folder where no file can be made is refused before the conversation."""
+    session = tmp_path / "chat.pt"
+    assert chat(models["model"], "First Citizen:\n", "--session", session).returncode == 0
+    saved = session.read_bytes()
+    script = (f"import errno, runpy, sys, torch\n"
+              f"def full_disk(*args, **kwargs):\n"
+              f"    raise OSError(errno.ENOSPC, 'No space left on device')\n"
+              f"torch.save = full_disk\n"
+              f"sys.argv = ['sample.py', '--checkpoint', {str(models['model'])!r}, '--interactive', '--no-compile',\n"
+              f"            '--temperature', '0', '--max-new-tokens', '5', '--session', {str(session)!r}]\n"
+              f"runpy.run_path({str(SAMPLE)!r}, run_name='__main__')\n")
+    result = subprocess.run([sys.executable, "-c", script], input="All:\n", env=ENV, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.splitlines()[-1] == (f"sample.py: error: cannot save the session to {session} (No space "
+                                              f"left on device); the file there is as it was")
+    assert result.stdout.startswith("\nFirst Citizen:")  # the conversation was shown before the save
+    assert session.read_bytes() == saved
+    if Path("/proc/self").is_dir():  # a folder that exists, in which no file can be made
+        assert_usage_error(chat(models["model"], "All:\n", "--session", "/proc/chat.pt"),
+                           "--session /proc/chat.pt: cannot make a file in /proc (", "choose another folder")
 
 
 def test_each_line_of_a_file_is_continued_as_if_alone_and_written_in_order(models, tmp_path):
