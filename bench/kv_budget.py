@@ -98,6 +98,17 @@ def recall(log_probs: torch.Tensor, tokens: torch.Tensor, prompt_len: int) -> tu
     return loss, (log_probs.argmax(-1) == targets).float().mean().item()
 
 
+def fraction_of_block(text: str) -> float:
+    """An argparse type: a budget as a fraction of block_size, above 0 and at most 1 (the full cache's slots)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a fraction of block_size in (0, 1], got {text}")
+    return value
+
+
 def main() -> None:
     parser = OneLineErrorParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", type=existing_checkpoint, required=True, help="a run directory or .pt file")
@@ -109,7 +120,7 @@ def main() -> None:
     parser.add_argument("--group", type=positive_int, help="the int4 and int2 caches' group (default: theirs)")
     parser.add_argument("--residual", type=positive_int,
                         help="the int4 and int2 caches' recent tokens in full precision (default: theirs)")
-    parser.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25, 0.125],
+    parser.add_argument("--budgets", type=fraction_of_block, nargs="+", default=[0.5, 0.25, 0.125],
                         help=f"{', '.join(BUDGETED)}: slots as fractions of block_size")
     parser.add_argument("--repeats", type=positive_int, default=5, help="decode speed: median (min-max) of these")
     args = parser.parse_args()

@@ -154,8 +154,9 @@ class Trainer:
         if decay_begins(oc, fits) > self.step:
             return False  # the rate holds until then whatever the length: measure on
         if fits <= oc.warmup_iters:
-            raise ConfigError(f"train.max_minutes={tc.max_minutes:g} leaves time for {fits} steps here ({measured}),"
-                              f" no more than optim.warmup_iters={oc.warmup_iters}; give a longer budget")
+            raise ConfigError(f"train.max_minutes={tc.max_minutes:g} leaves time for {fits} step{'s' * (fits != 1)} "
+                              f"here ({measured}), no more than optim.warmup_iters={oc.warmup_iters}; give a longer "
+                              f"budget")
         steps = fits
         while decay_begins(oc, steps) < self.step:  # the steps taken at the peak rate stay so in the plan
             steps += 1
