@@ -33,6 +33,7 @@ from model import GPT, Sampling, generate_tokens
 from model.labs.caches import EAGER
 from model.labs.cached_text import text_cache
 from model.labs.conversation import Conversation
+from model.labs.engine import check_servable
 from model.labs.generate import check_arguments
 from model.labs.ngram_draft import NGramTable
 from model.labs.speculative import PromptLookup, SpeculativeStats, speculative_generate
@@ -126,6 +127,11 @@ def sample(args) -> None:
     if args.each_line and not 1 <= args.max_new_tokens < model.config.block_size:
         raise UsageError(f"--each-line draws 1 to block_size - 1 = {model.config.block_size - 1} tokens per line, "
                          f"within the model's context; got --max-new-tokens {args.max_new_tokens}")
+    if args.each_line:
+        try:
+            check_servable(model)
+        except ValueError as e:
+            raise UsageError(f"--each-line: {e}; continue each line on its own, without --each-line") from None
     if args.each_line and not prompt.strip():
         raise UsageError("--each-line: --prompt-file has no line with characters in it to continue")
     check_memory(args, len(prompt_ids), model, device)

@@ -133,7 +133,8 @@ def test_a_block_is_named_by_every_token_before_it():
 
 @pytest.mark.parametrize("kwargs, fragment", [
     (dict(n_blocks=0), "n_blocks must be an integer >= 1, got 0"),
-    (dict(n_blocks=4, model=dict(window_pattern="LG", local_window=4)), "drop window_pattern"),
+    (dict(n_blocks=4, model=dict(window_pattern="LG", local_window=4)),
+     r"this model has local layers \(window_pattern\)"),
     (dict(n_blocks=4, block_tokens=2.5), "block_tokens must be an integer >= 1"),
 ])
 def test_settings_that_cannot_work_are_refused(kwargs, fragment):

@@ -68,12 +68,13 @@ def test_the_byte_formula_is_what_the_tensors_hold(overrides, bits):
     assert cache.nbytes == 3 * lowbit_cache_bytes(model.config, bits, group=8, residual=8)
 
 
-@pytest.mark.parametrize("pos_emb", ["learned", "rope"])
+@pytest.mark.parametrize("pos_emb, overrides", [("learned", {}), ("rope", {}), ("rope", dict(kv_share=2, n_layer=4)),
+                                                 ("learned", dict(n_kv_head=1, kv_share=2, n_layer=4))])
 @pytest.mark.parametrize("bits", [2, 4])
-def test_with_every_token_it_sees_in_full_precision_the_cache_is_exact(pos_emb, bits):
+def test_with_every_token_it_sees_in_full_precision_the_cache_is_exact(pos_emb, overrides, bits):
     """residual = block_size: per-step logits equal the float cache's at every step, past 3 x block_size, with
-    left padding; the greedy text equals too."""
-    model = random_model(pos_emb=pos_emb)
+    left padding; the greedy text equals too. With shared layers, the later layers read what the first wrote."""
+    model = random_model(pos_emb=pos_emb, **overrides)
     block = model.config.block_size
     prompt, n_pad = random_tokens(3, 7, seed=1), torch.tensor([0, 2, 5])
     float_logits, lowbit_logits = [], []

@@ -15,7 +15,7 @@ from model import GREEDY, generate
 from model.labs.conversation import Conversation
 from runtime.checkpoint import load_model, save_checkpoint
 from runtime.session import SessionError, load_session, save_session
-from test_sample import ENV, SAMPLE, SEPARATOR, assert_usage_error, checkpoint_state, tiny_model
+from test_sample import ENV, SAMPLE, SEPARATOR, VOCAB, assert_usage_error, checkpoint_state, tiny_model
 from tiny_models import random_model, random_tokens
 
 
@@ -158,3 +158,16 @@ def test_each_line_options_that_cannot_work_are_refused(models, tmp_path, args, 
     result = subprocess.run([sys.executable, str(SAMPLE), "--checkpoint", str(models["model"]), *args], env=ENV,
                             capture_output=True, text=True, timeout=300)
     assert_usage_error(result, fragment)
+
+
+def test_each_line_refuses_a_model_with_local_layers_in_one_line(tmp_path):
+    """The engine's pool holds every key a layer attends; a local layer's window is not what it holds."""
+    model = random_model(window_pattern="LG", local_window=4, vocab_size=len(VOCAB))
+    checkpoint = save_checkpoint(checkpoint_state(model), tmp_path / "local.pt")
+    (tmp_path / "lines.txt").write_text("All:\n")
+    result = subprocess.run([sys.executable, str(SAMPLE), "--checkpoint", str(checkpoint), "--prompt-file",
+                             str(tmp_path / "lines.txt"), "--each-line"], env=ENV, capture_output=True, text=True,
+                            timeout=300)
+    assert_usage_error(result, "--each-line: the engine's pool serves layers that attend everything, and this "
+                               "model has local layers (window_pattern)")
+    assert result.stdout == ""

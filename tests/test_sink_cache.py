@@ -35,12 +35,13 @@ def streaming_reference(model, seq: torch.Tensor, sinks: int, window: int) -> to
         a, b = v[..., :hd // 2], v[..., hd // 2:]
         return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
 
-    for block in model.blocks:
+    for i, block in enumerate(model.blocks):
         out = F.linear(block.ln_1(x), block.attn.qkv.weight, block.attn.qkv.bias)
         kv_width = c.n_kv_head * hd
         q = out[..., :c.n_embd].view(B, T, c.n_head, hd)
-        k = out[..., c.n_embd:c.n_embd + kv_width].view(B, T, c.n_kv_head, hd)
-        v = out[..., c.n_embd + kv_width:].view(B, T, c.n_kv_head, hd)
+        if i % c.kv_share == 0:  # shared layers: the group's first projects keys and values, the others read them
+            k = out[..., c.n_embd:c.n_embd + kv_width].view(B, T, c.n_kv_head, hd)
+            v = out[..., c.n_embd + kv_width:].view(B, T, c.n_kv_head, hd)
         y = torch.zeros(B, T, c.n_head, hd)
         for p in range(T):
             seen = [j for j in range(p + 1) if j < sinks or j > p - window]
@@ -74,13 +75,15 @@ def cached_logits(model, seq, prompt_len, cache) -> torch.Tensor:
     return torch.stack(recorder.logits, dim=1)
 
 
-@pytest.mark.parametrize("sinks, window, n_kv_head, pos_emb", [
-    (3, 9, 3, "rope"), (1, 12, 1, "rope"), (4, 4, 3, "rope"), (0, 7, 3, "rope"), (3, 9, 3, "learned"),
-    (2, 5, 1, "learned")])
+@pytest.mark.parametrize("sinks, window, n_kv_head, kv_share, pos_emb", [
+    (3, 9, 3, 1, "rope"), (1, 12, 1, 1, "rope"), (4, 4, 3, 1, "rope"), (0, 7, 3, 1, "rope"), (3, 9, 3, 1, "learned"),
+    (2, 5, 1, 1, "learned"), (3, 9, 3, 2, "rope"), (0, 7, 1, 2, "learned")])
 @torch.no_grad()
-def test_sinks_and_window_equal_a_forward_with_streaming_positions_written_out(sinks, window, n_kv_head, pos_emb):
-    """Every step's logits, over 4 x block_size tokens (the ring wraps many times), prefilled in chunks."""
-    model = random_model(pos_emb=pos_emb, n_kv_head=n_kv_head)
+def test_sinks_and_window_equal_a_forward_with_streaming_positions_written_out(sinks, window, n_kv_head, kv_share,
+                                                                              pos_emb):
+    """Every step's logits, over 4 x block_size tokens (the ring wraps many times), prefilled in chunks; with
+    shared layers too, whose later layers read the keys and values the group's first wrote."""
+    model = random_model(pos_emb=pos_emb, n_kv_head=n_kv_head, kv_share=kv_share, n_layer=2 * kv_share)
     seq = random_tokens(2, 4 * model.config.block_size, seed=5)
     prompt_len = sinks + window - 2
     cached = cached_logits(model, seq, prompt_len, new_sink_cache(model, 2, sinks=sinks, window=window))

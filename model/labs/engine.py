@@ -57,6 +57,13 @@ class EngineStats:
         return self.reused_tokens / max(self.prompt_tokens, 1)
 
 
+def check_servable(model) -> None:
+    """ValueError unless the pool can hold what model's layers attend: blocks of every key, not a local window."""
+    if model.config.local_window is not None:
+        raise ValueError("the engine's pool serves layers that attend everything, and this model has local layers "
+                         "(window_pattern)")
+
+
 class Engine:
     """Requests decoded over a pool of n_blocks blocks of block_tokens tokens; at most max_batch run at once."""
 
@@ -67,8 +74,7 @@ class Engine:
                             ("chunk", chunk)):
             if not (is_integer(value) and value >= 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if model.config.local_window is not None:
-            raise ValueError("the engine's pool serves layers that attend everything: drop window_pattern")
+        check_servable(model)
         self.model, self.sampling, self.generator, self.keep_logits = model, sampling, generator, keep_logits
         self.pool = BlockPool(model, n_blocks, block_tokens, int8)  # int8: keys and values in int8 (int8_cache.py)
         self.max_batch, self.chunk = max_batch, chunk

@@ -86,12 +86,13 @@ class LowBitLayerKV:
         recent = c.token_slots(first + t - kept, kept, R)
         self.k_recent.index_copy_(2, recent, k_new[:, :, -kept:].to(self.k_recent.dtype))
         self.v_recent.index_copy_(2, recent, v_new[:, :, -kept:].to(self.v_recent.dtype))
-        return self.read(first + t)
+        return self.read()
 
-    def read(self, fed: int):
+    def read(self):
         """Keys and values (B, n_kv, n_read or max_len, hs) as attention reads them: the last `residual` tokens
-        as they were fed, the older ones dequantized."""
+        as they were fed, the older ones dequantized (a shared layer reads what its group's first wrote)."""
         c = self.cache
+        fed = int(c.pos) + self.slots.size(0)  # the tokens fed, this pass's included: pos advances after it
         n = self.n_read or c.max_len
         B, n_kv = self.k.shape[:2]
         k = unpack(self.k[:, :, :n], c.bits).float()  # (B, n_kv, n, hs)

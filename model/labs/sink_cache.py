@@ -48,6 +48,10 @@ class SinkLayerKV:
         if moved > 0 and S and c.turn_sinks:
             cos, sin = rotary(torch.tensor([moved], device=k_new.device), k_new.size(-1))
             self.k[:, :, :S] = rotate(self.k_sink, cos, sin)
+        return self.read()
+
+    def read(self):
+        """The keys and values attention reads (a shared layer reads what its group's first wrote)."""
         return self.k[:, :, :self.n_read], self.v[:, :, :self.n_read]
 
 
@@ -83,7 +87,7 @@ def new_sink_cache(model, batch_size: int, *, sinks: int, window: int) -> SinkKV
     """An empty cache for batch_size rows of model that keeps the first `sinks` tokens and the last `window`."""
     c = model.config
     if c.kv_latent is not None or c.local_window is not None:
-        raise ValueError("attention sinks keep whole keys in a budget of their own: they need neither latent "
+        raise ValueError("sinks and the window keep whole keys in a budget of their own: they need neither latent "
                          "attention nor local layers")
     if not (is_integer(sinks) and sinks >= 0 and is_integer(window) and window >= 1):
         raise ValueError(f"sinks must be an integer >= 0 and window one >= 1, got sinks={sinks!r}, window={window!r}")
