@@ -14,7 +14,7 @@ from model import GREEDY, CausalSelfAttention, KVCache, generate, greedy_decode,
 from model.labs.attention_weights import keeping_weights
 from model.labs.latent import LatentAttention
 from model.labs.learned_sink import sink_attention
-from model.labs.speculative import SpeculativeStats, speculative_generate
+from model.labs.speculative import PromptLookup, SpeculativeStats, speculative_generate
 from test_kv_designs import ATOL, DESIGNS, SHAPE, design_model, prefill, recorded_logits, reference_logits
 from tiny_models import BLOCK_SIZE, random_model, random_tokens
 
@@ -150,6 +150,76 @@ def test_a_prompt_longer_than_the_local_window_is_fed_in_chunks_the_rings_take()
     assert torch.equal(out[:, 12], model(prompt)[0][:, -1].argmax(-1))
     same = prompt[:1].expand(3, -1)  # read once at batch 1, then copied to every row
     assert torch.equal(generate(model, same, 3, sampling=GREEDY), out[:1].expand(3, -1))
+
+
+class CountingStep:
+    """A stand-in for a compiled one-token step (aot_step.AotStep's decode_step and fits): the eager step, counted."""
+
+    def __init__(self, model):
+        self.decode, self.passes = model.decode_step, 0
+
+    def fits(self, cache):
+        return True
+
+    def decode_step(self, idx, cache):
+        assert idx.size(1) == 1
+        self.passes += 1
+        return self.decode(idx, cache)
+
+
+def test_past_block_size_a_refill_that_local_rings_take_a_token_at_a_time_goes_through_the_step(monkeypatch):
+    """Learned positions refill the cache past block_size; a local ring, once full, takes one token a pass. Those
+    passes go through the one-token step given (the compiled one in sample.py), not the eager model: only the
+    refills' first chunks run eagerly. The text is the eager one."""
+    model = design_model("local", "learned")
+    prompt, new = random_tokens(1, 4, seed=11), 3 * BLOCK_SIZE
+    eager = []
+    decode = model.decode_step
+    monkeypatch.setattr(model, "decode_step", lambda idx, cache: eager.append(idx.size(1)) or decode(idx, cache))
+    step = CountingStep(model)
+    step.decode = decode
+    text = generate(model, prompt, new, sampling=GREEDY, cache=model.new_kv_cache(1), step=step)
+    assert torch.equal(text, generate(model, prompt, new, sampling=GREEDY, use_cache=False))
+    assert 1 not in eager and step.passes > new  # the refills' one-token passes too
+    assert len(eager) >= 3  # the prompt and at least two refills, each one chunk
+
+
+class CountingPass(CountingStep):
+    """A stand-in for a compiled pass of up to `tokens` tokens (aot_step.AotStep's call, takes and fits)."""
+
+    def __init__(self, model, tokens: int):
+        super().__init__(model)
+        self.model, self.tokens = model, tokens
+
+    def fits(self, cache, tokens: int = 1):
+        return self.takes(tokens)
+
+    def takes(self, tokens: int) -> bool:
+        return 1 <= tokens <= self.tokens
+
+    def __call__(self, idx, cache):
+        self.passes += 1
+        return self.model(idx, cache=cache)[0]
+
+    def decode_step(self, idx, cache):
+        return self(idx, cache)[:, -1]
+
+
+def test_speculative_refills_that_local_rings_take_in_short_passes_go_through_the_compiled_pass(monkeypatch):
+    """Speculative decoding's text (model/labs/cached_text.py) refills learned positions as generate does. A local
+    ring with room for k + 1 more tokens than its window then takes k + 1 a pass: those passes go through the
+    compiled pass given, and greedy text is plain greedy text."""
+    model = design_model("local-sink-gqa", "learned")  # a window of 3: a refill of 7 tokens takes several passes
+    prompt, new, k = random_tokens(1, 4, seed=12), 3 * BLOCK_SIZE, 1
+    eager = []
+    decode = model.decode_step
+    monkeypatch.setattr(model, "decode_step", lambda idx, cache: eager.append(idx.size(1)) or decode(idx, cache))
+    verify = CountingPass(model, k + 1)
+    verify.decode = decode
+    tokens = speculative_generate(model, prompt, new, draft=PromptLookup(), k=k, verify_pass=verify)
+    assert torch.equal(torch.cat([prompt[0], *tokens]), generate(model, prompt, new, sampling=GREEDY,
+                                                                 use_cache=False)[0])
+    assert eager and all(n > k + 1 for n in eager) and verify.passes  # what the pass takes, it ran
 
 
 def test_attention_maps_of_a_sink_model_keep_the_logits_and_leave_the_sink_its_share():

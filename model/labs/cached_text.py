@@ -63,7 +63,8 @@ class CachedText:
         each the prediction of the token after it."""
         self.prepare(end - n + 1)
         if self.fed < end - n:  # what the cache lacks before them
-            prefill(self.model, self._ids(self.fed, end - n), self.cache)
+            step = (self.compiled.decode_step, self.compiled.tokens) if self.compiled is not None else ()
+            prefill(self.model, self._ids(self.fed, end - n), self.cache, *step)
         ids = self._ids(end - n, end)
         compiled = self.compiled is not None and self.compiled.takes(n)
         return (self.compiled(ids, self.cache) if compiled else self.model(ids, cache=self.cache)[0])[0]

@@ -97,7 +97,7 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampl
             if length - fed == 1:
                 logits = one_token_step(buffer[:, fed:length], cache)
             elif fed < length:
-                logits = prefill(model, buffer[:, fed:length], cache)
+                logits = prefill(model, buffer[:, fed:length], cache, one_token_step)
             fed = length
         else:
             logits = model(buffer[:, first:length], n_pad=context_pad)[0][:, -1]
@@ -138,13 +138,15 @@ def _same_rows(idx: torch.Tensor) -> bool:
     return idx.size(0) > 1 and bool((idx == idx[:1]).all())
 
 
-def prefill(model: GPT, tokens: torch.Tensor, cache: RingKVCache) -> torch.Tensor:
+def prefill(model: GPT, tokens: torch.Tensor, cache: RingKVCache, step=None, step_tokens: int = 1) -> torch.Tensor:
     """Feed tokens (B, T) through cache in the longest chunks it takes (local layers' rings take shorter ones);
-    the last token's logits, (B, vocab_size)."""
+    the last token's logits, (B, vocab_size). step: a compiled decode_step for chunks of up to step_tokens tokens,
+    which a full local ring takes a few at a time."""
     fed = 0
     while fed < tokens.size(1):
         n = min(tokens.size(1) - fed, cache.longest_chunk())
-        logits = model.decode_step(tokens[:, fed:fed + n], cache)
+        feed = step if step is not None and n <= step_tokens else model.decode_step
+        logits = feed(tokens[:, fed:fed + n], cache)
         fed += n
     return logits
 
