@@ -73,7 +73,7 @@ def compare(reference: torch.Tensor, log_probs: torch.Tensor, targets: torch.Ten
                "top1": (reference.argmax(-1) == log_probs.argmax(-1)).float().mean().item()}
     for k in DISTANCES:  # step j predicts the token at position prompt_len + j
         first, last = max(k * block_size - prompt_len, 0), (k + 1) * block_size - prompt_len
-        figures[f"loss@{k}x"] = loss[:, first:last].mean().item() if last <= loss.size(1) else float("nan")
+        figures[f"loss@{k}x"] = loss[:, first:last].mean().item() if last <= loss.size(1) else None  # not reached
     return figures
 
 
@@ -168,7 +168,8 @@ def main() -> None:
                  for b in BATCHES}
         label = name if budget is None else f"{name}, {budget} slots"
         print(f"| {label} | {cache(name, 1, budget).nbytes:,} | {f['loss']:.4f} | {f['kl_mean']:.2e} | "
-              f"{f['kl_p99']:.2e} | {f['top1']:.2%} | " + " | ".join(f"{f[f'loss@{k}x']:.4f}" for k in DISTANCES)
+              f"{f['kl_p99']:.2e} | {f['top1']:.2%} | " + " | ".join(
+                  "-" if f[f"loss@{k}x"] is None else f"{f[f'loss@{k}x']:.4f}" for k in DISTANCES)
               + f" | {recall_loss:.3f} | {recall_top1:.0%} | {rate(speed[1])} | {rate(speed[64])} |", flush=True)
 
 
