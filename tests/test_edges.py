@@ -352,7 +352,7 @@ def test_sweep_jobs_named_into_one_folder_are_refused_after_the_first(tmp_path, 
 
 
 @pytest.mark.parametrize("override, fragments", [
-    ("train.sample_prompt='Romeo#'", ["train.sample_prompt", "'#'"]),  # found after the events file is opened
+    ("train.sample_prompt='Romeo#'", ["train.sample_prompt", "'#'"]),  # found once the text is read
     ("model.block_size=2048", ["the val split", "too short", "2048"]),  # only at the first evaluation, before
 ])
 def test_a_run_that_fails_before_its_first_step_leaves_no_directory(tmp_path, data_root, override, fragments):

@@ -721,19 +721,22 @@ def test_own_text_trains_in_a_folder_of_its_own_and_is_recorded(tmp_path):
     (tmp_path / "notes.txt").write_text(OWN_TEXT, encoding="utf-8")
     command = [sys.executable, str(REPO / "train.py"), *TINY, "train.max_iters=4", "train.eval_interval=2",
                "train.eval_iters=1", "optim.warmup_iters=1", "data.text=notes.txt"]
-    refused = subprocess.run(command, cwd=tmp_path, env=train_env(), capture_output=True, text=True, timeout=120)
+    refused = subprocess.run([*command, "train.sample_prompt=Romeo"], cwd=tmp_path, env=train_env(),
+                             capture_output=True, text=True, timeout=120)  # a prompt named: the user's own
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
-    assert refused.stderr.startswith("train.py: error: train.sample_prompt (by default a line of Romeo and Juliet) "
-                                     "has characters not in the vocabulary of notes.txt (")
-    assert "'J'" in refused.stderr and "); set train.sample_prompt=" in refused.stderr
-    result = subprocess.run([*command, "train.sample_prompt=Le"], cwd=tmp_path, env=train_env(), capture_output=True,
-                            text=True, timeout=120)
+    assert refused.stderr.startswith("train.py: error: train.sample_prompt has characters not in the vocabulary of "
+                                     "notes.txt ('R', 'm'); set train.sample_prompt='...' to text made of its")
+    result = subprocess.run(command, cwd=tmp_path, env=train_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+    assert ("train.sample_prompt: the default line of Romeo and Juliet has characters not in notes.txt ('?', 'E', "
+            "'I', 'J', 'O', 'R', 'T', 'U', 'h', 'm', 'w'); each evaluation samples after the text's first line instead: "
+            "'Le café est très bon, dit-elle.\\n'") in result.stdout.splitlines()
     sha256 = hashlib.sha256(OWN_TEXT.encode("utf-8")).hexdigest()
     assert sorted(p.name for p in (tmp_path / f"datasets/notes-{sha256[:12]}").iterdir()) == \
         ["meta.json", "train.bin", "val.bin"]
     assert [p.name for p in shakespeare.parent.iterdir()] == ["input.txt"]
     last = torch.load(next((tmp_path / "runs").glob("*/last.pt")), weights_only=True)
+    assert last["training"]["config"]["train"]["sample_prompt"] == "Le café est très bon, dit-elle.\n"  # recorded
     assert last["vocab"] == "".join(sorted(set(OWN_TEXT)))
     assert last["text"] == {"source": "notes.txt", "sha256": sha256}
     sampled = subprocess.run([sys.executable, str(REPO / "sample.py"), "--prompt", "Le", "--max-new-tokens", "5"],

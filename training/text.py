@@ -13,10 +13,12 @@ from runtime.errors import ConfigError
 from .config import TrainConfig
 
 
+OPENING = 80  # the most characters of a text's first line that sample a run when the default prompt cannot
+
+
 def prepare_data(settings, resumed: dict | None = None) -> PreparedData:
     """The text data.text names (tiny_shakespeare when none), obtained and encoded, checked to fit the settings:
-    splits longer than the model's context, a sample prompt made of the text's characters, and the text that a
-    resumed checkpoint was trained on."""
+    splits longer than the model's context, and the text that a resumed checkpoint was trained on."""
     dc = settings.data
     try:
         data = prepare_training_text(dc.text, dc.root, val_fraction=dc.val_fraction)
@@ -27,18 +29,31 @@ def prepare_data(settings, resumed: dict | None = None) -> PreparedData:
             Batches(getattr(data, split), settings.model.block_size, batch_size=1)
         except DataError as e:
             raise ConfigError(f"the {split} split of {data.source} is too short: {e}") from None
-    try:
-        data.vocab.encode(settings.train.sample_prompt)
-    except UnknownCharacterError as e:
-        default = " (by default a line of Romeo and Juliet)" \
-            if settings.train.sample_prompt == TrainConfig.sample_prompt else ""
-        raise ConfigError(f"train.sample_prompt{default} has characters not in the vocabulary of {data.source} "
-                          f"({', '.join(map(repr, e.chars))}); set train.sample_prompt='...' to text made of its "
-                          f"characters") from None
     if resumed is not None and resumed.get("text", {}).get("sha256") != data.sha256:
         raise ConfigError(f"train.resume: the checkpoint was trained on {trained_on(resumed)}, not on "
                           f"{data.source}; resume with the text it was trained on (data.text)")
     return data
+
+
+def fit_sample_prompt(settings, data: PreparedData) -> tuple:
+    """The settings with a sample prompt made of the text's characters, and why it changed (None if it did not).
+    Where the default line of Romeo and Juliet is not, the text's own first line is (at most OPENING characters);
+    a prompt of the user's own that is not is a ConfigError."""
+    prompt = settings.train.sample_prompt
+    try:
+        data.vocab.encode(prompt)
+        return settings, None
+    except UnknownCharacterError as e:
+        missing = ", ".join(map(repr, e.chars))
+    if prompt != TrainConfig.sample_prompt:
+        raise ConfigError(f"train.sample_prompt has characters not in the vocabulary of {data.source} ({missing}); "
+                          f"set train.sample_prompt='...' to text made of its characters")
+    opening = data.vocab.decode(data.train[:OPENING].tolist())
+    line, newline, _ = opening.partition("\n")
+    opening = line + newline if line else opening
+    return settings.replaced({"train.sample_prompt": opening}), (
+        f"train.sample_prompt: the default line of Romeo and Juliet has characters not in {data.source} "
+        f"({missing}); each evaluation samples after the text's first line instead: {opening!r}")
 
 
 def check_memory(settings, vocab_size: int, device: torch.device) -> None:
