@@ -154,9 +154,11 @@ def sample(args) -> None:
                 raise UsageError(f"--session {args.session} goes on from its own text: drop --prompt")
             take_up(conversation, args.session, path, model)
     idx = torch.tensor([prompt_ids] * args.num_samples, dtype=torch.long, device=device)
+    use_cache = not args.no_kv_cache
+    cache = cache_for(args, model, args.num_samples) if use_cache and not (draft or args.each_line) else None
     if not (args.interactive or args.each_line):
         try:  # the decoding loop's own checks, before a step is compiled
-            check_arguments(model, idx, args.max_new_tokens, args.window)
+            check_arguments(model, idx, args.max_new_tokens, args.window, use_cache=use_cache, cache=cache)
         except ValueError as e:  # its messages name the argument, as the options do
             raise UsageError(e) from None
     state = contents.get("training")
@@ -164,8 +166,6 @@ def sample(args) -> None:
         else "not yet evaluated"
     progress = f"step {state['step']}, {evaluated}" if state else "weights only"
     print(f"sampling {path} ({progress}), trained on {trained_on(contents)}", file=sys.stderr)
-    use_cache = not args.no_kv_cache
-    cache = cache_for(args, model, args.num_samples) if use_cache and not (draft or args.each_line) else None
     k = drafts_per_pass(args)
     # a compiled one-token step, or for --draft the compiled pass that verifies k drafts and one token after them
     step = kept_or_compiled_step(args, model, text_cache(model, k), k + 1) if draft else \

@@ -124,7 +124,13 @@ def test_settings_that_cannot_work_are_refused(overrides, kwargs, fragment):
         new_sink_cache(random_model(**overrides), 1, **kwargs)
 
 
-def test_padding_rollback_and_compile_are_refused():
+def test_padding_rollback_compile_and_a_window_are_refused():
+    """A window moves a refilled cache's context (learned positions); a budget keeps its own tokens and never
+    refills, so a window would be ignored."""
+    learned = random_model()
+    with pytest.raises(ValueError, match="window moves the context that the float and low-bit caches refill; a "
+                                         "sink cache keeps its own tokens: drop window"):
+        generate(learned, random_tokens(1, 5), 3, cache=new_sink_cache(learned, 1, sinks=2, window=6), window=4)
     model = random_model(pos_emb="rope")
     with pytest.raises(ValueError, match="no left padding"):
         generate(model, random_tokens(2, 5), 3, cache=new_sink_cache(model, 2, sinks=2, window=6), n_pad=[0, 2])

@@ -194,6 +194,9 @@ def check_arguments(model: GPT, idx, max_new_tokens, window=None, n_pad=None, us
         check_cache(model, cache, B)
         if compile and not cache.compilable:
             raise ValueError(f"a {type(cache).__name__} decodes eagerly: drop compile")
+        if window is not None and cache.budgeted:
+            raise ValueError(f"window moves the context that the float and low-bit caches refill; {cache.kind} keeps "
+                             f"its own tokens: drop window")
     if n_pad is None:
         return [0] * B
     pads = n_pad.tolist() if isinstance(n_pad, torch.Tensor) else list(n_pad)
