@@ -914,6 +914,8 @@ def test_a_full_stdout_is_one_line(checkpoint):
     (["--max-new-tokens", 10**30], ["--max-new-tokens 1000000000000000000000000000000 need", "fewer new tokens"]),
     (["--temperature", 1e-38], ["temperature must be 0 (greedy) or a finite number >= 1e-06, got 1e-38"]),
     (["--temperature", "nan"], ["temperature must be 0 (greedy) or a finite number"]),
+    (["--temperature", 0, "--top-k", 5], ["top_k and top_p apply to sampled text: temperature 0 takes the likeliest "
+                                          "token whatever they keep"]),
     (["--window", 4, "--kv-cache", "sinks", "--kv-budget", 8], ["window moves the context that the float and "
                                                                "low-bit caches refill; a sink cache keeps its own"]),
 ])

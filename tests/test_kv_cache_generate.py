@@ -138,6 +138,7 @@ def test_seeded_sampling_is_reproducible_and_equal_with_and_without_cache(pos_em
 
 
 @pytest.mark.parametrize("kwargs", [dict(temperature=-0.1), dict(top_k=0), dict(top_p=0.0), dict(top_p=1.5),
+                                    dict(temperature=0, top_k=3), dict(temperature=0, top_p=0.5),
                                     dict(window=0), dict(window=BLOCK_SIZE + 1)],
                          ids=lambda k: "-".join(f"{a}={v}" for a, v in k.items()))
 def test_invalid_sampling_or_window_arguments_are_value_errors(model, kwargs):

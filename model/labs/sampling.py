@@ -34,6 +34,9 @@ class Sampling:
             raise ValueError(f"top_k must be an integer >= 1, got {self.top_k!r}")
         if self.top_p is not None and not (is_number(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if t == 0 and (self.top_k is not None or self.top_p is not None):
+            raise ValueError("top_k and top_p apply to sampled text: temperature 0 takes the likeliest token whatever "
+                             "they keep; drop them, or give a temperature")
 
     @property
     def greedy(self) -> bool:
