@@ -8,31 +8,12 @@ import pytest
 import torch
 
 from model.labs.caches import BUDGETED, CACHES, LOWBIT, new_cache
-from model.labs.generate import generate_tokens
 from test_kv_designs import DESIGNS, SHAPE, design_model
+from test_sink_cache import cached_logits
 from tiny_models import BLOCK_SIZE, random_model, random_tokens
 
 PROMPT = 5
 EXACT_PAST_BLOCK = ("int4", "int2", "h2o", "tova", "merge")  # with the whole context: the float cache, throughout
-
-
-class Forcing:
-    """A Sampling that feeds given tokens and keeps each step's logits."""
-
-    def __init__(self, targets):
-        self.targets, self.logits = targets, []
-
-    def next_token(self, logits, generator=None):
-        self.logits.append(logits.clone())
-        return self.targets[:, len(self.logits) - 1]
-
-
-def stepped_logits(model, seq, cache) -> torch.Tensor:
-    """(steps, B, vocab): the logits of every step after the prompt, the tokens of seq fed whatever they are."""
-    forcing = Forcing(seq[:, PROMPT:])
-    for _ in generate_tokens(model, seq[:, :PROMPT], seq.size(1) - PROMPT, sampling=forcing, cache=cache):
-        pass
-    return torch.stack(forcing.logits)
 
 
 def whole_context(name: str) -> dict:
@@ -46,7 +27,7 @@ def whole_context(name: str) -> dict:
 def test_every_cache_is_refused_in_one_line_or_decodes_as_the_float_cache(design, pos_emb):
     model = random_model(**SHAPE, pos_emb=pos_emb) if design == "plain" else design_model(design, pos_emb)
     seq = random_tokens(2, PROMPT + 3 * BLOCK_SIZE, seed=7)
-    reference = stepped_logits(model, seq, new_cache(model, "float", 2))
+    reference = cached_logits(model, seq, PROMPT, new_cache(model, "float", 2))  # (B, steps, vocab)
     fits = BLOCK_SIZE - PROMPT  # the steps before the text passes block_size
     decoded = []
     for name in CACHES[1:]:
@@ -55,14 +36,14 @@ def test_every_cache_is_refused_in_one_line_or_decodes_as_the_float_cache(design
         except ValueError as e:
             assert str(e) and "\n" not in str(e), (name, str(e))
             continue
-        logits = stepped_logits(model, seq, cache)
+        logits = cached_logits(model, seq, PROMPT, cache)
         assert logits.shape == reference.shape, name
         if name == "int8":  # its rounding moves logits of spread about 1 by a few thousandths; a wrong key, by ~1
             error = (logits - reference).abs()
             assert error.mean() < 0.01 and error.max() < 0.25, (name, error.mean(), error.max())
             continue
-        steps = len(reference) if name in EXACT_PAST_BLOCK or (name == "window" and pos_emb == "rope") else fits
-        torch.testing.assert_close(logits[:steps], reference[:steps], rtol=0, atol=1e-5, msg=name)
+        steps = reference.size(1) if name in EXACT_PAST_BLOCK or (name == "window" and pos_emb == "rope") else fits
+        torch.testing.assert_close(logits[:, :steps], reference[:, :steps], rtol=0, atol=1e-5, msg=name)
         decoded.append(name)
     plain_attention = not {"window_pattern", "kv_latent"} & set(DESIGNS.get(design, {}))
     assert ("window" in decoded) == ("sinks" in decoded) == plain_attention  # the budgets serve whole keys
