@@ -136,6 +136,12 @@ def test_settings_that_cannot_work_are_refused(kwargs, fragment):
         new_lowbit_cache(random_model(), 1, **kwargs)
 
 
+def test_a_head_width_its_bytes_cannot_split_is_refused_naming_the_cache_that_can():
+    with pytest.raises(ValueError, match=r"^the head width 6 must be a multiple of group=16 \(or below it\) and of 4 "
+                                         r"values per byte; the int8 cache takes any width$"):
+        new_lowbit_cache(random_model(n_head=4), 1, 2)
+
+
 def test_rollback_compile_and_local_layers_are_refused():
     model = random_model(pos_emb="rope")
     cache = new_lowbit_cache(model, 1, 4, group=8)

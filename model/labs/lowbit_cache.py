@@ -172,7 +172,7 @@ def check_lowbit(bits, group, residual, max_len, head_dim) -> None:
         raise ValueError(f"group must be an integer >= 1 that divides the cache's {max_len} slots, got {group!r}")
     if head_dim % min(group, head_dim) or head_dim * bits % 8:
         raise ValueError(f"the head width {head_dim} must be a multiple of group={group} (or below it) and of "
-                         f"{8 // bits} values per byte")
+                         f"{8 // bits} values per byte; the int8 cache takes any width")
     if not (is_integer(residual) and group <= residual <= max_len and residual % group == 0):
         raise ValueError(f"residual must be a multiple of group={group}, from one group to the cache's {max_len} "
                          f"slots, got {residual!r}")
