@@ -124,16 +124,8 @@ def sample(args) -> None:
     prompt_ids = encode_prompt(vocab, prompt)
     if args.max_new_tokens is None:
         args.max_new_tokens = model.config.block_size // 2 if args.each_line else MAX_NEW_TOKENS
-    if args.each_line and not 1 <= args.max_new_tokens < model.config.block_size:
-        raise UsageError(f"--each-line draws 1 to block_size - 1 = {model.config.block_size - 1} tokens per line, "
-                         f"within the model's context; got --max-new-tokens {args.max_new_tokens}")
     if args.each_line:
-        try:
-            check_servable(model)
-        except ValueError as e:
-            raise UsageError(f"--each-line: {e}; continue each line on its own, without --each-line") from None
-    if args.each_line and not prompt.strip():
-        raise UsageError("--each-line: --prompt-file has no line with characters in it to continue")
+        check_each_line(args, model, prompt)
     check_memory(args, len(prompt_ids), model, device)
     draft = load_draft(args, model, vocab, contents, device) if args.draft else None
     threads = choose_threads(args, model, prompt_ids, device)  # before anything is timed or sampled
@@ -234,6 +226,20 @@ def sample(args) -> None:
         f"tokens per model pass" if draft else ""
     print(f"{tokens} tokens in {seconds:.2f} s, {tokens / max(seconds, 1e-9):.1f} tokens/s at {args.precision}, "
           f"{cache_size} ({on}){speculated}", file=sys.stderr)
+
+
+def check_each_line(args, model, prompt: str) -> None:
+    """Refuse --each-line where the engine cannot continue the lines: too many tokens for the context, a model its
+    pool cannot serve, no line to continue."""
+    if not 1 <= args.max_new_tokens < model.config.block_size:
+        raise UsageError(f"--each-line draws 1 to block_size - 1 = {model.config.block_size - 1} tokens per line, "
+                         f"within the model's context; got --max-new-tokens {args.max_new_tokens}")
+    try:
+        check_servable(model)
+    except ValueError as e:
+        raise UsageError(f"--each-line: {e}; continue each line on its own, without --each-line") from None
+    if not prompt.strip():
+        raise UsageError("--each-line: --prompt-file has no line with characters in it to continue")
 
 
 def keep_session(session: Path, conversation: Conversation, checkpoint: Path, model) -> None:
