@@ -30,13 +30,13 @@ import torch
 
 from data import CharVocab, DataError
 from model import GPT, Sampling, generate_tokens
-from model.labs.caches import EAGER
-from model.labs.cached_text import text_cache
-from model.labs.conversation import Conversation
-from model.labs.engine import check_servable
-from model.labs.generate import check_arguments
-from model.labs.ngram_draft import NGramTable
-from model.labs.speculative import PromptLookup, SpeculativeStats, speculative_generate
+from model.caches.factory import EAGER
+from model.decoding.cached_text import text_cache
+from model.serving.conversation import Conversation
+from model.serving.engine import check_servable
+from model.decoding.generate import check_arguments
+from model.serving.ngram_draft import NGramTable
+from model.serving.speculative import PromptLookup, SpeculativeStats, speculative_generate
 from runtime.compiled_step import COMPILE_PAYS_AFTER, DEVICES as STEP_DEVICES, has_compiled_step, load_or_compile_step
 from runtime.checkpoint import find_latest_checkpoint, load_model, resolve_checkpoint, trained_on, training_text
 from runtime.devices import DEFAULT_THREADS, choose_device, environment_threads, fastest_threads, thread_counts

@@ -8,7 +8,7 @@
 Greedy generation from a random-weight model of the classic shape (conf/model/classic.yaml: 6 layers,
 6 heads, 384 wide, block 256; vocab 65), or of --shape small: speed does not depend on the weights. Tokens/s counts new tokens of
 every row (16-token prompt, 240 new). The bound times only the matmuls of every Linear, as that precision
-computes them (model/labs/quantize.py), for one token per row, back to back: what a step would cost with no
+computes them (model/decoding/quantize.py), for one token per row, back to back: what a step would cost with no
 attention, norms, activations or Python at all. Each figure is the median of --repeats runs, with their
 spread (min-max); every ratio is taken within this run. --checkpoint: the mean loss on tiny_shakespeare's
 val split of the checkpoint's model at each precision, in float32 from logits.
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.configs import MODEL_SHAPES, host, model_config, run_tool, shakespeare  # noqa: E402
 from data import Batches  # noqa: E402
 from model import GPT, GREEDY, generate  # noqa: E402
-from model.labs.quantize import DECODING_PRECISIONS, Int8Linear, to_precision  # noqa: E402
+from model.decoding.quantize import DECODING_PRECISIONS, Int8Linear, to_precision  # noqa: E402
 from runtime.checkpoint import existing_checkpoint, load_model  # noqa: E402
 from runtime.errors import OneLineErrorParser, positive_int  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Many requests at once: the engine (model/labs/engine.py) against decoding them one by one and in fixed batches.
+"""Many requests at once: the engine (model/serving/engine.py) against decoding them one by one and in fixed batches.
 
     python bench/engine.py                          # the classic shape (block 256), random weights
     python bench/engine.py --checkpoint runs/RUN    # a trained model: its block_size bounds the texts
@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.configs import host, model_config, run_tool, shakespeare  # noqa: E402
 from model import GPT, GREEDY, generate_tokens, kv_cache_bytes  # noqa: E402
-from model.labs.engine import Engine  # noqa: E402
+from model.serving.engine import Engine  # noqa: E402
 from runtime.checkpoint import existing_checkpoint, load_model, training_text  # noqa: E402
 from runtime.errors import OneLineErrorParser, UsageError, positive_int  # noqa: E402
 

@@ -4,12 +4,12 @@
     python bench/kv_budget.py --checkpoint runs/RUN --caches float int4    # only these
     python bench/kv_budget.py --checkpoint runs/RUN --caches window sinks --budgets 0.5 0.25
 
-The caches (model/labs/caches.py): float (the reference), int8, int4 and int2, and a budget of slots as a fraction
+The caches (model/caches/factory.py): float (the reference), int8, int4 and int2, and a budget of slots as a fraction
 of block_size: window (the last tokens only), sinks (the first few tokens, then the last ones), and, for rotary
 models, h2o and tova (each head keeps the tokens it attends most) and merge (tova's choice, merged into what stays).
 
 Each cache decodes the val split of the checkpoint's text through the real decoding loop (generate_tokens, fed the
-text's own tokens: model/labs/decoder_loss.py), STREAMS streams side by side, a prompt of --prompt-len tokens and
+text's own tokens: model/measuring/decoder_loss.py), STREAMS streams side by side, a prompt of --prompt-len tokens and
 then one token per step. Against the float cache, per cache:
 - loss through the decoder, the KL divergence of each step's next-token distribution from the float cache's (mean
   and 99th percentile, in nats), and how often the most likely token is the same (top-1 agreement);
@@ -33,8 +33,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.configs import host, run_tool  # noqa: E402
 from bench.kv_designs import BATCHES, STEPS, STREAMS, decode_seconds, rate  # noqa: E402
-from model.labs.generate import generate_tokens  # noqa: E402
-from model.labs.caches import BUDGETED, CACHES, LOWBIT, new_cache  # noqa: E402
+from model.decoding.generate import generate_tokens  # noqa: E402
+from model.caches.factory import BUDGETED, CACHES, LOWBIT, new_cache  # noqa: E402
 from runtime.checkpoint import existing_checkpoint, load_model, training_text  # noqa: E402
 from runtime.errors import OneLineErrorParser, UsageError, positive_int  # noqa: E402
 

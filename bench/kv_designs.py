@@ -18,7 +18,7 @@ context, that is the most any cache could make it gain.
 
 train: each design trained by `python train.py preset=cpu` (same steps, each seed), and its best.pt measured:
 parameters, cache bytes per token, best val loss (median and spread over seeds), val loss through the decoder
-(model/labs/decoder_loss.py: the val split streamed through the real cache, 64 streams side by side) beside the
+(model/measuring/decoder_loss.py: the val split streamed through the real cache, 64 streams side by side) beside the
 teacher-forced loss under the same context rule, training seconds, and decode tokens/s at batch 1 and 64 with
 the context filled. The preset's own checkpoint is also decoded through the int8 cache. Every design stays in
 the table, whatever it scored.
@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.configs import REPO, host, model_config, run_tool, shakespeare  # noqa: E402
 from bench.curve import read_curve  # noqa: E402
 from model import GPT, kv_cache_bytes_per_token  # noqa: E402
-from model.labs.decoder_loss import decoder_loss, teacher_forced_loss  # noqa: E402
-from model.labs.generate import prefill  # noqa: E402
+from model.measuring.decoder_loss import decoder_loss, teacher_forced_loss  # noqa: E402
+from model.decoding.generate import prefill  # noqa: E402
 from runtime.checkpoint import load_model  # noqa: E402
 from runtime.errors import OneLineErrorParser, positive_int  # noqa: E402
 

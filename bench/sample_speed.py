@@ -26,7 +26,7 @@ from bench.configs import REPO, model_config, run_tool  # noqa: E402
 from bench.decode import NEW_TOKENS, PROMPT_LEN, best_seconds  # noqa: E402
 from data import CharVocab  # noqa: E402
 from model import GPT, GREEDY, generate  # noqa: E402
-from model.labs.quantize import DECODING_PRECISIONS, to_precision  # noqa: E402
+from model.decoding.quantize import DECODING_PRECISIONS, to_precision  # noqa: E402
 from runtime.checkpoint import build_checkpoint, save_checkpoint  # noqa: E402
 from runtime.errors import OneLineErrorParser, positive_int  # noqa: E402
 
@@ -80,9 +80,9 @@ def main() -> None:
 
     print(f"# sample.py speed: {torch.__version__}, cpu, {torch.get_num_threads()} threads, classic shape, "
           f"prompt {PROMPT_LEN}, {NEW_TOKENS} new, greedy, {args.precision}, best of {args.repeats}")
-    print("| decoder | tok/s | / model.labs.generate |")
+    print("| decoder | tok/s | / model.decoding.generate |")
     print("|---|---|---|")
-    print(f"| model.labs.generate (cached) | {model_tokens_per_s:.1f} | 1.00 |")
+    print(f"| model.decoding.generate (cached) | {model_tokens_per_s:.1f} | 1.00 |")
     print(f"| sample.py, piped | {piped:.1f} | {piped / model_tokens_per_s:.2f} |")
     print(f"| sample.py, streaming to a terminal | {streamed:.1f} | {streamed / model_tokens_per_s:.2f} |")
 

@@ -5,16 +5,16 @@
     python bench/speculative.py --ceiling-only                                       # the verification pass alone
     python bench/speculative.py --checkpoint runs/<date>_<time> --compiled           # compiled steps and passes
 
-Decoding: --new-tokens new tokens after "ROMEO:" from --checkpoint, plain cached decoding (model/labs/generate.py) and
-speculative decoding (model/labs/speculative.py) with prompt lookup, with the n-gram draft counted over the
-checkpoint's training text (its train split: model/labs/ngram_draft.py) and with --draft, for each k, at
+Decoding: --new-tokens new tokens after "ROMEO:" from --checkpoint, plain cached decoding (model/decoding/generate.py) and
+speculative decoding (model/serving/speculative.py) with prompt lookup, with the n-gram draft counted over the
+checkpoint's training text (its train split: model/serving/ngram_draft.py) and with --draft, for each k, at
 temperature 0 and 0.8. Each figure is the median of --repeats runs with their spread (min-max). Plain and
 speculative decoding run in turns, and "x plain" is the median of the ratios of each pair: a host whose speed
 drifts moves both alike.
 Greedy speculative text is checked against plain greedy text; sampled text differs by design (the same
 distribution, other draws), so at 0.8 the acceptance rate and the tokens per model pass are what to read.
 --compiled: plain decoding takes its one-token steps, and speculative decoding verifies every draft, through
-passes compiled ahead of time (model/labs/aot_step.py), loaded or first compiled by runtime/compiled_step.py.
+passes compiled ahead of time (model/decoding/aot_step.py), loaded or first compiled by runtime/compiled_step.py.
 
 The ceiling: the classic shape (conf/model/classic.yaml), random weights, fp32, batch 1, a context of --context
 tokens in a rotary model's cache with k spare slots: one cached pass over k + 1 = 9 tokens against a one-token step.
@@ -34,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.configs import host, model_config, run_tool  # noqa: E402
 from bench.decode import fmt, rates, timings  # noqa: E402
 from model import GPT, GREEDY, Sampling, generate  # noqa: E402
-from model.labs.cached_text import text_cache  # noqa: E402
-from model.labs.ngram_draft import NGramTable  # noqa: E402
-from model.labs.speculative import PromptLookup, SpeculativeStats, speculative_generate  # noqa: E402
+from model.decoding.cached_text import text_cache  # noqa: E402
+from model.serving.ngram_draft import NGramTable  # noqa: E402
+from model.serving.speculative import PromptLookup, SpeculativeStats, speculative_generate  # noqa: E402
 from runtime.checkpoint import existing_checkpoint, load_model, training_text  # noqa: E402
 from runtime.compiled_step import load_or_compile_step  # noqa: E402
 from runtime.errors import OneLineErrorParser, positive_int  # noqa: E402

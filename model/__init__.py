@@ -4,10 +4,10 @@ cache, one token per step). Each module in labs/ adds one idea to it. Knows noth
 from .attention import CausalSelfAttention, causal_mask
 from .gpt import GPT, GPTConfig
 from .kv_cache import KVCache, LayerKV, greedy_decode
-from .labs.generate import generate, generate_tokens
-from .labs.multihead import MultiHeadAttention
-from .labs.ring_cache import RingKVCache, kv_cache_bytes, kv_cache_bytes_per_token
-from .labs.sampling import GREEDY, Sampling
+from .decoding.generate import generate, generate_tokens
+from .designs.multihead import MultiHeadAttention
+from .decoding.ring_cache import RingKVCache, kv_cache_bytes, kv_cache_bytes_per_token
+from .decoding.sampling import GREEDY, Sampling
 
 __all__ = ["GPT", "GPTConfig", "GREEDY", "CausalSelfAttention", "KVCache", "LayerKV", "MultiHeadAttention",
            "RingKVCache", "Sampling", "causal_mask", "generate", "generate_tokens", "greedy_decode",

@@ -1,6 +1,6 @@
 """Causal self-attention, as the GPT runs it: one fused Q/K/V projection, rotary positions when asked, and a KV
 cache while decoding. The textbook block, with cross-attention, padding masks, distinct widths and returned
-weights, is model/labs/multihead.py; grouped queries and shared layers are in model/labs/ too."""
+weights, is model/designs/multihead.py; grouped queries and shared layers are in model/labs/ too."""
 
 from contextlib import nullcontext
 
@@ -60,7 +60,7 @@ class CausalSelfAttention(nn.Module):
         self.out_dropout = nn.Dropout(config.dropout)
 
     def qkv_widths(self, config) -> list[int]:
-        """The widths of Q, K and V in the fused projection (model/labs/grouped.py narrows K and V)."""
+        """The widths of Q, K and V in the fused projection (model/designs/grouped.py narrows K and V)."""
         return [config.n_embd] * 3
 
     def forward(self, x, attn_mask=None, rope=None, kv=None):
@@ -87,7 +87,7 @@ class CausalSelfAttention(nn.Module):
     def attend(self, q, k, v, attn_mask):
         """softmax(q kᵀ / √hs, masked) v: q (B, nh, T_q, hs), k and v (B, n_kv, T_k, hs) -> (B, nh, T_q, hs)."""
         if isinstance(k, tuple):  # an int8 cache's keys and values with their scales
-            from .labs.int8_cache import int8_attention
+            from .caches.int8 import int8_attention
             return int8_attention(q, k, v, attn_mask)[0]
         T_q, T_k = q.size(2), k.size(2)
         if attn_mask is None and T_q not in (1, T_k):  # new queries after cached keys: aligned bottom-right
@@ -96,4 +96,4 @@ class CausalSelfAttention(nn.Module):
         with no_autocast(q.device):  # in q's dtype, as attention_dtype says
             return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=attn_mask,
                                                   dropout_p=dropout_p, is_causal=attn_mask is None and T_q > 1,
-                                                  enable_gqa=k.size(1) < q.size(1))  # model/labs/grouped.py
+                                                  enable_gqa=k.size(1) < q.size(1))  # model/designs/grouped.py

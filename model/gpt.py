@@ -1,7 +1,7 @@
 """A decoder-only transformer (GPT): token and position embeddings, pre-LayerNorm blocks, a tied head.
 
 GPT.decode_step feeds tokens after those already in a KV cache (model/kv_cache.py). The fields n_kv_head and
-kv_share choose a smaller cache's design (model/labs/grouped.py, shared_kv.py); by default each layer's
+kv_share choose a smaller cache's design (model/designs/grouped.py, model/designs/shared_kv.py); by default each layer's
 attention is the plain one (model/attention.py)."""
 
 import math
@@ -28,7 +28,7 @@ class GPTConfig:
     pos_emb: str = "learned"  # learned: a trained vector per position (GPT-2); rope: rotary positions
     n_kv_head: int | None = None  # key/value heads (None: n_head); 1 is multi-query attention
     kv_share: int = 1  # adjacent layers that share one set of keys and values
-    window_pattern: str = "G"  # tiled over the layers: L sees the last local_window tokens, G all (local_global.py)
+    window_pattern: str = "G"  # tiled over the layers: L sees the last local_window tokens, G all (model/designs/local_global.py)
     local_window: int | None = None  # how many tokens a local layer sees, itself included
     learned_sink: bool = False  # a trained sink logit per head in every softmax (labs/learned_sink.py)
     kv_latent: int | None = None  # multi-head latent attention: the latent's width per token (labs/latent.py)
@@ -67,8 +67,8 @@ class GPTConfig:
                              f"{self.head_dim} must be even")
         if not isinstance(self.learned_sink, bool):
             raise ValueError(f"learned_sink must be true or false, got {self.learned_sink!r}")
-        from .labs.latent import check_latent
-        from .labs.local_global import check_window_pattern
+        from .designs.latent import check_latent
+        from .designs.local_global import check_window_pattern
         check_window_pattern(self)
         check_latent(self)
 
@@ -88,7 +88,7 @@ class GPTConfig:
         """(heads, width) per token of a cache layer's keys, and of its values."""
         if self.kv_latent is None:
             return self.n_kv_head, self.head_dim
-        from .labs.latent import cache_layout
+        from .designs.latent import cache_layout
         return cache_layout(self)
 
 
@@ -96,7 +96,7 @@ def attention_layers(config: GPTConfig) -> list[nn.Module]:
     """Each block's attention: the plain one, or the designs of model/labs/."""
     if config.plain_attention:
         return [CausalSelfAttention(config, kv_layer=i) for i in range(config.n_layer)]
-    from .labs.shared_kv import design_attention_layers
+    from .designs.shared_kv import design_attention_layers
     return design_attention_layers(config)
 
 
@@ -156,7 +156,7 @@ class GPT(nn.Module):
     def forward(self, idx, targets=None, *, cache=None, n_pad=None):
         """idx (B, T) token ids -> (logits (B, T, vocab_size), mean cross-entropy or None).
         cache: a KV cache; idx are the next tokens after those in it. n_pad (B,): left-padding tokens per row,
-        without a cache (model/labs/ring_cache.py); a padded row gets the logits it would get alone."""
+        without a cache (model/decoding/ring_cache.py); a padded row gets the logits it would get alone."""
         logits = self.lm_head(self._trunk(idx, cache, n_pad))
         loss = None
         if targets is not None:
@@ -178,7 +178,7 @@ class GPT(nn.Module):
         if cache is not None:
             pos, attn_mask, slots, n_read = cache.for_tokens(T)  # positions (T,) or (B, T); mask None: causal
         elif n_pad is not None or T > c.block_size:  # ragged rows, or rotary positions past block_size
-            from .labs.ring_cache import uncached_context
+            from .decoding.ring_cache import uncached_context
             pos, attn_mask = uncached_context(T, c.block_size, n_pad, idx.device)
         else:
             pos, attn_mask = torch.arange(T, device=idx.device), None  # plain causal: SDPA's fastest kernels
@@ -211,6 +211,6 @@ class GPT(nn.Module):
 
     def new_kv_cache(self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None, *,
                      read_all_slots: bool = False):
-        """The cache generate() uses: a ring that rolls on past block_size (model/labs/ring_cache.py)."""
-        from .labs.ring_cache import new_kv_cache
+        """The cache generate() uses: a ring that rolls on past block_size (model/decoding/ring_cache.py)."""
+        from .decoding.ring_cache import new_kv_cache
         return new_kv_cache(self, batch_size, max_len, dtype, read_all_slots=read_all_slots)

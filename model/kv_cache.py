@@ -3,7 +3,7 @@
 Token t (counted from 0 since reset) goes to slot t of every layer. A forward pass of t new tokens writes their
 keys and values into their slots, then attends over the filled slots, causally: the last new token sees them
 all. greedy_decode, at the end, is the whole idea. This plain cache holds max_len tokens (block_size).
-model/labs/ring_cache.py turns it into a ring that rolls on past block_size, with left padding and static
+model/decoding/ring_cache.py turns it into a ring that rolls on past block_size, with left padding and static
 shapes for compiled steps and GPUs; model.new_kv_cache() makes one.
 """
 
@@ -42,7 +42,7 @@ class KVCache(nn.Module):
         # a buffer per layer, not views of one big one: a compiled step writes a view by copying the whole buffer.
         # persistent=False: a cache is scratch space, never part of a checkpoint
         self.add_layer_buffers(("k", "v"), (batch_size, n_kv_head, max_len, head_dim), dtype, device)
-        # tokens fed since reset: a 0-d tensor, so that a compiled step keeps static shapes (ring_cache.py)
+        # tokens fed since reset: a 0-d tensor, so that a compiled step keeps static shapes (model/decoding/ring_cache.py)
         self.register_buffer("pos", torch.zeros((), dtype=torch.long, device=device), persistent=False)
         self.register_buffer("slot_ids", torch.arange(max_len, device=device), persistent=False)
 

@@ -29,8 +29,8 @@ import torch
 from data import (DATASETS, SHAKESPEARE, VAL_FRACTION, CharVocab, DataError, PreparedData,
                   prepare_training_text)
 from model import GPT, GPTConfig
-from model.labs.checks import is_integer
-from model.labs.quantize import to_precision
+from model.decoding.checks import is_integer
+from model.decoding.quantize import to_precision
 
 from .errors import CheckpointError, OutputError, one_line
 from .files import write_atomically
@@ -170,7 +170,7 @@ def layout_damage(contents: dict) -> str | None:
 
 
 def load_model(path, device="cpu", prefer: str = "best.pt", precision: str = "fp32") -> tuple[GPT, CharVocab, dict]:
-    """The model (in eval mode, on `device`, converted to `precision` for decoding: model/labs/quantize.py) and
+    """The model (in eval mode, on `device`, converted to `precision` for decoding: model/decoding/quantize.py) and
     vocabulary of a checkpoint file or run directory, and the checkpoint's contents."""
     contents = load_checkpoint(path, prefer)
     try:

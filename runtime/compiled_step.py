@@ -1,5 +1,5 @@
 """Compiled decoding steps kept on disk: compiling costs tens of seconds once per model shape, and loading a step
-compiled before takes milliseconds (model/labs/aot_step.py).
+compiled before takes milliseconds (model/decoding/aot_step.py).
 
 A step is named by everything that shapes its code: the model's config and precision, the cache's tensors, the
 device, torch's version, the CPU's instruction set and the model code itself. It is kept in
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 import model as model_package
-from model.labs.aot_step import AotStep, export_step, quiet_tracing, step_signature
+from model.decoding.aot_step import AotStep, export_step, quiet_tracing, step_signature
 from runtime.files import write_atomically
 
 # one-token steps after which compiling the step for the first time has paid for itself (docs/benchmarks.md)

@@ -9,9 +9,9 @@ import torch
 
 from data import CharVocab, DataError, UnknownCharacterError, read_regular_file
 from model import GPT, kv_cache_bytes
-from model.labs.caches import BUDGETED, CACHES, EAGER, new_cache
-from model.labs.quantize import DECODING_PRECISIONS
-from model.labs.ring_cache import kv_cache_dtype
+from model.caches.factory import BUDGETED, CACHES, EAGER, new_cache
+from model.decoding.quantize import DECODING_PRECISIONS
+from model.decoding.ring_cache import kv_cache_dtype
 from .compiled_step import COMPILE_PAYS_AFTER, DEVICES as STEP_DEVICES
 from .devices import memory_of
 from .errors import OneLineErrorParser, UsageError
@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "quantized when loaded (default: %(default)s)")
     cache.add_argument("--compile", action=argparse.BooleanOptionalAction,
                        help="decode through a one-token step compiled ahead of time for the model's shape "
-                            "(model/labs/aot_step.py), kept under ~/.cache/kvgpt (runtime/compiled_step.py); "
+                            "(model/decoding/aot_step.py), kept under ~/.cache/kvgpt (runtime/compiled_step.py); "
                             "compiling takes a minute or less (default: when one is kept, or for "
                             f"--max-new-tokens of {COMPILE_PAYS_AFTER} or more)")
     parser.add_argument("--kv-cache", choices=CACHES, help="how keys and values are stored: in the dtype "
@@ -64,12 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "int4 / int2 in groups, the most recent tokens in float too; or --kv-budget slots: the "
                         "last tokens (window), the first few and the last (sinks), or, for rotary models, those "
                         "each head attends most (h2o, tova; merge folds what tova drops into the likest key it "
-                        "keeps). See model/labs/caches.py")
+                        "keeps). See model/caches/factory.py")
     parser.add_argument("--kv-budget", metavar="SLOTS", type=int,
                         help=f"--kv-cache {', '.join(BUDGETED)}: the tokens the cache keeps (default: half of "
                              "block_size)")
     parser.add_argument("--read-all-slots", action="store_true",
-                        help="attend every slot of the cache through the ring's mask (model/labs/ring_cache.py), "
+                        help="attend every slot of the cache through the ring's mask (model/decoding/ring_cache.py), "
                              "as compiled and GPU steps do (eagerly on the CPU the filled slots are read)")
     parser.add_argument("--draft", metavar="PATH|ngram|lookup",
                         help="speculative decoding: a checkpoint with the same vocabulary (a smaller model), "
@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "Ctrl-D ends the session")
     parser.add_argument("--each-line", action="store_true",
                         help="continue each line of --prompt-file, the lines decoded together over one pool of KV "
-                             "blocks (model/labs/engine.py); each is written, with its line, in the file's order")
+                             "blocks (model/serving/engine.py); each is written, with its line, in the file's order")
     parser.add_argument("--session", metavar="FILE", type=Path,
                         help="--interactive: take up the conversation saved in FILE, its KV cache included, and "
                              "save it there when the session ends")

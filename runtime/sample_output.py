@@ -12,8 +12,8 @@ import torch
 
 from data import CharVocab
 from model import GPT, Sampling
-from model.labs.conversation import Conversation
-from model.labs.engine import Engine
+from model.serving.conversation import Conversation
+from model.serving.engine import Engine
 from .errors import UsageError
 from .sample_options import encode_prompt
 from .session import SessionError, load_session

@@ -1,4 +1,4 @@
-"""The one-token step compiled ahead of time (model/labs/aot_step.py, runtime/compiled_step.py): at every step it
+"""The one-token step compiled ahead of time (model/decoding/aot_step.py, runtime/compiled_step.py): at every step it
 gives the logits of a full forward over the same context, it reads the weights of the model it is bound to, and
 a step kept on disk is loaded, not compiled again, for that shape only."""
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from model import GREEDY, Sampling, generate
-from model.labs.aot_step import AotStep, export_step
-from model.labs.cached_text import text_cache
-from model.labs.conversation import Conversation
-from model.labs.speculative import PromptLookup, SpeculativeStats, speculative_generate
+from model.decoding.aot_step import AotStep, export_step
+from model.decoding.cached_text import text_cache
+from model.serving.conversation import Conversation
+from model.serving.speculative import PromptLookup, SpeculativeStats, speculative_generate
 from runtime.compiled_step import has_compiled_step, load_or_compile_step, step_path
 from tiny_models import BLOCK_SIZE, random_model, random_tokens
 
@@ -97,7 +97,7 @@ def test_a_step_refuses_a_cache_of_another_shape(kept):
 
 
 def test_a_cache_that_decodes_eagerly_is_refused():
-    from model.labs.caches import new_cache
+    from model.caches.factory import new_cache
     model = random_model(pos_emb="rope")
     with pytest.raises(ValueError, match="decodes eagerly"):
         export_step(model, new_cache(model, "h2o", 1, budget=8))

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from model import GREEDY
-from model.labs.conversation import Conversation
-from model.labs.decoder_loss import decoder_loss, teacher_forced_loss
-from model.labs.ngram_draft import NGramTable
-from model.labs.speculative import PromptLookup, speculative_generate
+from model.serving.conversation import Conversation
+from model.measuring.decoder_loss import decoder_loss, teacher_forced_loss
+from model.serving.ngram_draft import NGramTable
+from model.serving.speculative import PromptLookup, speculative_generate
 from tiny_models import BLOCK_SIZE, random_model, random_tokens
 
 

@@ -57,8 +57,8 @@ def test_a_candidate_may_be_named_with_commas_and_spaces(tmp_path: Path):
 @pytest.mark.parametrize("script, args, fragments", [
     ("decode.py", ["--repeats", "0"], ["--repeats", "must be an integer >= 1, got 0"]),
     ("decode.py", ["--checkpoint", "MISSING"], ["--checkpoint", "no checkpoint at"]),
-    ("speculative.py", ["--checkpoint", "MISSING"], ["--checkpoint", "no checkpoint at"]),
-    ("speculative.py", ["--ceiling-only", "--new-tokens", "-5"], ["--new-tokens", "got -5"]),
+    ("model/serving/speculative.py", ["--checkpoint", "MISSING"], ["--checkpoint", "no checkpoint at"]),
+    ("model/serving/speculative.py", ["--ceiling-only", "--new-tokens", "-5"], ["--new-tokens", "got -5"]),
     ("rolling.py", ["--repeats", "many"], ["--repeats", "got 'many'"]),
     ("kv_designs.py", ["speed", "--repeats", "0"], ["--repeats", "got 0"]),
     ("kv_budget.py", ["--checkpoint", "MISSING"], ["--checkpoint", "no checkpoint at"]),
@@ -95,8 +95,8 @@ def test_the_kv_budget_harness_measures_a_cache_against_the_float_one():
     """KL written as torch's kl_div computes it, top-1 agreement, loss by distance: zero KL for the float cache
     against itself, some for a 2-bit one, and the loss through the decoder that decoder_loss gives."""
     from bench.kv_budget import compare, stream_log_probs
-    from model.labs.decoder_loss import decoder_loss
-    from model.labs.lowbit_cache import new_lowbit_cache
+    from model.measuring.decoder_loss import decoder_loss
+    from model.caches.lowbit import new_lowbit_cache
     from tiny_models import random_model, random_tokens
     model = random_model(pos_emb="rope")
     block = model.config.block_size

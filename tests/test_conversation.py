@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from model import GREEDY, Sampling, generate
-from model.labs.conversation import Conversation
+from model.serving.conversation import Conversation
 from tiny_models import BLOCK_SIZE, VOCAB, random_model, random_tokens
 
 TURN_LENGTHS = [3, 1, 4, 2, 5, 1, 3]  # the tokens each turn adds

@@ -1065,7 +1065,7 @@ def test_the_gpu_preset_compiled_trains_a_few_steps_at_a_tiny_size(tmp_path, dat
 @pytest.mark.parametrize("kv_cache, draft", [(None, None), ("int8", None), (None, "lookup")])
 def test_the_memory_check_counts_the_cache_the_decoder_really_builds(monkeypatch, kv_cache, draft):
     """The cache as the decoder builds it: in its dtype, with speculative decoding's spare slots for k drafts."""
-    from model.labs.quantize import to_precision
+    from model.decoding.quantize import to_precision
     from runtime.sample_options import check_memory
 
     model = to_precision(random_model(), "bf16")

@@ -1,4 +1,4 @@
-"""Many requests over one pool of blocks (model/labs/paged.py, engine.py), under random schedules: every draw's
+"""Many requests over one pool of blocks (model/serving/paged.py, model/serving/engine.py), under random schedules: every draw's
 logits equal a full forward over the request's own text, each greedy text equals the request decoded alone with
 the contiguous cache, a shared block is never written, and every block is free at the end."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from model import GREEDY, Sampling, generate
-from model.labs import engine as engine_module
-from model.labs.engine import Engine
+from model.serving import engine as engine_module
+from model.serving.engine import Engine
 from tiny_models import VOCAB, random_model
 
 BLOCK = 40  # the models' block_size: room for a shared prefix, a request's own prompt and its draws

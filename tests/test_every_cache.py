@@ -1,4 +1,4 @@
-"""Every KV cache by name (model/labs/caches.py, sample.py's --kv-cache) with every design of test_kv_designs.py,
+"""Every KV cache by name (model/caches/factory.py, sample.py's --kv-cache) with every design of test_kv_designs.py,
 both kinds of positions: each is refused in one line, or decodes 3 x block_size tokens. Where it holds the whole
 context (a budget of block_size, every token also in full precision), each step's logits equal the float cache's
 (budgets with learned positions while the text fits: past it they place tokens their own way); the int8 cache's
@@ -7,7 +7,7 @@ stay within its rounding."""
 import pytest
 import torch
 
-from model.labs.caches import BUDGETED, CACHES, LOWBIT, new_cache
+from model.caches.factory import BUDGETED, CACHES, LOWBIT, new_cache
 from test_kv_designs import DESIGNS, SHAPE, design_model
 from test_sink_cache import cached_logits
 from tiny_models import BLOCK_SIZE, random_model, random_tokens

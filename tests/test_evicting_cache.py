@@ -1,4 +1,4 @@
-"""Eviction under a slot budget (model/labs/evicting_cache.py): H2O and TOVA against their rules written out here,
+"""Eviction under a slot budget (model/caches/evicting.py): H2O and TOVA against their rules written out here,
 on random attention scores and through a whole model decoding far past its budget; the full budget against the
 full cache; the settings that cannot work."""
 
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from model import GREEDY, generate
 from model.attention import rotary
-from model.labs.evicting_cache import new_evicting_cache
+from model.caches.evicting import new_evicting_cache
 from test_sink_cache import cached_logits
 from tiny_models import random_model, random_tokens
 

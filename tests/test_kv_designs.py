@@ -12,12 +12,12 @@ import torch
 import torch.nn.functional as F
 
 from model import GPT, GREEDY, MultiHeadAttention, Sampling, generate, kv_cache_bytes, kv_cache_bytes_per_token
-from model.labs import int8_cache
+from model.caches import int8 as int8_cache
 from model.attention import rotary, rotate
-from model.labs.decoder_loss import decoder_loss, teacher_forced_loss
-from model.labs.generate import prefill
-from model.labs.int8_cache import Int8KVCache, Quantized, int8_attention
-from model.labs.quantize import quantize_int8
+from model.measuring.decoder_loss import decoder_loss, teacher_forced_loss
+from model.decoding.generate import prefill
+from model.caches.int8 import Int8KVCache, Quantized, int8_attention
+from model.decoding.quantize import quantize_int8
 from tiny_models import BLOCK_SIZE, random_model, random_tokens
 
 # 4 layers so that kv_share=2 makes two groups; 4 heads of 6 channels (even, for rope)

@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from model import GREEDY, CausalSelfAttention, KVCache, generate, greedy_decode, kv_cache_bytes
-from model.labs.attention_weights import keeping_weights
-from model.labs.latent import LatentAttention
-from model.labs.learned_sink import sink_attention
-from model.labs.speculative import PromptLookup, SpeculativeStats, speculative_generate
+from model.measuring.attention_weights import keeping_weights
+from model.designs.latent import LatentAttention
+from model.designs.learned_sink import sink_attention
+from model.serving.speculative import PromptLookup, SpeculativeStats, speculative_generate
 from test_kv_designs import ATOL, DESIGNS, SHAPE, design_model, prefill, recorded_logits, reference_logits
 from tiny_models import BLOCK_SIZE, random_model, random_tokens
 
@@ -206,7 +206,7 @@ class CountingPass(CountingStep):
 
 
 def test_speculative_refills_that_local_rings_take_in_short_passes_go_through_the_compiled_pass(monkeypatch):
-    """Speculative decoding's text (model/labs/cached_text.py) refills learned positions as generate does. A local
+    """Speculative decoding's text (model/decoding/cached_text.py) refills learned positions as generate does. A local
     ring with room for k + 1 more tokens than its window then takes k + 1 a pass: those passes go through the
     compiled pass given, and greedy text is plain greedy text."""
     model = design_model("local-sink-gqa", "learned")  # a window of 3: a refill of 7 tokens takes several passes
@@ -223,7 +223,7 @@ def test_speculative_refills_that_local_rings_take_in_short_passes_go_through_th
 
 
 def test_attention_maps_of_a_sink_model_keep_the_logits_and_leave_the_sink_its_share():
-    """TensorBoard's attention maps (model/labs/attention_weights.py) swap in an explicit attention: with a sink it
+    """TensorBoard's attention maps (model/measuring/attention_weights.py) swap in an explicit attention: with a sink it
     must be the sink's, giving the forward's own logits and rows that sum to less than 1."""
     model = design_model("local-sink-gqa", "rope")
     seq = random_tokens(2, BLOCK_SIZE, seed=2)

@@ -1,4 +1,4 @@
-"""The 4- and 2-bit KV caches (model/labs/lowbit_cache.py): the packing, what the cache reads against KIVI's
+"""The 4- and 2-bit KV caches (model/caches/lowbit.py): the packing, what the cache reads against KIVI's
 quantization written out here, the byte formula against the tensors, exactness when the full-precision tokens
 cover the context, and the settings that cannot work."""
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from model import GREEDY, generate
-from model.labs.lowbit_cache import LowBitKVCache, lowbit_cache_bytes, new_lowbit_cache, pack, unpack
+from model.caches.lowbit import LowBitKVCache, lowbit_cache_bytes, new_lowbit_cache, pack, unpack
 from tiny_models import random_model, random_tokens
 
 @pytest.mark.parametrize("bits", [2, 4])
@@ -103,7 +103,7 @@ class Recorder:
 
 
 def generate_with(model, prompt, n, sampling, cache, n_pad):
-    from model.labs.generate import generate_tokens
+    from model.decoding.generate import generate_tokens
     return generate_tokens(model, prompt, n, sampling=sampling, cache=cache, n_pad=n_pad)
 
 

@@ -1,4 +1,4 @@
-"""Eviction that merges (model/labs/merging_cache.py): against its rule written out here, on random attention
+"""Eviction that merges (model/caches/merging.py): against its rule written out here, on random attention
 scores and through a whole model; equal keys merged lose nothing; the full budget is the full cache."""
 
 import math
@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from model import GREEDY, generate
 from model.attention import rotary
-from model.labs.caches import new_cache
-from model.labs.merging_cache import new_merging_cache
+from model.caches.factory import new_cache
+from model.caches.merging import new_merging_cache
 from test_evicting_cache import RandomAttention, evict, token_by_token, turn
 from test_sink_cache import cached_logits
 from tiny_models import random_model, random_tokens

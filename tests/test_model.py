@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from model import GPT, GPTConfig, Sampling
-from model.labs.attention_weights import attention_weights, keeping_weights
+from model.measuring.attention_weights import attention_weights, keeping_weights
 
 
 SHAPE = {"vocab_size": 13, "block_size": 16, "n_layer": 2, "n_head": 3, "n_embd": 24}

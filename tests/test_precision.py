@@ -1,4 +1,4 @@
-"""Decoding at bf16 and int8 (model/labs/quantize.py): the cache agrees with recomputation within each precision's
+"""Decoding at bf16 and int8 (model/decoding/quantize.py): the cache agrees with recomputation within each precision's
 stated tolerance, int8 barely moves the loss at any width, and a converted model refuses to be trained or saved."""
 
 import functools
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from data import CharVocab
 from model import GPT, GREEDY, generate
-from model.labs.quantize import Int8Linear, QuantizedModelError, to_precision
+from model.decoding.quantize import Int8Linear, QuantizedModelError, to_precision
 from corpus import CITIZENS
 from tiny_models import random_model, random_tokens, tiny_config, train_briefly
 from runtime.checkpoint import build_checkpoint, load_model, save_checkpoint
@@ -33,7 +33,7 @@ TOKENS = torch.tensor(VOCAB.encode(TEXT))
 SPLIT = int(0.85 * len(TOKENS))
 TRAIN, HELD_OUT = TOKENS[:SPLIT], TOKENS[SPLIT:]
 BLOCK_SIZE = 16
-PRECISIONS = ("fp32", "bf16", "int8")  # written out: the decoding precisions model/labs/quantize.py offers
+PRECISIONS = ("fp32", "bf16", "int8")  # written out: the decoding precisions model/decoding/quantize.py offers
 
 # How far cached logits may be from a full forward over the same context, per precision. fp32: the
 # proofs of tests/test_kv_cache.py. bf16 and int8: both paths run the same bf16 operations, and attention in

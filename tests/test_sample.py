@@ -355,7 +355,7 @@ def test_the_compiled_step_gives_the_same_text_and_is_kept(checkpoint, greedy, t
 
 @pytest.mark.parametrize("bits", [4, 2])
 def test_a_low_bit_cache_decodes_and_the_summary_names_it(checkpoint, bits):
-    """Its most recent tokens are exact (model/labs/lowbit_cache.py), so the first 32 characters are the float
+    """Its most recent tokens are exact (model/caches/lowbit.py), so the first 32 characters are the float
     cache's; the summary names the cache and its size."""
     common = ["--checkpoint", checkpoint, "--prompt", PROMPT, "--temperature", 0, "--max-new-tokens", NEW_TOKENS]
     plain = sample_ok(*common).stdout

@@ -1,7 +1,7 @@
 """sample.py's many-request and saved-cache features, end to end: a conversation saved with its KV cache and taken
 up again (runtime/session.py, --session) goes on exactly as the uninterrupted one, reading only the new line, and
 another model's file or a damaged one is refused; --each-line continues every line of a file over one pool of
-blocks (model/labs/engine.py), each as it would be alone."""
+blocks (model/serving/engine.py), each as it would be alone."""
 
 import re
 import subprocess
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from model import GREEDY, generate
-from model.labs.conversation import Conversation
+from model.serving.conversation import Conversation
 from runtime.checkpoint import load_model, save_checkpoint
 from runtime.session import SessionError, load_session, save_session
 from test_sample import ENV, SAMPLE, SEPARATOR, VOCAB, assert_usage_error, checkpoint_state, tiny_model

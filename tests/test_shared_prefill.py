@@ -11,7 +11,7 @@ from model.gpt import POSITIONS
 from tiny_models import BLOCK_SIZE, random_model, random_tokens
 
 N_SAMPLES = 4
-generate_module = importlib.import_module("model.labs.generate")  # `model.labs.generate` is also the function's name
+generate_module = importlib.import_module("model.decoding.generate")  # `model.decoding.generate` is also the function's name
 
 
 def sample_rows(model, prompt, n_new, cache_dtype=None):

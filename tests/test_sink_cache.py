@@ -1,4 +1,4 @@
-"""Attention sinks and the sliding window (model/labs/sink_cache.py): cached decoding against a forward written out
+"""Attention sinks and the sliding window (model/caches/sinks.py): cached decoding against a forward written out
 here, with StreamingLLM's positions within the cache, past many wraps of the ring; the full budget against the
 full cache; the settings that cannot work."""
 
@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from model import GREEDY, generate
-from model.labs.generate import generate_tokens
-from model.labs.sink_cache import new_sink_cache
+from model.decoding.generate import generate_tokens
+from model.caches.sinks import new_sink_cache
 from tiny_models import random_model, random_tokens
 
 

@@ -6,12 +6,12 @@ import copy
 import pytest
 import torch
 
-import model.labs.speculative as speculative
+import model.serving.speculative as speculative
 from model import GPT, GREEDY, Sampling, generate
-from model.labs.cached_text import CachedText
+from model.decoding.cached_text import CachedText
 from model.gpt import POSITIONS
-from model.labs.ngram_draft import NGramTable
-from model.labs.speculative import PromptLookup, SpeculativeStats, speculative_generate
+from model.serving.ngram_draft import NGramTable
+from model.serving.speculative import PromptLookup, SpeculativeStats, speculative_generate
 from tiny_models import BLOCK_SIZE, VOCAB, random_model, random_tokens, tiny_config
 
 PROMPT_LEN = 5
@@ -380,7 +380,7 @@ def test_a_rotary_model_continues_a_long_prompt_from_the_tokens_that_can_still_m
 
 
 def test_a_conversation_with_a_rotary_model_reads_a_long_line_from_the_tokens_that_can_still_matter(monkeypatch):
-    from model.labs.conversation import Conversation
+    from model.serving.conversation import Conversation
     model = random_model(pos_emb="rope")
     span = model.config.n_layer * (model.config.block_size - 1) + 1
     line = random_tokens(1, 30 * span, seed=4)[0].tolist()
@@ -418,7 +418,7 @@ def test_the_ngram_draft_gives_the_counts_that_followed_the_longest_ending_seen_
 def test_the_ngram_draft_draws_each_proposal_from_q_after_its_text_met_before_or_new(order):
     """Round after round, on a text whose contexts recur: each proposal's q is the definition's after the text and
     the proposals before it, whether the draft has looked that context up before or not."""
-    from model.labs.ngram_draft import NGramDraft
+    from model.serving.ngram_draft import NGramDraft
     vocab, min_count, g = 4, 2, torch.Generator().manual_seed(1)
     text = torch.randint(0, vocab, (300,), generator=g).tolist()
     draft = NGramDraft(NGramTable(text, vocab, order=order, min_count=min_count), Sampling(temperature=1.0), g,
@@ -433,7 +433,7 @@ def test_the_ngram_draft_draws_each_proposal_from_q_after_its_text_met_before_or
 
 
 def test_the_ngram_draft_proposes_its_likeliest_tokens_when_greedy_and_draws_from_q_when_sampling():
-    from model.labs.ngram_draft import NGramDraft
+    from model.serving.ngram_draft import NGramDraft
     table = NGramTable([0, 1, 2] * 10, 3, order=2)
     assert NGramDraft(table, GREEDY, None, "cpu").propose([2, 0], 4) == ([1, 2, 0, 1], None)
     proposals, q = NGramDraft(table, Sampling(temperature=1.0), torch.Generator().manual_seed(0),

@@ -26,7 +26,7 @@ from tensorboard.summary.writer import event_file_writer
 
 import train
 from model import GPT
-from model.labs.attention_weights import attention_weights
+from model.measuring.attention_weights import attention_weights
 from test_train import config
 from runtime.checkpoint import load_model
 import training.summaries

@@ -28,7 +28,7 @@ from torch.utils.tensorboard.summary import image
 from data import CharVocab
 from model import GPT, Sampling, generate
 from model.gpt import POSITIONS
-from model.labs.attention_weights import attention_weights
+from model.measuring.attention_weights import attention_weights
 from runtime.devices import RESOLVED_PRECISIONS
 
 from .config import DECAYS, OPTIMIZERS

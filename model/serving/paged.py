@@ -8,7 +8,7 @@ again (a prefix cache). A full block is never written again, so sharing it is sa
 it stays cached until the pool needs it, the least recently used first.
 
 A forward pass reads each sequence through its table (PagedPass): the model sees it as a cache, with one row per
-sequence, each row's keys gathered from its blocks and masked past its own length. model/labs/engine.py schedules
+sequence, each row's keys gathered from its blocks and masked past its own length. model/serving/engine.py schedules
 requests over the pool.
 """
 
@@ -17,8 +17,8 @@ from collections import OrderedDict
 
 import torch
 
-from .int8_cache import KV_SCALE_DTYPE, Quantized
-from .quantize import quantize_int8
+from ..caches.int8 import KV_SCALE_DTYPE, Quantized
+from ..decoding.quantize import quantize_int8
 
 
 def chain_hash(parent: bytes, tokens) -> bytes:
@@ -36,7 +36,7 @@ class BlockPool:
         device = next(model.parameters()).device
         self.dtype = model.attention_dtype  # what attention computes in
         # name: per layer (slots, n_kv_head, width), one slot per row, for index_copy_ and gathers. int8 keys and
-        # values keep a scale per slot and head beside them (int8_cache.py)
+        # values keep a scale per slot and head beside them (model/caches/int8.py)
         self.buffers = {name: [torch.zeros(slots, heads, 1 if name.endswith("scale") else width, device=device,
                                            dtype=KV_SCALE_DTYPE if name.endswith("scale") else
                                            torch.int8 if int8 else self.dtype) for _ in range(shape["n_kv_layer"])]
@@ -112,8 +112,8 @@ class PagedLayer:
         return self.read()
 
     def read(self):
-        """Each row's keys and values, (B, n_kv, L, hs): for layers that share another's (shared_kv.py). int8 ones
-        come with their scales, as Quantized (int8_cache.py)."""
+        """Each row's keys and values, (B, n_kv, L, hs): for layers that share another's (model/designs/shared_kv.py). int8 ones
+        come with their scales, as Quantized (model/caches/int8.py)."""
         b = self.batch
         B, n = b.table.shape
         bt = b.pool.block_tokens  # whole blocks at once: each a contiguous run of slots

@@ -12,7 +12,7 @@ retraining.
 Per token at batch 1 the blocks' matmuls read every weight once, so decoding on a CPU is bound by memory
 bandwidth: bf16 halves the bytes read and int8 quarters them. A converted model is for decoding only:
 an int8 model refuses train() and state_dict(), so that it is never trained or saved as if it were fp32.
-The int8 KV cache, which works with a model of any precision, is model/labs/int8_cache.py.
+The int8 KV cache, which works with a model of any precision, is model/caches/int8.py.
 """
 
 import torch

@@ -5,7 +5,7 @@ The slots are a ring: token t (counted since reset(), left padding included) goe
 cache holds the last max_len tokens. A token attends the slots holding itself and the `reach` - 1 tokens before
 it (reach: the model's block_size), never its row's left padding (a padding token sees only itself, so no query
 is left with no key). With learned positions generate() refills the cache before it would wrap
-(model/labs/generate.py). With rotary positions a score depends only on the distance between two tokens, so the
+(model/decoding/generate.py). With rotary positions a score depends only on the distance between two tokens, so the
 ring rolls on: the oldest token drops out of view, and every step feeds one token, with no refill.
 
 Which token each slot holds (attn_mask's `held`), for max_len 4 once tokens 0..5 are written (last = 5):
@@ -36,7 +36,7 @@ class RingKVCache(KVCache):
     """A KVCache whose slots are a ring, rows may start with left padding, and each query sees `reach` tokens."""
 
     compilable = True  # whether torch.compile can run a decode step through it
-    budgeted = False  # whether it keeps fewer tokens than block_size (sink_cache.py, evicting_cache.py)
+    budgeted = False  # whether it keeps fewer tokens than block_size (model/caches/sinks.py, model/caches/evicting.py)
 
     def __init__(self, n_kv_layer: int, batch_size: int, n_kv_head: int, max_len: int, head_dim: int,
                  dtype=torch.float32, device=None, reach: int | None = None, read_all_slots: bool = False):
@@ -143,7 +143,7 @@ def new_kv_cache(model, batch_size: int, max_len: int | None = None, dtype: torc
                  read_all_slots: bool = False) -> RingKVCache:
     """An empty cache for batch_size rows, on the model's device. max_len: its slots (default block_size; more let
     a chunk of tokens wrap the ring). dtype: the dtype attention computes in unless given; torch.int8 stores int8
-    keys and values (model/labs/int8_cache.py). read_all_slots: always read every slot through the mask."""
+    keys and values (model/caches/int8.py). read_all_slots: always read every slot through the mask."""
     for name, value in (("batch_size", batch_size), ("max_len", max_len)):
         if value is not None and not (is_integer(value) and value >= 1):
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -153,10 +153,10 @@ def new_kv_cache(model, batch_size: int, max_len: int | None = None, dtype: torc
     int8 = dtype == torch.int8  # an int8 cache's dtype argument is what attention computes in: shape's
     shape = shape if int8 else {**shape, "dtype": dtype}
     if model.config.local_window is not None:  # local layers keep their own, shorter ring
-        from .local_global import new_windowed_cache
+        from ..designs.local_global import new_windowed_cache
         return new_windowed_cache(model.config, shape, int8)
     if int8:
-        from .int8_cache import Int8KVCache
+        from ..caches.int8 import Int8KVCache
         return Int8KVCache(**shape)
     return RingKVCache(**shape)
 
@@ -165,9 +165,9 @@ def kv_cache_bytes(config, dtype: torch.dtype, max_len: int | None = None) -> in
     """Bytes a cache from new_kv_cache(model, 1, max_len, dtype) holds: keys and values for every layer that
     projects them (n_layer / kv_share), each head the cache holds (config.kv_cache_heads) and each slot. A layer
     has max_len slots (default block_size), a local one local_window + max_len - block_size
-    (model/labs/local_global.py). int8 adds one KV_SCALE_DTYPE scale per token and head to each."""
-    from .int8_cache import KV_SCALE_DTYPE
-    from .local_global import local_kv_layers
+    (model/designs/local_global.py). int8 adds one KV_SCALE_DTYPE scale per token and head to each."""
+    from ..caches.int8 import KV_SCALE_DTYPE
+    from ..designs.local_global import local_kv_layers
     max_len = max_len or config.block_size
     heads, width = config.kv_cache_heads
     per_slot = 2 * heads * (width * dtype.itemsize + (KV_SCALE_DTYPE.itemsize if dtype == torch.int8 else 0))

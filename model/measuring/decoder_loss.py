@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from ..gpt import GPT
-from .checks import is_integer
-from .generate import check_arguments, default_window, generate_tokens
-from .ring_cache import RingKVCache
+from ..decoding.checks import is_integer
+from ..decoding.generate import check_arguments, default_window, generate_tokens
+from ..decoding.ring_cache import RingKVCache
 
 
 class TeacherForcing:
@@ -63,7 +63,7 @@ def decoder_loss(model: GPT, tokens: torch.Tensor, *, prompt_len: int, cache: Ri
 def teacher_forced_loss(model: GPT, tokens: torch.Tensor, *, prompt_len: int, window: int | None = None,
                         chunk: int = 256) -> float:
     """decoder_loss's mean cross-entropy computed with full forwards, no cache, under the context rule that
-    generate_tokens follows (model/labs/generate.py): with rotary positions each layer attends its last block_size
+    generate_tokens follows (model/decoding/generate.py): with rotary positions each layer attends its last block_size
     tokens, so a logit depends on at most n_layer * (block_size - 1) tokens before it; with learned positions the
     context tokens[start:] jumps to the last `window` tokens whenever it would pass block_size."""
     c = model.config

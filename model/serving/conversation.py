@@ -18,10 +18,10 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from ..gpt import GPT
-from .cached_text import CachedText
-from .checks import is_integer
-from .generate import check_arguments
-from .sampling import GREEDY, Sampling, check_sampling
+from ..decoding.cached_text import CachedText
+from ..decoding.checks import is_integer
+from ..decoding.generate import check_arguments
+from ..decoding.sampling import GREEDY, Sampling, check_sampling
 
 
 class Conversation:
@@ -40,9 +40,9 @@ class Conversation:
         return self.text.tokens
 
     def decode_through(self, step) -> None:
-        """Take each one-token step through a compiled step (aot_step.py) made for text_cache(model)."""
+        """Take each one-token step through a compiled step (model/decoding/aot_step.py) made for text_cache(model)."""
         if not step.fits(self.text.cache):
-            raise ValueError("step must be a one-token step compiled for text_cache(model) (cached_text.py)")
+            raise ValueError("step must be a one-token step compiled for text_cache(model) (model/decoding/cached_text.py)")
         self.text.compiled = step
 
     def state(self) -> dict:

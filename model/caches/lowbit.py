@@ -1,4 +1,4 @@
-"""What a 4- or 2-bit KV cache adds to the ring (ring_cache.py), after KIVI (Liu et al., 2024).
+"""What a 4- or 2-bit KV cache adds to the ring (model/decoding/ring_cache.py), after KIVI (Liu et al., 2024).
 
 A few key channels carry large values for every token, while values vary from token to token. So keys are
 quantized per channel, over a group of `group` tokens, and values per token, over a group of `group` channels.
@@ -19,10 +19,10 @@ decoding): a rolled-back token has overwritten the full-precision copy of an old
 
 import torch
 
-from .checks import is_integer
-from .ring_cache import RingKVCache
+from ..decoding.checks import is_integer
+from ..decoding.ring_cache import RingKVCache
 
-LOW_BITS = (2, 4)  # 8 bits is the int8 cache (int8_cache.py)
+LOW_BITS = (2, 4)  # 8 bits is the int8 cache (model/caches/int8.py)
 LOWBIT_SCALE_DTYPE = torch.float16  # each group's scale and zero
 GROUP = 16  # tokens per group of keys, channels per group of values (at most residual)
 RESIDUAL = 16  # the most recent tokens, kept in full precision too (at most the cache's slots)

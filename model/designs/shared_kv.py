@@ -1,6 +1,6 @@
 """What shared layers add (cross-layer KV sharing, as in Brandon et al. 2024): each group of kv_share adjacent
 layers reads one set of keys and values. The group's first layer projects them, as the plain attention does
-(with grouped queries when n_kv_head < n_head, grouped.py); the others project queries only and read the first's.
+(with grouped queries when n_kv_head < n_head, model/designs/grouped.py); the others project queries only and read the first's.
 The cache holds one layer per group: n_layer / kv_share of them."""
 
 import functools
@@ -37,8 +37,8 @@ class SharedKVAttention(GroupedQueryAttention):
 
 def design_attention_layers(config) -> list[nn.Module]:
     """Each layer's attention for grouped queries (n_kv_head < n_head), shared layers (kv_share > 1), latent
-    attention (kv_latent, model/labs/latent.py), local layers (window_pattern, model/labs/local_global.py) and a
-    learned sink (model/labs/learned_sink.py)."""
+    attention (kv_latent, model/designs/latent.py), local layers (window_pattern, model/designs/local_global.py) and a
+    learned sink (model/designs/learned_sink.py)."""
     from .local_global import local_layers
     layers, first = [], None
     for i, local in enumerate(local_layers(config)):

@@ -1,5 +1,5 @@
-"""What an int8 KV cache adds to the ring (ring_cache.py): keys and values stored as int8, with one float32 scale
-per token and head (the absmax rule of the int8 weights, quantize.py), about a quarter of float32's bytes.
+"""What an int8 KV cache adds to the ring (model/decoding/ring_cache.py): keys and values stored as int8, with one float32 scale
+per token and head (the absmax rule of the int8 weights, model/decoding/quantize.py), about a quarter of float32's bytes.
 
 Attention reads them as they are stored and folds the scales into its sums, since q·(s k) = s (q·k) and
 Σ w (s v) = Σ (w s) v: the scales never touch a float copy of the cache. Eagerly on the CPU the int8 keys and
@@ -13,8 +13,8 @@ from typing import NamedTuple
 import torch
 
 from ..attention import causal_mask
-from .quantize import quantize_int8
-from .ring_cache import RingKVCache
+from ..decoding.quantize import quantize_int8
+from ..decoding.ring_cache import RingKVCache
 
 KV_SCALE_DTYPE = torch.float32  # an int8 cache's scales
 
@@ -93,7 +93,7 @@ def rows(t, r: slice):
 def int8_attention(q, k: Quantized, v: Quantized, mask=None, need_weights: bool = False, sink=None):
     """softmax(q (s k)ᵀ / √hs, masked) (s v) with the scales folded in: q (B, nh, T_q, hs); mask bool
     (broadcast to (B, nh, T_q, T_k)) or None for causal. A query with no key gets zeros. sink (nh,): a learned
-    sink's logits, a column of the softmax whose weight is dropped (model/labs/learned_sink.py).
+    sink's logits, a column of the softmax whose weight is dropped (model/designs/learned_sink.py).
     Returns (y (B, nh, T_q, hs_v), weights (B, nh, T_q, T_k) or None)."""
     (k, k_scale), (v, v_scale) = k, v
     B, nh, T_q, hs = q.shape

@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from ..attention import rotate
-from .checks import is_integer
+from ..decoding.checks import is_integer
 from .grouped import GroupedQueryAttention
 
 
@@ -61,7 +61,7 @@ def check_latent(config) -> None:
 
 class LatentAttention(GroupedQueryAttention):
     """Causal self-attention whose keys and values come from a cached latent per token. Decoding reads the latent
-    as one key/value head for every query head: grouped-query attention's one-token step (grouped.py)."""
+    as one key/value head for every query head: grouped-query attention's one-token step (model/designs/grouped.py)."""
 
     def __init__(self, config, kv_layer: int):
         super().__init__(config, kv_layer)
@@ -120,5 +120,5 @@ class LatentAttention(GroupedQueryAttention):
 
 
 def dequantized(t, dtype):
-    """A cache half as floats: an int8 cache's (values, scale) multiplied out (model/labs/int8_cache.py)."""
+    """A cache half as floats: an int8 cache's (values, scale) multiplied out (model/caches/int8.py)."""
     return t.values.to(dtype) * t.scale.to(dtype) if isinstance(t, tuple) else t

@@ -1,6 +1,6 @@
 """What the real decoding loop adds to greedy_decode (model/kv_cache.py): how each token is drawn (Sampling, in
-model/labs/sampling.py), ragged batches, many samples of one prompt and contexts longer than block_size. The loop
-stays outside the network; the cache it uses is model/labs/ring_cache.py's ring.
+model/decoding/sampling.py), ragged batches, many samples of one prompt and contexts longer than block_size. The loop
+stays outside the network; the cache it uses is model/decoding/ring_cache.py's ring.
 
     ids = generate(model, prompt, 200, sampling=Sampling(temperature=0.8, top_k=40))
     for next_ids in generate_tokens(model, prompt, 200, sampling=GREEDY):  # (B,) per step, as they come
@@ -8,7 +8,7 @@ stays outside the network; the cache it uses is model/labs/ring_cache.py's ring.
 
 Past block_size. The model attends at most block_size tokens back, so each row's context is seq[start:]:
 - Rotary positions (pos_emb="rope"): cached keys stay valid as the sequence grows, so the cache rolls on
-  (model/labs/ring_cache.py) and every step feeds one token, with no prefill ever repeated. Each layer attends its
+  (model/decoding/ring_cache.py) and every step feeds one token, with no prefill ever repeated. Each layer attends its
   last block_size tokens, so the last token still depends on up to n_layer * (block_size - 1) tokens before it,
   through the earlier layers: that is the context kept.
 - Learned positions: cached keys carry their absolute positions and cannot slide. When the next token would not
@@ -31,8 +31,8 @@ import torch
 
 from ..gpt import GPT, GPTConfig
 from .checks import is_integer
-from .int8_cache import Int8KVCache
-from .lowbit_cache import LowBitKVCache
+from ..caches.int8 import Int8KVCache
+from ..caches.lowbit import LowBitKVCache
 from .ring_cache import RingKVCache
 from .sampling import Sampling
 
@@ -60,7 +60,7 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampl
     tokens kept when the context passes block_size, for learned positions (see the module's docstring). n_pad:
     left padding per row. use_cache=False recomputes the whole context at every step; cache is a RingKVCache to
     reuse (from model.new_kv_cache), and compile torch.compiles the one-token step; step: a compiled step to take
-    one-token steps through instead (aot_step.py). Each needs the cache. Arguments that cannot work are a
+    one-token steps through instead (model/decoding/aot_step.py). Each needs the cache. Arguments that cannot work are a
     ValueError naming the argument.
     """
     block_size = model.config.block_size
@@ -211,7 +211,7 @@ def check_cache(model: GPT, cache, batch_size: int) -> None:
     c = model.config
     if not isinstance(cache, RingKVCache):
         raise ValueError(f"cache must be a RingKVCache from model.new_kv_cache, got {type(cache).__name__}")
-    local = getattr(cache, "local", None)  # the local layers' ring (model/labs/local_global.py)
+    local = getattr(cache, "local", None)  # the local layers' ring (model/designs/local_global.py)
     layers = len(cache.k) + (len(local.k) if local is not None else 0)
     heads, head_dim = cache.k[0].size(1), cache.head_dim
     window = local.reach if local is not None else None

@@ -1,10 +1,10 @@
-"""What a cache of a fixed budget of slots shares, whichever tokens it keeps (sink_cache.py keeps the first and the
-last, evicting_cache.py those its heads choose): rows that start together, a first chunk that fills it, then one
+"""What a cache of a fixed budget of slots shares, whichever tokens it keeps (model/caches/sinks.py keeps the first and the
+last, model/caches/evicting.py those its heads choose): rows that start together, a first chunk that fills it, then one
 token per pass, eagerly, and no rollback."""
 
 import torch
 
-from .ring_cache import RingKVCache
+from ..decoding.ring_cache import RingKVCache
 
 
 class BudgetKVCache(RingKVCache):

@@ -1,4 +1,4 @@
-"""Many requests over one pool of KV blocks (paged.py): continuous batching, a prefix cache, chunked prefill and
+"""Many requests over one pool of KV blocks (model/serving/paged.py): continuous batching, a prefix cache, chunked prefill and
 preemption, after vLLM and nano-vllm.
 
     engine = Engine(model, n_blocks=64, block_tokens=8)
@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .checks import is_integer
+from ..decoding.checks import is_integer
 from .paged import BlockPool, PagedPass, chain_hash
-from .sampling import GREEDY, Sampling
+from ..decoding.sampling import GREEDY, Sampling
 
 
 @dataclass
@@ -76,7 +76,7 @@ class Engine:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         check_servable(model)
         self.model, self.sampling, self.generator, self.keep_logits = model, sampling, generator, keep_logits
-        self.pool = BlockPool(model, n_blocks, block_tokens, int8)  # int8: keys and values in int8 (int8_cache.py)
+        self.pool = BlockPool(model, n_blocks, block_tokens, int8)  # int8: keys and values in int8 (model/caches/int8.py)
         self.max_batch, self.chunk = max_batch, chunk
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in the order they joined

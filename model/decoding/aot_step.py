@@ -13,7 +13,7 @@ every model of its shape and precision, and it sees a later load_state_dict.
     ids = generate(model, prompt, 500, cache=cache, step=step)     # one-token steps through the compiled step
 
 export_step(model, cache, tokens=k + 1) compiles a pass of 1 to k + 1 tokens per row instead, the count an input
-of the compiled code: speculative decoding's verification (model/labs/speculative.py), whose drafts may be
+of the compiled code: speculative decoding's verification (model/serving/speculative.py), whose drafts may be
 shorter than k.
 """
 

@@ -1,4 +1,4 @@
-"""What eviction adds to a cache of a fixed budget (sink_cache.py keeps fixed tokens): each layer's key/value
+"""What eviction adds to a cache of a fixed budget (model/caches/sinks.py keeps fixed tokens): each layer's key/value
 heads keep the tokens their attention scores say matter, and drop one per step once full.
 
     cache = new_evicting_cache(model, batch_size=1, policy="h2o", budget=32)
@@ -22,8 +22,8 @@ import math
 import torch
 
 from ..attention import causal_mask
-from .budget_cache import BudgetKVCache
-from .checks import is_integer
+from .budget import BudgetKVCache
+from ..decoding.checks import is_integer
 
 
 class H2O:

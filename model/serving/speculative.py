@@ -10,7 +10,7 @@ At batch 1 a decoding step reads every weight to make one token; a verification 
 k + 1 tokens: the draft's proposals that the model keeps, and one token of the model's own after them.
 
 Drafts: another GPT with the same vocabulary (smaller, so cheaper; it keeps its own cache, rolled back alike),
-an NGramTable of a text's counts (model/labs/ngram_draft.py: a table lookup per token, with a distribution), or
+an NGramTable of a text's counts (model/serving/ngram_draft.py: a table lookup per token, with a distribution), or
 PromptLookup, which proposes what followed the latest earlier occurrence of the text's last few tokens and costs
 nothing. Greedy (temperature 0) keeps draft tokens while they equal the model's argmax: the text is the model's
 own greedy text. Sampling keeps draft token x, drawn from the draft's q, with probability min(1, p(x) / q(x)),
@@ -31,11 +31,11 @@ from dataclasses import dataclass
 import torch
 
 from ..gpt import GPT
-from .checks import is_integer
-from .cached_text import CachedText
-from .generate import check_arguments
+from ..decoding.checks import is_integer
+from ..decoding.cached_text import CachedText
+from ..decoding.generate import check_arguments
 from .ngram_draft import NGramDraft, NGramTable
-from .sampling import GREEDY, Sampling, check_sampling
+from ..decoding.sampling import GREEDY, Sampling, check_sampling
 
 
 @dataclass
@@ -177,8 +177,8 @@ def speculative_generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *,
     per model pass. draft: a GPT with the model's vocabulary (in eval mode, on its device), an NGramTable of its
     vocabulary, or PromptLookup().
     window: as in generate, for learned positions (the model's; a draft model keeps its default). stats: a
-    SpeculativeStats to fill. verify_pass: a compiled pass of up to k + 1 tokens (aot_step.py) for caches like
-    text_cache(model, k) (cached_text.py), which takes every pass after the prompt's, shorter drafts' too.
+    SpeculativeStats to fill. verify_pass: a compiled pass of up to k + 1 tokens (model/decoding/aot_step.py) for caches like
+    text_cache(model, k) (model/decoding/cached_text.py), which takes every pass after the prompt's, shorter drafts' too.
     Arguments that cannot work are a ValueError naming the argument.
     """
     check_arguments(model, idx, max_new_tokens, window)
@@ -207,7 +207,7 @@ def speculative_generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *,
     if verify_pass is not None:
         if not verify_pass.fits(target.cache, k + 1):
             raise ValueError(f"verify_pass must be compiled for passes of up to k + 1 = {k + 1} tokens through "
-                             f"text_cache(model, {k}) (model/labs/cached_text.py)")
+                             f"text_cache(model, {k}) (model/decoding/cached_text.py)")
         target.compiled = verify_pass
     stats.cache_bytes = target.cache.nbytes + proposer.cache_bytes
     made = 0

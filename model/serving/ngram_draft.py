@@ -1,6 +1,6 @@
 """A draft for speculative decoding that costs a table lookup, not a model: how often each token followed each
 context of up to `order` tokens in a text (the training text). It carries its distribution q, so sampled text
-can be speculated as well as greedy text (model/labs/speculative.py).
+can be speculated as well as greedy text (model/serving/speculative.py).
 
     table = NGramTable(train_tokens, vocab_size=65)
     speculative_generate(model, prompt, 500, draft=table, k=4, sampling=Sampling(temperature=0.8))
@@ -16,8 +16,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from .checks import is_integer
-from .sampling import Sampling
+from ..decoding.checks import is_integer
+from ..decoding.sampling import Sampling
 
 
 class NGramTable:

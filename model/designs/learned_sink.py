@@ -6,7 +6,7 @@ own weight dropped.
 
 The sink is a parameter, never cached: every cache path serves it as is. Attention is written out here (the
 scores, a column for the sink, softmax), since SDPA takes no extra column; an int8 cache's attention takes the same
-column (model/labs/int8_cache.py).
+column (model/caches/int8.py).
 """
 
 import math
@@ -37,7 +37,7 @@ def sink_attention(q, k, v, mask, sink, dropout_p: float = 0.0):
 
 
 class LearnedSink:
-    """Mixed into an attention class (model/labs/shared_kv.py): a trained sink logit per head."""
+    """Mixed into an attention class (model/designs/shared_kv.py): a trained sink logit per head."""
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
@@ -45,7 +45,7 @@ class LearnedSink:
 
     def attend(self, q, k, v, attn_mask):
         if isinstance(k, tuple):  # an int8 cache's keys and values with their scales
-            from .int8_cache import int8_attention
+            from ..caches.int8 import int8_attention
             return int8_attention(q, k, v, attn_mask, sink=self.sink)[0]
         dropout_p = self.attn_dropout if self.training else 0.0
         with torch.autocast(q.device.type, enabled=False):  # in q's dtype, as the plain attention computes

@@ -18,15 +18,15 @@ def keeping_weights(model):
 
     def explicit(q, k, v, attn_mask):
         mask = causal_mask(q.size(2), k.size(2), q.device) if attn_mask is None else attn_mask
-        group = q.size(1) // k.size(1)  # query heads per key/value head (model/labs/grouped.py)
+        group = q.size(1) // k.size(1)  # query heads per key/value head (model/designs/grouped.py)
         k, v = (t.to(q.dtype).repeat_interleave(group, dim=1) for t in (k, v))
         w = (q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))).masked_fill(~mask, float("-inf")).softmax(-1)
         weights.append(w)
         return w @ v
 
-    def with_sink(sink):  # a learned sink's weights sum to less than 1 (model/labs/learned_sink.py)
+    def with_sink(sink):  # a learned sink's weights sum to less than 1 (model/designs/learned_sink.py)
         def explicit_with_sink(q, k, v, attn_mask):
-            from .learned_sink import sink_attention
+            from ..designs.learned_sink import sink_attention
             y, w = sink_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask, sink)
             weights.append(w)
             return y

@@ -1,4 +1,4 @@
-"""What attention sinks add to the ring (ring_cache.py), after StreamingLLM (Xiao et al., 2023): a cache of a fixed
+"""What attention sinks add to the ring (model/decoding/ring_cache.py), after StreamingLLM (Xiao et al., 2023): a cache of a fixed
 budget that keeps the first `sinks` tokens of a text and a ring of its last `window` tokens, for generation of any
 length. sinks=0 is the plain sliding window of the same budget.
 
@@ -21,8 +21,8 @@ cannot roll back.
 import torch
 
 from ..attention import rotary, rotate
-from .budget_cache import BudgetKVCache
-from .checks import is_integer
+from .budget import BudgetKVCache
+from ..decoding.checks import is_integer
 
 SINKS = 4  # StreamingLLM's count: the first tokens kept by default
 

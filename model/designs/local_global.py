@@ -2,7 +2,7 @@
 a local layer attends only its last local_window tokens, and caches only those; a global layer attends block_size.
 
 model.window_pattern is tiled over the layers from the first: "LLG" makes layers 2, 5, 8 ... global and the rest
-local. A local layer's cache is a ring of local_window slots, whose reach is local_window (model/labs/ring_cache.py),
+local. A local layer's cache is a ring of local_window slots, whose reach is local_window (model/decoding/ring_cache.py),
 beside the global layers' ring of block_size slots. WindowedKVCache keeps both and hands each layer its own view:
 LocalLayerKV, which carries the local ring's mask. Without a cache, or with the plain in-order KVCache, a local
 layer narrows the mask it is given to a band of local_window keys (causal_mask's reach).
@@ -13,9 +13,9 @@ from typing import NamedTuple
 import torch
 
 from ..attention import causal_mask
-from .checks import is_integer
-from .int8_cache import Int8KVCache
-from .ring_cache import RingKVCache
+from ..decoding.checks import is_integer
+from ..caches.int8 import Int8KVCache
+from ..decoding.ring_cache import RingKVCache
 
 LOCAL, GLOBAL = "L", "G"
 
@@ -68,7 +68,7 @@ class LocalLayerKV(NamedTuple):
 
 
 class LocalWindow:
-    """Mixed into an attention class (model/labs/shared_kv.py): attend only the last `window` tokens."""
+    """Mixed into an attention class (model/designs/shared_kv.py): attend only the last `window` tokens."""
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)

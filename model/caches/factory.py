@@ -4,20 +4,20 @@ makes each cache from its name.
     cache = new_cache(model, "h2o", batch_size=4, budget=32)
     ids = generate(model, prompt, 1_000, cache=cache)
 
-- float, int8: the ring (ring_cache.py), keys and values in attention's dtype or in int8 (int8_cache.py);
-- int4, int2: KIVI's low-bit caches (lowbit_cache.py);
+- float, int8: the ring (model/decoding/ring_cache.py), keys and values in attention's dtype or in int8 (model/caches/int8.py);
+- int4, int2: KIVI's low-bit caches (model/caches/lowbit.py);
 - budgeted, `budget` slots (default: half of block_size): window keeps the last tokens and sinks the first
-  SINKS and the last (sink_cache.py); for rotary models, h2o and tova let each head choose what goes
-  (evicting_cache.py), and merge folds what goes into what stays (merging_cache.py).
+  SINKS and the last (model/caches/sinks.py); for rotary models, h2o and tova let each head choose what goes
+  (model/caches/evicting.py), and merge folds what goes into what stays (model/caches/merging.py).
 """
 
 import torch
 
-from .checks import is_integer
-from .evicting_cache import POLICIES, new_evicting_cache
-from .lowbit_cache import LOW_BITS, new_lowbit_cache
-from .merging_cache import MergingKVCache, new_merging_cache
-from .sink_cache import SINKS, new_sink_cache
+from ..decoding.checks import is_integer
+from .evicting import POLICIES, new_evicting_cache
+from .lowbit import LOW_BITS, new_lowbit_cache
+from .merging import MergingKVCache, new_merging_cache
+from .sinks import SINKS, new_sink_cache
 
 LOWBIT = {f"int{bits}": bits for bits in LOW_BITS}
 BUDGETED = ("window", "sinks", *POLICIES, *MergingKVCache.policies)
@@ -32,7 +32,7 @@ def default_budget(model) -> int:
 def new_cache(model, name: str, batch_size: int, *, budget: int | None = None, read_all_slots: bool = False,
               **lowbit):
     """An empty cache `name` (CACHES) for batch_size rows of model. budget: a budgeted cache's slots. lowbit:
-    group and residual for int4 and int2 (lowbit_cache.py). read_all_slots: the ring's (ring_cache.py)."""
+    group and residual for int4 and int2 (model/caches/lowbit.py). read_all_slots: the ring's (model/decoding/ring_cache.py)."""
     if name not in CACHES:
         raise ValueError(f"unknown KV cache {name!r}: choose one of {', '.join(CACHES)}")
     if budget is not None and name not in BUDGETED:

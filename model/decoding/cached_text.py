@@ -1,7 +1,7 @@
 """One row of text and a model's KV cache over it, fed only as far as each call needs: what speculative decoding
-(model/labs/speculative.py) and a conversation (model/labs/conversation.py) build on.
+(model/serving/speculative.py) and a conversation (model/serving/conversation.py) build on.
 
-Past block_size it follows generate's rules (model/labs/generate.py): a rotary model's ring rolls on, and a
+Past block_size it follows generate's rules (model/decoding/generate.py): a rotary model's ring rolls on, and a
 learned-position model's context jumps forward to its last `window` tokens, its cache refilled. The tokens
 already fed stay in the cache until the text is cut back (truncate), which rolls the cache back past them.
 """
@@ -23,7 +23,7 @@ class CachedText:
     """tokens: the text, token ids, which callers extend; the cache holds tokens[start:fed].
 
     spare: slots beyond block_size, so that a chunk of up to spare + 1 tokens may cross the ring's end, and so
-    many may be rolled back after it has wrapped (see model/labs/ring_cache.py).
+    many may be rolled back after it has wrapped (see model/decoding/ring_cache.py).
     """
 
     def __init__(self, model: GPT, *, spare: int = 0, window: int | None = None):
@@ -33,7 +33,7 @@ class CachedText:
         self.rolling = model.config.pos_emb == "rope"  # the ring rolls on: the context never jumps
         self.span, self.window = context_limits(model.config, window)
         self.start = 0  # the context is tokens[start:]
-        self.compiled = None  # a compiled pass for this cache (aot_step.py): it takes every pass that fits it
+        self.compiled = None  # a compiled pass for this cache (model/decoding/aot_step.py): it takes every pass that fits it
 
     @property
     def fed(self) -> int:

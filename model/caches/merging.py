@@ -1,4 +1,4 @@
-"""What merging adds to eviction (evicting_cache.py): the token a head drops is not lost, but averaged into the
+"""What merging adds to eviction (model/caches/evicting.py): the token a head drops is not lost, but averaged into the
 kept key most like it. CaM (Zhang et al., 2024) and D2O (Wan et al., 2024) merge evicted tokens likewise.
 
     cache = new_merging_cache(model, batch_size=1, budget=32)
@@ -16,7 +16,7 @@ of block_size is still the full cache. Tokens merged into a slot stay while that
 import torch
 import torch.nn.functional as F
 
-from .evicting_cache import TOVA, EvictingKVCache, EvictingLayerKV, evicting_shape
+from .evicting import TOVA, EvictingKVCache, EvictingLayerKV, evicting_shape
 
 
 class ProtectedTOVA(TOVA):
