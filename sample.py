@@ -16,8 +16,8 @@ sample is written as it is generated (to a terminal token by token, elsewhere ev
 generated side by side are written one after another at the end. Ctrl-C writes what was generated and exits
 with status 130. A one-line summary (tokens, seconds, tokens/s, precision, the cache's size and dtype) ends
 stderr (with speculative decoding also the draft's acceptance rate and the tokens per model pass).
---interactive reads lines instead (runtime/sample_output.py: interact). A mistake in the command line or its
-inputs is one line on stderr with exit status 2 (runtime/sample_options.py checks them); an output that cannot
+--interactive reads lines instead (sampling/output.py: interact). A mistake in the command line or its
+inputs is one line on stderr with exit status 2 (sampling/options.py checks them); an output that cannot
 be written (a full disk) is one line with status 1; a reader that stops early (`| head`) ends sampling quietly.
 """
 
@@ -37,15 +37,15 @@ from model.serving.engine import check_servable
 from model.decoding.generate import check_arguments
 from model.serving.ngram_draft import NGramTable
 from model.serving.speculative import PromptLookup, SpeculativeStats, speculative_generate
-from runtime.compiled_step import COMPILE_PAYS_AFTER, DEVICES as STEP_DEVICES, has_compiled_step, load_or_compile_step
+from sampling.compiled_step import COMPILE_PAYS_AFTER, DEVICES as STEP_DEVICES, has_compiled_step, load_or_compile_step
 from runtime.checkpoint import find_latest_checkpoint, load_model, resolve_checkpoint, trained_on, training_text
 from runtime.devices import DEFAULT_THREADS, choose_device, environment_threads, fastest_threads, thread_counts
 from runtime.errors import (CheckpointError, UsageError, check_standard_streams, fail, mistakes, one_line,
                             silence)
-from runtime.sample_options import (MAX_NEW_TOKENS, build_parser, cache_for, check_memory, check_options,
+from sampling.options import (MAX_NEW_TOKENS, build_parser, cache_for, check_memory, check_options,
                                     drafts_per_pass, encode_prompt, read_prompt)
-from runtime.sample_output import continue_lines, interact, take_up, write_samples, checked
-from runtime.session import save_session
+from sampling.output import continue_lines, interact, take_up, write_samples, checked
+from sampling.session import save_session
 
 CHUNK = 64  # tokens read back from the device at once when the output is no terminal: each read is a sync
 DECODE_TIMED = 16  # tokens decoded at each thread count to choose the fastest

@@ -14,7 +14,7 @@ drifts moves both alike.
 Greedy speculative text is checked against plain greedy text; sampled text differs by design (the same
 distribution, other draws), so at 0.8 the acceptance rate and the tokens per model pass are what to read.
 --compiled: plain decoding takes its one-token steps, and speculative decoding verifies every draft, through
-passes compiled ahead of time (model/decoding/aot_step.py), loaded or first compiled by runtime/compiled_step.py.
+passes compiled ahead of time (model/decoding/aot_step.py), loaded or first compiled by sampling/compiled_step.py.
 
 The ceiling: the classic shape (conf/model/classic.yaml), random weights, fp32, batch 1, a context of --context
 tokens in a rotary model's cache with k spare slots: one cached pass over k + 1 = 9 tokens against a one-token step.
@@ -38,7 +38,7 @@ from model.decoding.cached_text import text_cache  # noqa: E402
 from model.serving.ngram_draft import NGramTable  # noqa: E402
 from model.serving.speculative import PromptLookup, SpeculativeStats, speculative_generate  # noqa: E402
 from runtime.checkpoint import existing_checkpoint, load_model, training_text  # noqa: E402
-from runtime.compiled_step import load_or_compile_step  # noqa: E402
+from sampling.compiled_step import load_or_compile_step  # noqa: E402
 from runtime.errors import OneLineErrorParser, positive_int  # noqa: E402
 
 BENCH_PROMPT = "ROMEO:"

@@ -6,7 +6,7 @@
 - eager: model.decode_step as written (model/gpt.py);
 - torch.compile: generate(..., compile=True), which checks its guards and runs a Python wrapper at each call;
 - ahead of time: the step exported and built by AOTInductor (model/decoding/aot_step.py), loaded from
-  runtime/compiled_step.py's folder or compiled into it first (its compile time is printed).
+  sampling/compiled_step.py's folder or compiled into it first (its compile time is printed).
 Greedy, random weights, a 16-token prompt and 240 new tokens, batch 1 and 8; the bound is bench/decode.py's.
 Each repeat times every path in turn, so that the ratios compare paths under the same load: "x eager" is the
 median of the repeats' ratios. Median (min-max) of --repeats.
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.configs import MODEL_SHAPES, host, model_config, run_tool  # noqa: E402
 from bench.decode import NEW_TOKENS, PROMPT_LEN, fmt, matmul_bound  # noqa: E402
 from model import GPT, GREEDY, generate  # noqa: E402
-from runtime.compiled_step import load_or_compile_step  # noqa: E402
+from sampling.compiled_step import load_or_compile_step  # noqa: E402
 from runtime.errors import OneLineErrorParser, positive_int  # noqa: E402
 
 PATHS = ("eager", "torch.compile", "ahead of time")

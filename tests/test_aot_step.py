@@ -1,4 +1,4 @@
-"""The one-token step compiled ahead of time (model/decoding/aot_step.py, runtime/compiled_step.py): at every step it
+"""The one-token step compiled ahead of time (model/decoding/aot_step.py, sampling/compiled_step.py): at every step it
 gives the logits of a full forward over the same context, it reads the weights of the model it is bound to, and
 a step kept on disk is loaded, not compiled again, for that shape only."""
 
@@ -12,7 +12,7 @@ from model.decoding.aot_step import AotStep, export_step
 from model.decoding.cached_text import text_cache
 from model.serving.conversation import Conversation
 from model.serving.speculative import PromptLookup, SpeculativeStats, speculative_generate
-from runtime.compiled_step import has_compiled_step, load_or_compile_step, step_path
+from sampling.compiled_step import has_compiled_step, load_or_compile_step, step_path
 from tiny_models import BLOCK_SIZE, random_model, random_tokens
 
 ROWS, PROMPT = 2, 5

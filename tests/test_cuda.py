@@ -12,7 +12,7 @@ import torch
 from corpus import REPO
 from data import Batches
 from model import GREEDY, generate
-from runtime.compiled_step import load_or_compile_step
+from sampling.compiled_step import load_or_compile_step
 from test_train import TINY, data_overrides
 from tiny_models import BLOCK_SIZE, random_model, random_tokens
 

@@ -792,7 +792,7 @@ def test_a_reader_that_stops_early_ends_sampling_quietly(checkpoint):
 
 def test_a_reader_that_stops_early_ends_a_long_sample_promptly(checkpoint):
     """Like `| head -c 10`: a lone sample is written as it grows, so the closed pipe is noticed at once."""
-    # --no-compile: a generation this long would compile its step first (runtime/compiled_step.py)
+    # --no-compile: a generation this long would compile its step first (sampling/compiled_step.py)
     process = subprocess.Popen(sample_command(checkpoint, "--max-new-tokens", 10**8, "--no-compile"), env=ENV,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
@@ -1066,7 +1066,7 @@ def test_the_gpu_preset_compiled_trains_a_few_steps_at_a_tiny_size(tmp_path, dat
 def test_the_memory_check_counts_the_cache_the_decoder_really_builds(monkeypatch, kv_cache, draft):
     """The cache as the decoder builds it: in its dtype, with speculative decoding's spare slots for k drafts."""
     from model.decoding.quantize import to_precision
-    from runtime.sample_options import check_memory
+    from sampling.options import check_memory
 
     model = to_precision(random_model(), "bf16")
     spare = 3 if draft else 0

@@ -153,8 +153,8 @@ def test_requests_that_cannot_be_served_are_refused(prompt, new, fragment):
 
 @torch.no_grad()
 def test_a_prefix_saved_and_loaded_into_another_engine_is_read_not_computed(tmp_path):
-    """The blocks go through a file (runtime/session.py), and the request that reads them decodes as if alone."""
-    from runtime.session import load_session, save_session
+    """The blocks go through a file (sampling/session.py), and the request that reads them decodes as if alone."""
+    from sampling.session import load_session, save_session
     model = random_model(block_size=BLOCK)
     preamble = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7]  # 3 full blocks of 4, then 2 tokens
     first = Engine(model, n_blocks=16, block_tokens=4)

@@ -337,7 +337,7 @@ def test_a_file_that_is_no_pickle_is_not_called_unsafe(tmp_path, make_file):
 
 def test_the_compiled_step_gives_the_same_text_and_is_kept(checkpoint, greedy, tmp_path):
     """--compile compiles the step once and says so; later runs take the kept step by default, and --no-compile
-    decodes eagerly. The text is the eager text each time (runtime/compiled_step.py)."""
+    decodes eagerly. The text is the eager text each time (sampling/compiled_step.py)."""
     env = {**ENV, "KVGPT_CACHE_DIR": str(tmp_path)}
     args = [sys.executable, str(SAMPLE), "--checkpoint", str(checkpoint), "--prompt", PROMPT, "--temperature", "0",
             "--max-new-tokens", str(NEW_TOKENS)]

@@ -1,5 +1,5 @@
 """sample.py's many-request and saved-cache features, end to end: a conversation saved with its KV cache and taken
-up again (runtime/session.py, --session) goes on exactly as the uninterrupted one, reading only the new line, and
+up again (sampling/session.py, --session) goes on exactly as the uninterrupted one, reading only the new line, and
 another model's file or a damaged one is refused; --each-line continues every line of a file over one pool of
 blocks (model/serving/engine.py), each as it would be alone."""
 
@@ -14,7 +14,7 @@ import torch
 from model import GREEDY, generate
 from model.serving.conversation import Conversation
 from runtime.checkpoint import load_model, save_checkpoint
-from runtime.session import SessionError, load_session, save_session
+from sampling.session import SessionError, load_session, save_session
 from test_sample import ENV, SAMPLE, SEPARATOR, VOCAB, assert_usage_error, checkpoint_state, tiny_model
 from tiny_models import random_model, random_tokens
 

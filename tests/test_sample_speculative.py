@@ -13,7 +13,7 @@ from data import CharVocab, prepare_text
 from model import GPT, GPTConfig, GREEDY, generate
 from model.serving.conversation import Conversation
 from runtime.checkpoint import build_checkpoint, load_model, save_checkpoint
-from runtime.sample_output import interact
+from sampling.output import interact
 from test_sample import (ENV, NEW_TOKENS, PROMPT, SAMPLE, TEXT, VOCAB, assert_usage_error, run_sample, sample_ok,
                          tiny_model)
 

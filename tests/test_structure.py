@@ -9,13 +9,13 @@ REPO = Path(__file__).resolve().parents[1]
 ENTRY_POINTS = {"train", "sample"}
 # what each layer may import from the project: model/ and data/ nothing above them, runtime/ both, training/ all three
 ALLOWED = {"model": {"model"}, "data": {"data"}, "runtime": {"model", "data", "runtime"},
-           "training": {"model", "data", "runtime", "training"},
-           "bench": {"model", "data", "runtime", "training", "bench"}}
+           "training": {"model", "data", "runtime", "training"}, "sampling": {"model", "data", "runtime", "sampling"},
+           "bench": {"model", "data", "runtime", "training", "sampling", "bench"}}
 
 
 def project_imports(path: Path) -> set[str]:
     """The top-level project packages and modules that a file imports."""
-    project = {"model", "data", "runtime", "training", "bench", *ENTRY_POINTS}
+    project = {"model", "data", "runtime", "training", "sampling", "bench", *ENTRY_POINTS}
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):

@@ -8,7 +8,7 @@ the model's: the compiled step reads them where they are (user-managed constants
 every model of its shape and precision, and it sees a later load_state_dict.
 
     program = export_step(model, cache)
-    package = torch._inductor.aoti_compile_and_package(program)   # runtime/compiled_step.py keeps it on disk
+    package = torch._inductor.aoti_compile_and_package(program)   # sampling/compiled_step.py keeps it on disk
     step = AotStep(torch._inductor.aoti_load_package(package), model, cache)
     ids = generate(model, prompt, 500, cache=cache, step=step)     # one-token steps through the compiled step
 

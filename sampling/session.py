@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .files import write_atomically
+from runtime.files import write_atomically
 
 FORMAT = "kvgpt-session-1"
 

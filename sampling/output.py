@@ -14,8 +14,8 @@ from data import CharVocab
 from model import GPT, Sampling
 from model.serving.conversation import Conversation
 from model.serving.engine import Engine
-from .errors import UsageError
-from .sample_options import encode_prompt
+from runtime.errors import UsageError
+from .options import encode_prompt
 from .session import SessionError, load_session
 
 SAMPLE_SEPARATOR = "---------------\n"

@@ -13,9 +13,9 @@ from model.caches.factory import BUDGETED, CACHES, EAGER, new_cache
 from model.decoding.quantize import DECODING_PRECISIONS
 from model.decoding.ring_cache import kv_cache_dtype
 from .compiled_step import COMPILE_PAYS_AFTER, DEVICES as STEP_DEVICES
-from .devices import memory_of
-from .errors import OneLineErrorParser, UsageError
-from .files import cannot_make_a_file_in
+from runtime.devices import memory_of
+from runtime.errors import OneLineErrorParser, UsageError
+from runtime.files import cannot_make_a_file_in
 
 MAX_NEW_TOKENS = 500  # --max-new-tokens's default
 MAX_GENERATOR_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "quantized when loaded (default: %(default)s)")
     cache.add_argument("--compile", action=argparse.BooleanOptionalAction,
                        help="decode through a one-token step compiled ahead of time for the model's shape "
-                            "(model/decoding/aot_step.py), kept under ~/.cache/kvgpt (runtime/compiled_step.py); "
+                            "(model/decoding/aot_step.py), kept under ~/.cache/kvgpt (sampling/compiled_step.py); "
                             "compiling takes a minute or less (default: when one is kept, or for "
                             f"--max-new-tokens of {COMPILE_PAYS_AFTER} or more)")
     parser.add_argument("--kv-cache", choices=CACHES, help="how keys and values are stored: in the dtype "

@@ -1,0 +1,2 @@
+"""What sample.py stands on: its options and their checks, how it writes text, saved sessions, and compiled
+decoding steps kept on disk. Knows nothing of training."""
