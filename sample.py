@@ -42,7 +42,7 @@ from runtime.checkpoint import find_latest_checkpoint, load_model, resolve_check
 from runtime.devices import DEFAULT_THREADS, choose_device, environment_threads, fastest_threads, thread_counts
 from runtime.errors import (CheckpointError, UsageError, check_standard_streams, fail, mistakes, one_line,
                             silence)
-from sampling.options import (MAX_NEW_TOKENS, build_parser, cache_for, check_memory, check_options,
+from sampling.options import (MAX_NEW_TOKENS, build_parser, cache_for, check_samples_fit_memory, check_options,
                                     drafts_per_pass, encode_prompt, read_prompt)
 from sampling.output import continue_lines, interact, take_up, write_samples, checked
 from sampling.session import save_session
@@ -126,7 +126,7 @@ def sample(args) -> None:
         args.max_new_tokens = model.config.block_size // 2 if args.each_line else MAX_NEW_TOKENS
     if args.each_line:
         check_each_line(args, model, prompt)
-    check_memory(args, len(prompt_ids), model, device)
+    check_samples_fit_memory(args, len(prompt_ids), model, device)
     draft = load_draft(args, model, vocab, contents, device) if args.draft else None
     threads = choose_threads(args, model, prompt_ids, device)  # before anything is timed or sampled
 

@@ -49,7 +49,7 @@ from training.runs import take_run_dir
 from training.signals import StopSignals, interrupt_on_signals
 from training.sizing import size_to_host
 from training.summaries import Summaries, report_thread_error
-from training.text import check_memory, fit_sample_prompt, prepare_data
+from training.text import check_training_fits_memory, fit_sample_prompt, prepare_data
 
 register()
 failed_jobs = []  # the exit statuses of a sweep's failed jobs
@@ -70,7 +70,7 @@ def main(cfg: DictConfig, run_dir, preset: str | None = None, named: set[str] | 
             torch.set_float32_matmul_precision("high")  # TF32 matmuls where bf16 autocast does not reach
         data = prepare_data(settings, resumed)
         settings, prompt_changed = fit_sample_prompt(settings, data)
-        check_memory(settings, len(data.vocab), device)
+        check_training_fits_memory(settings, len(data.vocab), device)
         settings, chosen, why = size_to_host(settings, named, data, device, world_size, started_at)
         model_config = dataclasses.replace(settings.model, vocab_size=len(data.vocab))
         torch.manual_seed(settings.train.seed + rank)  # dropout differs between processes, like their batches

@@ -164,7 +164,7 @@ def cache_for(args, model: GPT, rows: int):
 
 
 
-def check_memory(args, prompt_len: int, model, device: torch.device) -> None:
+def check_samples_fit_memory(args, prompt_len: int, model, device: torch.device) -> None:
     """Refuse up front samples whose KV cache (as the decoder builds it) and tokens (the int64 sequence it fills)
     would not fit, rather than run out of memory midway. Without the cache, the forward passes hold at least as
     much."""

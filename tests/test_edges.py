@@ -1066,7 +1066,7 @@ def test_the_gpu_preset_compiled_trains_a_few_steps_at_a_tiny_size(tmp_path, dat
 def test_the_memory_check_counts_the_cache_the_decoder_really_builds(monkeypatch, kv_cache, draft):
     """The cache as the decoder builds it: in its dtype, with speculative decoding's spare slots for k drafts."""
     from model.decoding.quantize import to_precision
-    from sampling.options import check_memory
+    from sampling.options import check_samples_fit_memory
 
     model = to_precision(random_model(), "bf16")
     spare = 3 if draft else 0
@@ -1078,10 +1078,10 @@ def test_the_memory_check_counts_the_cache_the_decoder_really_builds(monkeypatch
     for memory, fits in ((2 * need, True), (2 * need - 2, False)):  # sample.py may use half of it
         monkeypatch.setattr(os, "sysconf", lambda name: memory if name == "SC_PHYS_PAGES" else 1)
         if fits:
-            check_memory(args, 1, model, torch.device("cpu"))
+            check_samples_fit_memory(args, 1, model, torch.device("cpu"))
         else:
             with pytest.raises(UsageError, match="need 0.0 GiB of KV cache and tokens"):
-                check_memory(args, 1, model, torch.device("cpu"))
+                check_samples_fit_memory(args, 1, model, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("error, status, fragment", [

@@ -56,7 +56,7 @@ def fit_sample_prompt(settings, data: PreparedData) -> tuple:
         f"({missing}); each evaluation samples after the text's first line instead: {opening!r}")
 
 
-def check_memory(settings, vocab_size: int, device: torch.device) -> None:
+def check_training_fits_memory(settings, vocab_size: int, device: torch.device) -> None:
     """Refuse a model and batch that the device's memory cannot hold, before either is built."""
     tc = settings.train
     model_config = dataclasses.replace(settings.model, vocab_size=vocab_size)
