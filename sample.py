@@ -24,87 +24,24 @@ be written (a full disk) is one line with status 1; a reader that stops early (`
 import math
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-from data import CharVocab, DataError
-from model import GPT, Sampling, generate_tokens
+from model import Sampling, generate_tokens
 from model.caches.factory import EAGER
 from model.decoding.cached_text import text_cache
-from model.serving.conversation import Conversation
-from model.serving.engine import check_servable
 from model.decoding.generate import check_arguments
-from model.serving.ngram_draft import NGramTable
-from model.serving.speculative import PromptLookup, SpeculativeStats, speculative_generate
-from sampling.compiled_step import COMPILE_PAYS_AFTER, DEVICES as STEP_DEVICES, has_compiled_step, load_or_compile_step
-from runtime.checkpoint import find_latest_checkpoint, load_model, resolve_checkpoint, trained_on, training_text
-from runtime.devices import DEFAULT_THREADS, choose_device, environment_threads, fastest_threads, thread_counts
-from runtime.errors import (CheckpointError, UsageError, check_standard_streams, fail, mistakes, one_line,
-                            silence)
-from sampling.options import (MAX_NEW_TOKENS, build_parser, cache_for, check_samples_fit_memory, check_options,
-                                    drafts_per_pass, encode_prompt, read_prompt)
-from sampling.output import continue_lines, interact, take_up, write_samples, checked
-from sampling.session import save_session
+from model.serving.conversation import Conversation
+from model.serving.speculative import SpeculativeStats, speculative_generate
+from runtime.checkpoint import find_latest_checkpoint, load_model, resolve_checkpoint, trained_on
+from runtime.devices import choose_device
+from runtime.errors import UsageError, check_standard_streams, fail, mistakes, silence
+from sampling.options import (MAX_NEW_TOKENS, build_parser, cache_for, check_each_line, check_options,
+                              check_samples_fit_memory, drafts_per_pass, encode_prompt, read_prompt)
+from sampling.output import checked, continue_lines, interact, keep_session, take_up, write_samples
+from sampling.setup import choose_threads, kept_or_compiled_step, load_draft
 
 CHUNK = 64  # tokens read back from the device at once when the output is no terminal: each read is a sync
-DECODE_TIMED = 16  # tokens decoded at each thread count to choose the fastest
-
-
-def load_draft(args, model: GPT, vocab: CharVocab, contents: dict,
-               device: torch.device) -> GPT | NGramTable | PromptLookup:
-    if args.draft == "lookup":
-        return PromptLookup()
-    if args.draft == "ngram":
-        try:
-            data = training_text(contents)
-        except DataError as e:
-            raise UsageError(f"--draft ngram counts the text the checkpoint was trained on: {one_line(e)}; use "
-                             f"--draft lookup or a draft checkpoint") from None
-        return NGramTable(torch.from_numpy(data.train.astype("int64")), model.config.vocab_size)
-    try:
-        draft, draft_vocab, _ = load_model(resolve_checkpoint(Path(args.draft)), device, precision=args.precision)
-    except CheckpointError as e:
-        raise UsageError(f"--draft: {one_line(e)}") from None
-    if draft_vocab != vocab:
-        raise UsageError(f"--draft {args.draft} has another vocabulary ({len(draft_vocab)} characters) than the "
-                         f"checkpoint ({len(vocab)}): draft with a checkpoint trained on the same text")
-    return draft
-
-
-def choose_threads(args, model: GPT, prompt_ids: list[int], device: torch.device) -> int:
-    """Set torch's CPU threads to --threads, or to the count whose cached decoding is fastest now: on a busy
-    machine one thread can be several times faster than two (runtime/devices.py)."""
-    fixed = args.threads or environment_threads()
-    if fixed or device.type != "cpu" or len(thread_counts()) == 1:
-        torch.set_num_threads(fixed or DEFAULT_THREADS)
-        return fixed or DEFAULT_THREADS
-    idx = torch.tensor([prompt_ids[-DECODE_TIMED:]] * args.num_samples, device=device)
-
-    def decode():  # greedy: the timing draws nothing from the samples' generator
-        list(generate_tokens(model, idx, DECODE_TIMED, sampling=Sampling(temperature=0)))
-
-    return fastest_threads(decode, rounds=3)[0]
-
-
-def kept_or_compiled_step(args, model: GPT, cache, tokens: int = 1):
-    """The compiled pass of `tokens` tokens per row (one: the decoding step; more: speculative decoding's
-    verification) that --compile asks for, or by default one kept before, or one worth compiling for a long
-    generation; None: decode eagerly. Says on stderr which, and why."""
-    if args.compile is False or cache is None or args.kv_cache in EAGER or cache.device.type not in STEP_DEVICES:
-        return None
-    kept = has_compiled_step(model, cache, tokens)
-    if not (args.compile or kept or args.max_new_tokens >= COMPILE_PAYS_AFTER):
-        return None
-    what = "decoding step" if tokens == 1 else f"verification pass of up to {tokens} tokens"
-    if not kept:
-        print(f"compiling the {what} for this model's shape, once: a minute or less (--no-compile decodes "
-              f"eagerly)", file=sys.stderr)
-    try:
-        return load_or_compile_step(model, cache, tokens, say=lambda line: print(line, file=sys.stderr))
-    except Exception as e:  # noqa: BLE001  no C++ compiler, or one that fails: the eager step still decodes
-        print(f"compiling the {what} failed ({one_line(e)[:200]}); decoding eagerly", file=sys.stderr)
-        return None
 
 
 def sample(args) -> None:
@@ -226,30 +163,6 @@ def sample(args) -> None:
         f"tokens per model pass" if draft else ""
     print(f"{tokens} tokens in {seconds:.2f} s, {tokens / max(seconds, 1e-9):.1f} tokens/s at {args.precision}, "
           f"{cache_size} ({on}){speculated}", file=sys.stderr)
-
-
-def check_each_line(args, model, prompt: str) -> None:
-    """Refuse --each-line where the engine cannot continue the lines: too many tokens for the context, a model its
-    pool cannot serve, no line to continue."""
-    if not 1 <= args.max_new_tokens < model.config.block_size:
-        raise UsageError(f"--each-line draws 1 to block_size - 1 = {model.config.block_size - 1} tokens per line, "
-                         f"within the model's context; got --max-new-tokens {args.max_new_tokens}")
-    try:
-        check_servable(model)
-    except ValueError as e:
-        raise UsageError(f"--each-line: {e}; continue each line on its own, without --each-line") from None
-    if not prompt.strip():
-        raise UsageError("--each-line: --prompt-file has no line with characters in it to continue")
-
-
-def keep_session(session: Path, conversation: Conversation, checkpoint: Path, model) -> None:
-    """Save the conversation to session; a failed save leaves the file there as it was, and says so."""
-    try:
-        save_session(session, conversation.state(), checkpoint, model)
-    except OSError as e:  # a full disk, ...
-        raise OSError(f"cannot save the session to {session} ({e.strerror or e}); the file there is as it "
-                      f"was") from None
-    print(f"saved the session, {len(conversation.tokens)} tokens and their cache, to {session}", file=sys.stderr)
 
 
 def main(argv=None) -> None:

@@ -12,6 +12,7 @@ from model import GPT, kv_cache_bytes
 from model.caches.factory import BUDGETED, CACHES, EAGER, new_cache
 from model.decoding.quantize import DECODING_PRECISIONS
 from model.decoding.ring_cache import kv_cache_dtype
+from model.serving.engine import check_servable
 from .compiled_step import COMPILE_PAYS_AFTER, DEVICES as STEP_DEVICES
 from runtime.devices import memory_of
 from runtime.errors import OneLineErrorParser, UsageError
@@ -152,6 +153,20 @@ def check_options(args) -> None:
         for option, given in plain_decoding.items():
             if on and given:
                 raise UsageError(f"{option} applies to plain decoding, not to {mode}: drop one of them")
+
+
+def check_each_line(args, model, prompt: str) -> None:
+    """Refuse --each-line where the engine cannot continue the lines: too many tokens for the context, a model its
+    pool cannot serve, no line to continue."""
+    if not 1 <= args.max_new_tokens < model.config.block_size:
+        raise UsageError(f"--each-line draws 1 to block_size - 1 = {model.config.block_size - 1} tokens per line, "
+                         f"within the model's context; got --max-new-tokens {args.max_new_tokens}")
+    try:
+        check_servable(model)
+    except ValueError as e:
+        raise UsageError(f"--each-line: {e}; continue each line on its own, without --each-line") from None
+    if not prompt.strip():
+        raise UsageError("--each-line: --prompt-file has no line with characters in it to continue")
 
 
 def cache_for(args, model: GPT, rows: int):

@@ -1,5 +1,5 @@
 """How sample.py writes what the model generates: samples as they grow, the lines of a file continued side by
-side, and the interactive loop, whose conversation a session file takes up."""
+side, and the interactive loop, whose conversation a session file takes up and keeps."""
 
 import contextlib
 import itertools
@@ -16,7 +16,7 @@ from model.serving.conversation import Conversation
 from model.serving.engine import Engine
 from runtime.errors import UsageError
 from .options import encode_prompt
-from .session import SessionError, load_session
+from .session import SessionError, load_session, save_session
 
 SAMPLE_SEPARATOR = "---------------\n"
 EACH_LINE_BATCH, BLOCK_TOKENS = 16, 16  # --each-line: lines decoded at once, and tokens per block of the pool
@@ -146,3 +146,13 @@ def take_up(conversation: Conversation, session: Path, checkpoint: Path, model: 
     fed = conversation.text.fed
     print(f"took up {session}: {len(conversation.tokens)} tokens, {fed} of them cached; the next line is all the "
           f"model reads", file=sys.stderr)
+
+
+def keep_session(session: Path, conversation: Conversation, checkpoint: Path, model: GPT) -> None:
+    """Save the conversation to session; a failed save leaves the file there as it was, and says so."""
+    try:
+        save_session(session, conversation.state(), checkpoint, model)
+    except OSError as e:  # a full disk, ...
+        raise OSError(f"cannot save the session to {session} ({e.strerror or e}); the file there is as it "
+                      f"was") from None
+    print(f"saved the session, {len(conversation.tokens)} tokens and their cache, to {session}", file=sys.stderr)

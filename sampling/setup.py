@@ -1,0 +1,77 @@
+"""What sample.py sets up between loading the checkpoint and decoding: the draft that speculative decoding checks,
+the CPU threads and the compiled step."""
+
+import sys
+from pathlib import Path
+
+import torch
+
+from data import CharVocab, DataError
+from model import GPT, Sampling, generate_tokens
+from model.caches.factory import EAGER
+from model.serving.ngram_draft import NGramTable
+from model.serving.speculative import PromptLookup
+from runtime.checkpoint import load_model, resolve_checkpoint, training_text
+from runtime.devices import DEFAULT_THREADS, environment_threads, fastest_threads, thread_counts
+from runtime.errors import CheckpointError, UsageError, one_line
+from .compiled_step import COMPILE_PAYS_AFTER, DEVICES as STEP_DEVICES, has_compiled_step, load_or_compile_step
+
+DECODE_TIMED = 16  # tokens decoded at each thread count to choose the fastest
+
+
+def load_draft(args, model: GPT, vocab: CharVocab, contents: dict,
+               device: torch.device) -> GPT | NGramTable | PromptLookup:
+    """--draft: the prompt's own continuations (lookup), the training text's counts (ngram) or a checkpoint with
+    the checkpoint's vocabulary."""
+    if args.draft == "lookup":
+        return PromptLookup()
+    if args.draft == "ngram":
+        try:
+            data = training_text(contents)
+        except DataError as e:
+            raise UsageError(f"--draft ngram counts the text the checkpoint was trained on: {one_line(e)}; use "
+                             f"--draft lookup or a draft checkpoint") from None
+        return NGramTable(torch.from_numpy(data.train.astype("int64")), model.config.vocab_size)
+    try:
+        draft, draft_vocab, _ = load_model(resolve_checkpoint(Path(args.draft)), device, precision=args.precision)
+    except CheckpointError as e:
+        raise UsageError(f"--draft: {one_line(e)}") from None
+    if draft_vocab != vocab:
+        raise UsageError(f"--draft {args.draft} has another vocabulary ({len(draft_vocab)} characters) than the "
+                         f"checkpoint ({len(vocab)}): draft with a checkpoint trained on the same text")
+    return draft
+
+
+def choose_threads(args, model: GPT, prompt_ids: list[int], device: torch.device) -> int:
+    """Set torch's CPU threads to --threads, or to the count whose cached decoding is fastest now: on a busy
+    machine one thread can be several times faster than two (runtime/devices.py)."""
+    fixed = args.threads or environment_threads()
+    if fixed or device.type != "cpu" or len(thread_counts()) == 1:
+        torch.set_num_threads(fixed or DEFAULT_THREADS)
+        return fixed or DEFAULT_THREADS
+    idx = torch.tensor([prompt_ids[-DECODE_TIMED:]] * args.num_samples, device=device)
+
+    def decode():  # greedy: the timing draws nothing from the samples' generator
+        list(generate_tokens(model, idx, DECODE_TIMED, sampling=Sampling(temperature=0)))
+
+    return fastest_threads(decode, rounds=3)[0]
+
+
+def kept_or_compiled_step(args, model: GPT, cache, tokens: int = 1):
+    """The compiled pass of `tokens` tokens per row (one: the decoding step; more: speculative decoding's
+    verification) that --compile asks for, or by default one kept before, or one worth compiling for a long
+    generation; None: decode eagerly. Says on stderr which, and why."""
+    if args.compile is False or cache is None or args.kv_cache in EAGER or cache.device.type not in STEP_DEVICES:
+        return None
+    kept = has_compiled_step(model, cache, tokens)
+    if not (args.compile or kept or args.max_new_tokens >= COMPILE_PAYS_AFTER):
+        return None
+    what = "decoding step" if tokens == 1 else f"verification pass of up to {tokens} tokens"
+    if not kept:
+        print(f"compiling the {what} for this model's shape, once: a minute or less (--no-compile decodes "
+              f"eagerly)", file=sys.stderr)
+    try:
+        return load_or_compile_step(model, cache, tokens, say=lambda line: print(line, file=sys.stderr))
+    except Exception as e:  # noqa: BLE001  no C++ compiler, or one that fails: the eager step still decodes
+        print(f"compiling the {what} failed ({one_line(e)[:200]}); decoding eagerly", file=sys.stderr)
+        return None
