@@ -1,2 +1,3 @@
-"""What sample.py stands on: its options and their checks, what it sets up before decoding (setup), how it writes
-text, saved sessions, and compiled decoding steps kept on disk. Knows nothing of training."""
+"""What sample.py stands on: its options and their checks, what it sets up before decoding (setup), its four ways
+to decode (modes), how it writes text, saved sessions, and compiled decoding steps kept on disk. Knows nothing of
+training."""

@@ -1,5 +1,5 @@
 """What sample.py sets up between loading the checkpoint and decoding: the draft that speculative decoding checks,
-the CPU threads and the compiled step."""
+the CPU threads, the random generator and the compiled step."""
 
 import sys
 from pathlib import Path
@@ -55,6 +55,16 @@ def choose_threads(args, model: GPT, prompt_ids: list[int], device: torch.device
         list(generate_tokens(model, idx, DECODE_TIMED, sampling=Sampling(temperature=0)))
 
     return fastest_threads(decode, rounds=3)[0]
+
+
+def new_generator(device: torch.device, seed: int | None) -> torch.Generator:
+    """The samples' generator: seeded with --seed, else with a random seed."""
+    generator = torch.Generator(device)
+    if seed is None:
+        generator.seed()  # a new generator starts from the same fixed seed every time; draw a random one
+    else:
+        generator.manual_seed(seed)
+    return generator
 
 
 def kept_or_compiled_step(args, model: GPT, cache, tokens: int = 1):
