@@ -99,3 +99,13 @@ def test_the_default_suite_hides_the_gpu_from_itself_and_the_processes_it_starts
 
     import torch
     assert os.environ.get("CUDA_VISIBLE_DEVICES") == "" and not torch.cuda.is_available()
+
+
+def test_sample_py_holds_at_most_150_lines_and_no_function_over_40():
+    """sample.py is the entry's wiring, read in one sitting: its modes and helpers live in sampling/."""
+    source = (REPO / "sample.py").read_text()
+    assert len(source.splitlines()) <= 150
+    lengths = [(node.name, node.end_lineno - node.lineno + 1) for node in ast.walk(ast.parse(source))
+               if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    long = [(name, lines) for name, lines in lengths if lines > 40]
+    assert not long, f"sample.py's functions over 40 lines: {long}"
