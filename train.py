@@ -50,6 +50,7 @@ from training.signals import StopSignals, interrupt_on_signals
 from training.sizing import size_to_host
 from training.summaries import Summaries, report_thread_error
 from training.text import check_training_fits_memory, fit_sample_prompt, prepare_data
+from model import build_model
 
 register()
 failed_jobs = []  # the exit statuses of a sweep's failed jobs
@@ -74,7 +75,7 @@ def main(cfg: DictConfig, run_dir, preset: str | None = None, named: set[str] | 
         settings, chosen, why = size_to_host(settings, named, data, device, world_size, started_at)
         model_config = dataclasses.replace(settings.model, vocab_size=len(data.vocab))
         torch.manual_seed(settings.train.seed + rank)  # dropout differs between processes, like their batches
-        model = GPT(model_config).to(device)
+        model = build_model(model_config).to(device)
         used = {**settings.config, "model": dataclasses.asdict(model_config)}  # vocab_size filled in from the data
         with events(run_dir, OmegaConf.to_yaml(used), resumed, rank) as (summaries, begin):
             trainer = Trainer(settings, model, data, device, run_dir, summaries, resumed, rank, world_size,

@@ -29,6 +29,7 @@ from model import GPT, GREEDY, generate  # noqa: E402
 from model.decoding.quantize import DECODING_PRECISIONS, Int8Linear, to_precision  # noqa: E402
 from runtime.checkpoint import existing_checkpoint, load_model  # noqa: E402
 from runtime.errors import OneLineErrorParser, positive_int  # noqa: E402
+from model import build_model
 
 PROMPT_LEN = 16
 NEW_TOKENS = 240
@@ -119,7 +120,7 @@ def main() -> None:
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     torch.manual_seed(0)
-    fp32_state = GPT(model_config(args.shape)).state_dict()
+    fp32_state = build_model(model_config(args.shape)).state_dict()
     print(f"# decode benchmark: {host()}, torch {torch.__version__}, device {device}, {torch.get_num_threads()} "
           f"threads, {args.shape} "
           f"shape, prompt {PROMPT_LEN}, {NEW_TOKENS} new, greedy, median (min-max) of {args.repeats}"
@@ -129,7 +130,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     fp32_b1, profiles = None, []
     for precision in DECODING_PRECISIONS:
-        model = GPT(model_config(args.shape))
+        model = build_model(model_config(args.shape))
         model.load_state_dict(fp32_state)
         model = to_precision(model.to(device), precision)
         b1 = decode_rates(model, 1, args.repeats, sync, args.compile)

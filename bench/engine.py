@@ -26,6 +26,7 @@ from model import GPT, GREEDY, generate_tokens, kv_cache_bytes  # noqa: E402
 from model.serving.engine import Engine  # noqa: E402
 from runtime.checkpoint import existing_checkpoint, load_model, training_text  # noqa: E402
 from runtime.errors import OneLineErrorParser, UsageError, positive_int  # noqa: E402
+from model import build_model
 
 BLOCK_TOKENS = 16
 
@@ -94,7 +95,7 @@ def main() -> None:
         val = training_text(contents).vocab.decode(training_text(contents).val.tolist())
     else:
         data = shakespeare()
-        model, vocab, val = GPT(model_config("classic")).eval(), data.vocab, data.vocab.decode(data.val.tolist())
+        model, vocab, val = build_model(model_config("classic")).eval(), data.vocab, data.vocab.decode(data.val.tolist())
     block = model.config.block_size
     if args.new >= block:
         raise UsageError(f"--new {args.new} leaves no room for a prompt in block_size={block}")

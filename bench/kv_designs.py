@@ -42,6 +42,8 @@ from model.measuring.decoder_loss import decoder_loss, teacher_forced_loss  # no
 from model.decoding.generate import prefill  # noqa: E402
 from runtime.checkpoint import load_model  # noqa: E402
 from runtime.errors import OneLineErrorParser, positive_int  # noqa: E402
+from model.caches.factory import new_kv_cache
+from model import build_model
 
 STEPS = 16  # one-token steps timed after the prefill, the context growing from block_size - STEPS to block_size
 BATCHES = (1, 64)
@@ -105,22 +107,22 @@ def speed(args) -> None:
     for name, overrides, dtype in (CLASSIC[key] for key in dict.fromkeys(["mha", *args.designs])):
         torch.manual_seed(0)
         config = dataclasses.replace(model_config("classic"), **overrides)
-        model = GPT(config).eval()
+        model = build_model(config).eval()
         # static shapes: a step compiled for each batch size, as sample.py --compile compiles one for its batch
         step = torch.compile(model.decode_step, fullgraph=True, dynamic=False) if args.compile else None
         models[name] = (model, dtype, step)
     tok_s = {(name, b): [] for name in models for b in (*BATCHES, "bare")}
     for name, (model, dtype, step) in models.items():  # warm-up: allocations, kernel choice, compiling
         for b in BATCHES if args.compile else BATCHES[:1]:
-            decode_seconds(model, model.new_kv_cache(b, dtype=dtype), step)
+            decode_seconds(model, new_kv_cache(model, b, dtype=dtype), step)
     for _ in range(args.repeats):
         for b in BATCHES:
             for name, (model, dtype, step) in models.items():
-                tok_s[name, b].append(b * STEPS / decode_seconds(model, model.new_kv_cache(b, dtype=dtype), step))
+                tok_s[name, b].append(b * STEPS / decode_seconds(model, new_kv_cache(model, b, dtype=dtype), step))
         for name, (model, dtype, step) in models.items():  # eagerly, a context of 1-17 tokens costs next to nothing
             if not args.compile:
                 b = BATCHES[-1]
-                tok_s[name, "bare"].append(b * STEPS / decode_seconds(model, model.new_kv_cache(b, dtype=dtype),
+                tok_s[name, "bare"].append(b * STEPS / decode_seconds(model, new_kv_cache(model, b, dtype=dtype),
                                                                       prompt_len=1))
     print(f"# KV-cache designs, classic shape, random weights, fp32 weights, one-token steps "
           f"{'compiled (torch.compile)' if args.compile else 'eager'}: {host()}, torch {torch.__version__}, "
@@ -177,11 +179,11 @@ def train(args) -> None:
             seconds.append(took)
             model, _, _ = load_model(run_dir / "best.pt", "cpu")
             models.append(model)
-            cache = model.new_kv_cache(STREAMS, dtype=cache_dtype)
+            cache = new_kv_cache(model, STREAMS, dtype=cache_dtype)
             through.append(decoder_loss(model, streams, prompt_len=args.prompt_len, cache=cache))
             forced.append(teacher_forced_loss(model, streams, prompt_len=args.prompt_len))
         model = models[0]
-        tok_s = {b: [b * STEPS / decode_seconds(model, model.new_kv_cache(b, dtype=cache_dtype))
+        tok_s = {b: [b * STEPS / decode_seconds(model, new_kv_cache(model, b, dtype=cache_dtype))
                      for _ in range(args.repeats)] for b in BATCHES}
         timed = [s for s in seconds if s is not None]
         print(f"| {name} | {model.num_params():,} | {kv_cache_bytes_per_token(model.config, cache_dtype or torch.float32):,.0f} | "

@@ -33,6 +33,8 @@ from model import GPT, GREEDY, generate_tokens  # noqa: E402
 from model.decoding.quantize import DECODING_PRECISIONS, to_precision  # noqa: E402
 from runtime.checkpoint import existing_checkpoint, load_model  # noqa: E402
 from runtime.errors import OneLineErrorParser, positive_int  # noqa: E402
+from model.caches.factory import new_kv_cache
+from model import build_model
 
 ROLLING_NEW_TOKENS = 1024  # 240 inside the first block_size, 784 past it
 
@@ -54,7 +56,7 @@ def speed(precision: str, repeats: int) -> None:
     torch.manual_seed(0)
     learned_config = model_config("classic")
     rope_config = dataclasses.replace(learned_config, pos_emb="rope")
-    models = {name: to_precision(GPT(config), precision) for name, config in
+    models = {name: to_precision(build_model(config), precision) for name, config in
               (("rope", rope_config), ("learned", learned_config))}
     block = learned_config.block_size
     inside = block - PROMPT_LEN  # new tokens that fit in the first block_size
@@ -102,7 +104,7 @@ def rolling_quality(checkpoint: Path, stretches: int = 8, past: int = 512) -> No
     seq = torch.stack([val[s:s + length + 1] for s in starts])  # (stretches, length + 1): inputs and targets
     targets = seq[:, block:length + 1]  # the next token after each of the last `past` positions
 
-    cache = model.new_kv_cache(stretches)
+    cache = new_kv_cache(model, stretches)
     logits = [model.decode_step(seq[:, :block], cache)]
     logits += [model.decode_step(seq[:, t:t + 1], cache) for t in range(block, length)]
     rolling = F.cross_entropy(torch.stack(logits, dim=1).flatten(0, 1), targets.flatten()).item()

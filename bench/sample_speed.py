@@ -29,6 +29,7 @@ from model import GPT, GREEDY, generate  # noqa: E402
 from model.decoding.quantize import DECODING_PRECISIONS, to_precision  # noqa: E402
 from runtime.checkpoint import build_checkpoint, save_checkpoint  # noqa: E402
 from runtime.errors import OneLineErrorParser, positive_int  # noqa: E402
+from model import build_model
 
 VOCAB = CharVocab("\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")  # tiny_shakespeare's 65
 PROMPT = "First Citizen:\nB"
@@ -67,7 +68,7 @@ def main() -> None:
     assert len(PROMPT) == PROMPT_LEN
 
     torch.manual_seed(0)
-    model = GPT(model_config("classic", vocab_size=len(VOCAB))).eval()
+    model = build_model(model_config("classic", vocab_size=len(VOCAB))).eval()
     prompt = torch.tensor([VOCAB.encode(PROMPT)])
     decoded = to_precision(copy.deepcopy(model), args.precision)  # as sample.py converts what it loads
     run = lambda: generate(decoded, prompt, NEW_TOKENS, sampling=GREEDY)  # noqa: E731

@@ -40,6 +40,8 @@ from model.serving.speculative import PromptLookup, SpeculativeStats, speculativ
 from runtime.checkpoint import existing_checkpoint, load_model, training_text  # noqa: E402
 from sampling.compiled_step import load_or_compile_step  # noqa: E402
 from runtime.errors import OneLineErrorParser, positive_int  # noqa: E402
+from model.caches.factory import new_kv_cache
+from model import build_model
 
 BENCH_PROMPT = "ROMEO:"
 KS = (1, 2, 4, 8)
@@ -75,7 +77,7 @@ def paired_ratios(plain, speculative, n: int, repeats: int):
 def decoding_table(model, vocab, drafts: dict, n: int, repeats: int, compiled: bool) -> dict:
     """Print the table; return the verifying passes by k (compiled, else None)."""
     prompt = torch.tensor([vocab.encode(BENCH_PROMPT)])
-    cache = model.new_kv_cache(1)
+    cache = new_kv_cache(model, 1)
     step = load_or_compile_step(model, cache) if compiled else None
     verify_passes = {k: load_or_compile_step(model, text_cache(model, k), k + 1) if compiled else None for k in KS}
     print("| temperature | draft | k | acceptance | tokens per model pass | plain tok/s | speculative tok/s "
@@ -104,7 +106,7 @@ def decoding_table(model, vocab, drafts: dict, n: int, repeats: int, compiled: b
 def ceiling(context: int, k: int, repeats: int) -> None:
     """The classic shape, eager: one cached pass over k + 1 tokens against a one-token step."""
     torch.manual_seed(0)
-    model = GPT(dataclasses.replace(model_config("classic"), pos_emb="rope")).eval()
+    model = build_model(dataclasses.replace(model_config("classic"), pos_emb="rope")).eval()
     print_ceiling(f"the classic shape, rotary, random weights, fp32, eager, after {context} tokens", model,
                   lambda ids, cache: model(ids, cache=cache), context, k, repeats)
 

@@ -25,6 +25,8 @@ from bench.decode import NEW_TOKENS, PROMPT_LEN, fmt, matmul_bound  # noqa: E402
 from model import GPT, GREEDY, generate  # noqa: E402
 from sampling.compiled_step import load_or_compile_step  # noqa: E402
 from runtime.errors import OneLineErrorParser, positive_int  # noqa: E402
+from model.caches.factory import new_kv_cache
+from model import build_model
 
 PATHS = ("eager", "torch.compile", "ahead of time")
 
@@ -32,7 +34,7 @@ PATHS = ("eager", "torch.compile", "ahead of time")
 def runners(model, batch_size: int) -> dict:
     """Each path's generation of NEW_TOKENS tokens, warmed up (compiled) once."""
     prompt = torch.randint(0, model.config.vocab_size, (batch_size, PROMPT_LEN))
-    cache = model.new_kv_cache(batch_size)
+    cache = new_kv_cache(model, batch_size)
     start = time.perf_counter()
     step = load_or_compile_step(model, cache)
     print(f"  ahead of time, batch {batch_size}: loaded or compiled in {time.perf_counter() - start:.1f} s",
@@ -73,7 +75,7 @@ def main() -> None:
           f"{PROMPT_LEN}, {NEW_TOKENS} new, greedy, median (min-max) of {args.repeats}", flush=True)
     for shape in args.shape or ["small", "classic"]:
         torch.manual_seed(0)
-        model = GPT(model_config(shape)).eval()
+        model = build_model(model_config(shape)).eval()
         print(f"\n## {shape}: {model.num_params() / 1e6:.1f}M parameters", flush=True)
         rows, bound = {path: {} for path in PATHS}, None
         for batch_size in (1, 8):

@@ -25,6 +25,7 @@ from training.config import TRAINING_PRECISIONS, Settings  # noqa: E402
 from runtime.devices import keep_freed_memory  # noqa: E402
 from training.loop import Trainer  # noqa: E402
 from runtime.errors import OneLineErrorParser, positive_int  # noqa: E402
+from model import build_model
 
 SHAPES = {  # name: (overrides of the cpu preset, as on train.py's command line)
     "cpu preset": [],
@@ -38,7 +39,7 @@ def measure(shape: Settings, data: PreparedData, device: torch.device, warmup: i
     """tokens/s of `steps` training steps after `warmup` untimed ones (compiling, with train.compile), the
     seconds the warm-up took, and what train.precision resolved to (bf16 or fp32)."""
     torch.manual_seed(0)
-    model = GPT(dataclasses.replace(shape.model, vocab_size=len(data.vocab))).to(device)
+    model = build_model(dataclasses.replace(shape.model, vocab_size=len(data.vocab))).to(device)
     trainer = Trainer(shape, model, data, device, run_dir=None, summaries=None)  # nothing is saved
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     start = time.perf_counter()

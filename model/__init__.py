@@ -1,14 +1,20 @@
 """The model. The core, read first: attention.py, gpt.py and kv_cache.py (the plain path: one design, a float
-cache, one token per step). Each module in labs/ adds one idea to it. Knows nothing of files, configs or logging."""
+cache, one token per step). Beside it, each folder holds modules that add one idea each: decoding/ (the real
+decoding loop and its ring cache), designs/ (other attention designs), caches/ (other caches, and every cache by
+name), serving/ (many requests, speculation, conversations) and measuring/. Knows nothing of files, configs or
+logging."""
 
 from .attention import CausalSelfAttention, causal_mask
-from .gpt import GPT, GPTConfig
-from .kv_cache import KVCache, LayerKV, greedy_decode
+from .caches.factory import kv_cache_bytes, kv_cache_bytes_per_token, new_cache, new_kv_cache
 from .decoding.generate import generate, generate_tokens
-from .designs.multihead import MultiHeadAttention
-from .decoding.ring_cache import RingKVCache, kv_cache_bytes, kv_cache_bytes_per_token
+from .decoding.ring_cache import RingKVCache, Uncached
 from .decoding.sampling import GREEDY, Sampling
+from .designs.layers import build_model
+from .designs.multihead import MultiHeadAttention
+from .gpt import GPT, GPTConfig
+from .kv_cache import Abilities, Cache, CachePass, KVCache, LayerKV, greedy_decode
 
-__all__ = ["GPT", "GPTConfig", "GREEDY", "CausalSelfAttention", "KVCache", "LayerKV", "MultiHeadAttention",
-           "RingKVCache", "Sampling", "causal_mask", "generate", "generate_tokens", "greedy_decode",
-           "kv_cache_bytes", "kv_cache_bytes_per_token"]
+__all__ = ["Abilities", "Cache", "CachePass", "GPT", "GPTConfig", "GREEDY", "CausalSelfAttention", "KVCache",
+           "LayerKV", "MultiHeadAttention", "RingKVCache", "Sampling", "Uncached", "build_model", "causal_mask",
+           "generate", "generate_tokens", "greedy_decode", "kv_cache_bytes", "kv_cache_bytes_per_token",
+           "new_cache", "new_kv_cache"]

@@ -1,6 +1,5 @@
 """Causal self-attention, as the GPT runs it: one fused Q/K/V projection, rotary positions when asked, and a KV
-cache while decoding. The textbook block, with cross-attention, padding masks, distinct widths and returned
-weights, is model/designs/multihead.py; grouped queries and shared layers are in model/labs/ too."""
+cache while decoding. The textbook block (cross-attention, padding masks, widths, weights) is designs/multihead.py."""
 
 from contextlib import nullcontext
 
@@ -52,6 +51,7 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, config, kv_layer: int):
         super().__init__()
+        self.sink = None  # a learned sink's logits per head (model/designs/learned_sink.py)
         self.n_head, self.head_dim, self.kv_layer = config.n_head, config.head_dim, kv_layer
         self.widths = self.qkv_widths(config)
         self.qkv = nn.Linear(config.n_embd, sum(self.widths), bias=config.bias)  # rows: Q, then K, then V
@@ -69,8 +69,10 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         q, k, v = self.project(x, rope, kv)  # (B, nh, T, hs); (B, n_kv, T_k, hs), the cache's included
         q = q.to(k.dtype if kv is not None else attention_dtype(q.dtype, q.device))  # the cache's dtype
-        attend = kv.attend if hasattr(kv, "attend") else self.attend  # a cache that scores keys attends itself
-        y = attend(q, k, v, attn_mask)  # (B, nh, T, hs)
+        if hasattr(kv, "attend"):  # a cache that computes attention itself (model/kv_cache.py: LayerView)
+            y = kv.attend(q, k, v, attn_mask, self.sink)  # (B, nh, T, hs)
+        else:
+            y = self.attend(q, k, v, attn_mask)
         y = y.transpose(1, 2).reshape(B, T, C).to(x.dtype)  # the heads side by side again
         return self.out_dropout(self.out_proj(y))
 
@@ -86,9 +88,6 @@ class CausalSelfAttention(nn.Module):
 
     def attend(self, q, k, v, attn_mask):
         """softmax(q kᵀ / √hs, masked) v: q (B, nh, T_q, hs), k and v (B, n_kv, T_k, hs) -> (B, nh, T_q, hs)."""
-        if isinstance(k, tuple):  # an int8 cache's keys and values with their scales
-            from .caches.int8 import int8_attention
-            return int8_attention(q, k, v, attn_mask)[0]
         T_q, T_k = q.size(2), k.size(2)
         if attn_mask is None and T_q not in (1, T_k):  # new queries after cached keys: aligned bottom-right
             attn_mask = causal_mask(T_q, T_k, q.device)

@@ -1,8 +1,7 @@
 """A decoder-only transformer (GPT): token and position embeddings, pre-LayerNorm blocks, a tied head.
 
-GPT.decode_step feeds tokens after those already in a KV cache (model/kv_cache.py). The fields n_kv_head and
-kv_share choose a smaller cache's design (model/designs/grouped.py, model/designs/shared_kv.py); by default each layer's
-attention is the plain one (model/attention.py)."""
+GPT.decode_step feeds tokens after those already in a KV cache (model/kv_cache.py). Each block's attention is the
+plain one (model/attention.py); the fields from n_kv_head on choose a design, which model/designs/ builds."""
 
 import math
 from dataclasses import dataclass
@@ -11,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention import CausalSelfAttention, attention_dtype, rotary
+from .attention import CausalSelfAttention, attention_dtype, causal_mask, rotary
 
 POSITIONS = ("learned", "rope")
 
@@ -28,10 +27,10 @@ class GPTConfig:
     pos_emb: str = "learned"  # learned: a trained vector per position (GPT-2); rope: rotary positions
     n_kv_head: int | None = None  # key/value heads (None: n_head); 1 is multi-query attention
     kv_share: int = 1  # adjacent layers that share one set of keys and values
-    window_pattern: str = "G"  # tiled over the layers: L sees the last local_window tokens, G all (model/designs/local_global.py)
+    window_pattern: str = "G"  # tiled over the layers: L sees the last local_window tokens, G all
     local_window: int | None = None  # how many tokens a local layer sees, itself included
-    learned_sink: bool = False  # a trained sink logit per head in every softmax (labs/learned_sink.py)
-    kv_latent: int | None = None  # multi-head latent attention: the latent's width per token (labs/latent.py)
+    learned_sink: bool = False  # a trained sink logit per head in every softmax (designs/learned_sink.py)
+    kv_latent: int | None = None  # multi-head latent attention: the latent's width per token (designs/latent.py)
     kv_latent_rope: int = 0  # with rotary positions, the width of its rotary key, shared by every head
 
     @property
@@ -52,12 +51,6 @@ class GPTConfig:
                 raise ValueError(f"{name} must be an integer of at least 1, got {value!r}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd {self.n_embd} is not divisible by n_head {self.n_head}")
-        if self.n_head % self.n_kv_head:
-            raise ValueError(f"n_kv_head {self.n_kv_head} must divide n_head {self.n_head}: each key/value head "
-                             f"serves an equal group of query heads")
-        if self.n_layer % self.kv_share:
-            raise ValueError(f"kv_share {self.kv_share} must divide n_layer {self.n_layer}: layers share keys and "
-                             f"values in equal groups")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.pos_emb not in POSITIONS:
@@ -65,12 +58,6 @@ class GPTConfig:
         if self.pos_emb == "rope" and self.head_dim % 2:
             raise ValueError(f"rope turns channel pairs: the head width n_embd / n_head = "
                              f"{self.head_dim} must be even")
-        if not isinstance(self.learned_sink, bool):
-            raise ValueError(f"learned_sink must be true or false, got {self.learned_sink!r}")
-        from .designs.latent import check_latent
-        from .designs.local_global import check_window_pattern
-        check_window_pattern(self)
-        check_latent(self)
 
     @property
     def plain_attention(self) -> bool:
@@ -80,24 +67,15 @@ class GPTConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """The channels that rotary positions turn in each head: head_dim, or a latent's rotary key (labs/latent.py)."""
+        """The channels that rotary positions turn in each head: head_dim, or a latent's rotary key (designs/latent.py)."""
         return self.head_dim if self.kv_latent is None else self.kv_latent_rope
 
     @property
     def kv_cache_heads(self) -> tuple[int, int]:
-        """(heads, width) per token of a cache layer's keys, and of its values."""
+        """(heads, width) per token of a cache layer's keys, and of its values: a latent's in halves (latent.py)."""
         if self.kv_latent is None:
             return self.n_kv_head, self.head_dim
-        from .designs.latent import cache_layout
-        return cache_layout(self)
-
-
-def attention_layers(config: GPTConfig) -> list[nn.Module]:
-    """Each block's attention: the plain one, or the designs of model/labs/."""
-    if config.plain_attention:
-        return [CausalSelfAttention(config, kv_layer=i) for i in range(config.n_layer)]
-    from .designs.shared_kv import design_attention_layers
-    return design_attention_layers(config)
+        return 1, (self.kv_latent + self.kv_latent_rope) // 2
 
 
 class MLP(nn.Module):
@@ -127,13 +105,18 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, config: GPTConfig):
+    """attention: each block's attention layer, the plain one if None; build_model (model/designs/) gives others."""
+
+    def __init__(self, config: GPTConfig, attention: list[nn.Module] | None = None):
         super().__init__()
+        if attention is None and not config.plain_attention:
+            raise ValueError("this config names an attention design: build its model with build_model(config)")
+        attention = attention or [CausalSelfAttention(config, kv_layer=i) for i in range(config.n_layer)]
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.block_size, config.n_embd) if config.pos_emb == "learned" else None
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config, attn) for attn in attention_layers(config))
+        self.blocks = nn.ModuleList(Block(config, attn) for attn in attention)
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied: one matrix embeds tokens and scores them
@@ -153,11 +136,10 @@ class GPT(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, idx, targets=None, *, cache=None, n_pad=None):
-        """idx (B, T) token ids -> (logits (B, T, vocab_size), mean cross-entropy or None).
-        cache: a KV cache; idx are the next tokens after those in it. n_pad (B,): left-padding tokens per row,
-        without a cache (model/decoding/ring_cache.py); a padded row gets the logits it would get alone."""
-        logits = self.lm_head(self._trunk(idx, cache, n_pad))
+    def forward(self, idx, targets=None, *, cache=None):
+        """idx (B, T) token ids -> (logits (B, T, vocab_size), mean cross-entropy or None). cache: a KV cache
+        (model/kv_cache.py), idx the tokens after it; or Uncached (ring_cache.py): ragged rows' positions and mask."""
+        logits = self.lm_head(self._trunk(idx, cache))
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
@@ -168,39 +150,28 @@ class GPT(nn.Module):
         Returns the logits of the last position (B, vocab_size)."""
         return self.lm_head(self._trunk(idx, cache)[:, -1])
 
-    def _trunk(self, idx, cache=None, n_pad=None):
+    def _trunk(self, idx, cache=None):
         """Embeddings and blocks: the final normalised hidden states (B, T, C)."""
         B, T = idx.shape
         c = self.config
         if self.wpe is not None and cache is None and T > c.block_size:
             raise ValueError(f"{T} tokens, but learned positions stop at block_size={c.block_size}: "
                              f"feed the last {c.block_size} at most")
-        if cache is not None:
-            pos, attn_mask, slots, n_read = cache.for_tokens(T)  # positions (T,) or (B, T); mask None: causal
-        elif n_pad is not None or T > c.block_size:  # ragged rows, or rotary positions past block_size
-            from .decoding.ring_cache import uncached_context
-            pos, attn_mask = uncached_context(T, c.block_size, n_pad, idx.device)
-        else:
-            pos, attn_mask = torch.arange(T, device=idx.device), None  # plain causal: SDPA's fastest kernels
-        x = self.wte(idx)  # (B, T, C)
-        rope = None
-        if self.wpe is not None:
-            x = x + self.wpe(pos)
-        else:
-            rope = rotary(pos, c.rotary_dim)  # turns queries and keys in every layer
+        step = cache.begin(T) if cache is not None else None  # positions (T,) or (B, T); mask None: causal
+        pos, attn_mask = (step.positions, step.mask) if step else (torch.arange(T, device=idx.device), None)
+        if step is None and T > c.block_size:  # rotary positions past block_size: each token sees block_size back
+            attn_mask = causal_mask(T, T, idx.device, reach=c.block_size)
+        x = self.wte(idx) if self.wpe is None else self.wte(idx) + self.wpe(pos)  # (B, T, C)
+        rope = rotary(pos, c.rotary_dim) if self.wpe is None else None  # turns queries and keys in every layer
         x = self.drop(x)
         for block in self.blocks:
-            kv = cache.layer(block.attn.kv_layer, slots, n_read) if cache is not None else None
-            x = block(x, attn_mask, rope, kv)
-        if cache is not None:
-            cache.advance(T)
+            x = block(x, attn_mask, rope, step.layer(block.attn.kv_layer) if step else None)
         return self.ln_f(x)
 
     @property
     def attention_dtype(self) -> torch.dtype:
         """What attention computes in, and a float cache's dtype (see attention_dtype)."""
-        w = self.wte.weight
-        return attention_dtype(w.dtype, w.device)
+        return attention_dtype(self.wte.weight.dtype, self.wte.weight.device)
 
     def kv_cache_shape(self, batch_size: int) -> dict:
         """The plain KVCache's arguments for batch_size rows of block_size tokens: KVCache(**shape)."""
@@ -208,9 +179,3 @@ class GPT(nn.Module):
         n_kv_head, head_dim = c.kv_cache_heads
         return dict(n_kv_layer=c.n_kv_layer, batch_size=batch_size, n_kv_head=n_kv_head, max_len=c.block_size,
                     head_dim=head_dim, dtype=self.attention_dtype, device=self.wte.weight.device)
-
-    def new_kv_cache(self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None, *,
-                     read_all_slots: bool = False):
-        """The cache generate() uses: a ring that rolls on past block_size (model/decoding/ring_cache.py)."""
-        from .decoding.ring_cache import new_kv_cache
-        return new_kv_cache(self, batch_size, max_len, dtype, read_all_slots=read_all_slots)

@@ -1,16 +1,57 @@
 """The KV cache: each layer's keys and values, kept so that a decoding step feeds only the new token.
 
-Token t (counted from 0 since reset) goes to slot t of every layer. A forward pass of t new tokens writes their
-keys and values into their slots, then attends over the filled slots, causally: the last new token sees them
-all. greedy_decode, at the end, is the whole idea. This plain cache holds max_len tokens (block_size).
-model/decoding/ring_cache.py turns it into a ring that rolls on past block_size, with left padding and static
-shapes for compiled steps and GPUs; model.new_kv_cache() makes one.
+Token t (counted from 0 since reset) goes to slot t of every layer. A pass of t new tokens writes their keys and
+values into their slots, then attends over the filled slots, causally. greedy_decode, at the end, is the whole
+idea. Cache, below, is what every cache does: model/decoding/ring_cache.py's ring rolls on past block_size, and
+model/caches/ holds the others, each made by name in factory.py.
+
+Lengths: block_size, the longest context the model sees; reach, how far back a query sees (block_size, or a local
+layer's local_window); max_len, a cache layer's slots; budget, the slots of a cache that chooses what it keeps;
+spare, slots past block_size that let a chunk cross the ring's end; keep, what a learned-position context keeps
+when it jumps forward; span, the longest context that can still change the next token.
 """
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple, Protocol
 
 import torch
 import torch.nn as nn
+
+
+class Abilities(NamedTuple):
+    """What a cache can do, which the decoding loop and sample.py read before they use it."""
+
+    rolls_back: bool = True  # rollback(n) forgets the last n tokens (speculative decoding)
+    takes_padding: bool = True  # rows may start with left padding: reset(n_pad)
+    compiles: bool = True  # a step through it compiles into one graph: static shapes, no read back to the host
+    budgeted: bool = False  # it keeps fewer tokens than block_size and places them itself: never refilled
+
+
+class CachePass(NamedTuple):
+    """What a forward pass of t new tokens needs from a cache; positions and mask stay on the cache's device."""
+
+    positions: torch.Tensor  # (t,) or (B, t): each new token's position
+    mask: torch.Tensor | None  # bool, broadcast to (B, nh, t, T_k): True where a query may attend a key; None: causal
+    layer: Callable[[int], "LayerView | None"]  # cache layer i's view for this pass
+
+
+class LayerView(Protocol):
+    """One cache layer in one pass; optional attend(q, k, v, mask, sink) -> y is the hook of a cache that attends."""
+
+    def update(self, k_new: torch.Tensor, v_new: torch.Tensor): ...  # writes them; the keys and values to attend
+    def read(self): ...  # the same keys and values, written by another layer of a shared group
+
+
+class Cache(Protocol):
+    """What the model (begin) and the decoding loop ask of a KV cache."""
+
+    abilities: Abilities
+    batch_size: int
+    def begin(self, t: int) -> CachePass: ...  # the next t tokens, counted as fed from here on
+    def reset(self, n_pad: torch.Tensor | None = None) -> None: ...  # empty; n_pad (B,): rows' left padding
+    def longest_chunk(self) -> int: ...  # the most tokens the next pass may feed
+    def rollback(self, n: int) -> None: ...  # forget the last n tokens fed
+    def one_row(self) -> "Cache": ...  # an empty cache like this one, of one row
+    def fill_from(self, other: "Cache") -> None: ...  # copy a one-row cache into every row
 
 
 class LayerKV(NamedTuple):
@@ -38,11 +79,11 @@ class KVCache(nn.Module):
     def __init__(self, n_kv_layer: int, batch_size: int, n_kv_head: int, max_len: int, head_dim: int,
                  dtype=torch.float32, device=None):
         super().__init__()
-        self.n_kv_layer = n_kv_layer
+        self.n_kv_layer, self.batch_size, self.max_len, self.head_dim = n_kv_layer, batch_size, max_len, head_dim
         # a buffer per layer, not views of one big one: a compiled step writes a view by copying the whole buffer.
         # persistent=False: a cache is scratch space, never part of a checkpoint
         self.add_layer_buffers(("k", "v"), (batch_size, n_kv_head, max_len, head_dim), dtype, device)
-        # tokens fed since reset: a 0-d tensor, so that a compiled step keeps static shapes (model/decoding/ring_cache.py)
+        # tokens fed since reset: a 0-d tensor, so that a compiled step keeps static shapes (ring_cache.py)
         self.register_buffer("pos", torch.zeros((), dtype=torch.long, device=device), persistent=False)
         self.register_buffer("slot_ids", torch.arange(max_len, device=device), persistent=False)
 
@@ -56,15 +97,6 @@ class KVCache(nn.Module):
         return [getattr(self, f"{name}{i}") for i in range(self.n_kv_layer)]
 
     @property
-    def k(self) -> list[torch.Tensor]:
-        """Each layer's keys; v: its values."""
-        return self.layer_buffers("k")
-
-    @property
-    def v(self) -> list[torch.Tensor]:
-        return self.layer_buffers("v")
-
-    @property
     def dtype(self) -> torch.dtype:
         return self.k0.dtype
 
@@ -73,44 +105,29 @@ class KVCache(nn.Module):
         return self.k0.device
 
     @property
-    def max_len(self) -> int:
-        return self.k0.size(2)
-
-    @property
-    def batch_size(self) -> int:
-        return self.k0.size(0)
-
-    @property
-    def head_dim(self) -> int:
-        return self.k0.size(-1)
-
-    @property
     def nbytes(self) -> int:
         """Bytes held by keys and values."""
-        return sum(t.nbytes for t in self.k + self.v)
+        return sum(t.nbytes for t in self.layer_buffers("k") + self.layer_buffers("v"))
 
     def __len__(self) -> int:
         """Tokens fed since reset(). Reads the counter back (a sync on a GPU)."""
         return int(self.pos)
 
-    def reset(self) -> None:
+    def reset(self, n_pad=None) -> None:
         self.pos.zero_()
 
-    def for_tokens(self, t: int):
-        """What a forward pass of the next t tokens needs: (their positions (t,), the attention mask (None: causal),
-        their slots (t,), how many slots attention reads)."""
+    def begin(self, t: int) -> CachePass:
+        """Take the next t tokens: their positions, the mask (None: causal), each layer's view."""
         fed = len(self)
         if fed + t > self.max_len:
             raise ValueError(f"the cache holds {self.max_len} tokens and has {fed}: {t} more do not fit; "
-                             f"model.new_kv_cache() makes a cache that rolls on past block_size")
+                             f"new_kv_cache(model, ...) makes a cache that rolls on past block_size")
         new = self.pos + self.slot_ids[:t]  # (t,) the new tokens' numbers: their positions and their slots
-        return new, None, new, fed + t
+        self.pos += t
+        return CachePass(new, None, lambda i: self.layer(i, new, fed + t))
 
     def layer(self, i: int, slots: torch.Tensor, n_read: int | None) -> LayerKV:
-        return LayerKV(getattr(self, f"k{i}"), getattr(self, f"v{i}"), slots, n_read)  # self.k would list all
-
-    def advance(self, t: int) -> None:
-        self.pos += t
+        return LayerKV(getattr(self, f"k{i}"), getattr(self, f"v{i}"), slots, n_read)
 
     def fill_from(self, other: "KVCache") -> None:
         """Copy a cache of the same shape into this one; a one-row cache fills every row, so that one prefill of a

@@ -34,6 +34,7 @@ from model.decoding.quantize import to_precision
 
 from .errors import CheckpointError, OutputError, one_line
 from .files import write_atomically
+from model import build_model
 
 FORMAT = "kvgpt-checkpoint"
 VERSION = 2  # bump when the layout changes; older files then get a clear error instead of a wrong model
@@ -174,7 +175,7 @@ def load_model(path, device="cpu", prefer: str = "best.pt", precision: str = "fp
     vocabulary of a checkpoint file or run directory, and the checkpoint's contents."""
     contents = load_checkpoint(path, prefer)
     try:
-        model = GPT(GPTConfig(**contents["model_config"]))
+        model = build_model(GPTConfig(**contents["model_config"]))
         model.load_state_dict(contents["model"])
         vocab = CharVocab(contents["vocab"])
         if len(vocab) > model.config.vocab_size:

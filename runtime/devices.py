@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 
 from model import GPT, GPTConfig
+from model import build_model
 
 
 def choose_device(name: str) -> torch.device:
@@ -47,7 +48,7 @@ def memory_needed(config: GPTConfig, batch_size: int) -> int:
     gradients and AdamW's two moments (16 bytes a parameter), and each layer's input, which backward keeps (2 bytes
     a value at least, in bf16)."""
     with torch.device("meta"):  # counts the parameters without allocating them
-        n_params = sum(p.numel() for p in GPT(config).parameters())
+        n_params = sum(p.numel() for p in build_model(config).parameters())
     return 16 * n_params + 2 * batch_size * config.block_size * config.n_layer * config.n_embd
 
 

@@ -11,7 +11,7 @@ from data import CharVocab, DataError, UnknownCharacterError, read_regular_file
 from model import GPT, kv_cache_bytes
 from model.caches.factory import BUDGETED, CACHES, EAGER, new_cache
 from model.decoding.quantize import DECODING_PRECISIONS
-from model.decoding.ring_cache import kv_cache_dtype
+from model.caches.factory import kv_cache_dtype
 from model.serving.engine import check_servable
 from .compiled_step import COMPILE_PAYS_AFTER, DEVICES as STEP_DEVICES
 from runtime.devices import memory_of

@@ -15,6 +15,7 @@ from model import GPT, GPTConfig
 from test_train import config
 from tiny_models import random_model
 from runtime.checkpoint import build_checkpoint, save_checkpoint
+from model import build_model
 
 REPO = corpus.REPO
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -62,7 +63,7 @@ def short_run(tmp_path_factory, data_root) -> Path:
 def checkpoint(tmp_path_factory) -> Path:
     vocab = CharVocab.from_text(corpus.TEXT)
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=len(vocab), block_size=16, n_layer=1, n_head=2, n_embd=16))
+    model = build_model(GPTConfig(vocab_size=len(vocab), block_size=16, n_layer=1, n_head=2, n_embd=16))
     return save_checkpoint(build_checkpoint(model, vocab), tmp_path_factory.mktemp("run") / "best.pt")
 
 

@@ -14,6 +14,8 @@ from model.serving.conversation import Conversation
 from model.serving.speculative import PromptLookup, SpeculativeStats, speculative_generate
 from sampling.compiled_step import has_compiled_step, load_or_compile_step, step_path
 from tiny_models import BLOCK_SIZE, random_model, random_tokens
+from model.caches.factory import new_kv_cache
+from model.decoding.ring_cache import Uncached
 
 ROWS, PROMPT = 2, 5
 PAD = torch.tensor([0, 3])  # the second row starts with 3 tokens of left padding
@@ -26,7 +28,7 @@ def kept(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("KVGPT_CACHE_DIR", str(folder))
         model = random_model(seed=1, pos_emb="rope")
-        cache = model.new_kv_cache(ROWS)
+        cache = new_kv_cache(model, ROWS)
         start = time.perf_counter()
         step = load_or_compile_step(model, cache)
         compile_seconds = time.perf_counter() - start
@@ -42,7 +44,7 @@ def test_each_step_gives_the_logits_of_a_full_forward(kept):
     model.decode_step(seq[:, :PROMPT], cache)  # the prompt, eagerly
     for t in range(PROMPT, seq.size(1)):
         logits = step.decode_step(seq[:, t:t + 1], cache)
-        full = model(seq[:, :t + 1], n_pad=PAD)[0][:, -1]
+        full = model(seq[:, :t + 1], cache=Uncached(model.config.block_size, PAD))[0][:, -1]
         torch.testing.assert_close(logits, full, rtol=1e-5, atol=1e-5, msg=f"step {t}")
 
 
@@ -59,20 +61,20 @@ def test_a_kept_step_is_loaded_and_reads_the_weights_it_is_given(kept, monkeypat
     first, _, _, folder, compile_seconds = kept
     monkeypatch.setenv("KVGPT_CACHE_DIR", str(folder))
     model = random_model(seed=7, pos_emb="rope")
-    cache = model.new_kv_cache(ROWS)
+    cache = new_kv_cache(model, ROWS)
     assert has_compiled_step(model, cache)
     start = time.perf_counter()
     step = load_or_compile_step(model, cache)
     assert time.perf_counter() - start < compile_seconds / 5
     tokens = random_tokens(ROWS, 1, seed=4)
     cache.reset()
-    reference = model.new_kv_cache(ROWS)
+    reference = new_kv_cache(model, ROWS)
     torch.testing.assert_close(step.decode_step(tokens, cache), model.decode_step(tokens, reference), rtol=1e-5,
                                atol=1e-5)
-    assert not torch.allclose(first.decode_step(tokens, first.new_kv_cache(ROWS)), model.decode_step(tokens, reference))
+    assert not torch.allclose(first.decode_step(tokens, new_kv_cache(first, ROWS)), model.decode_step(tokens, reference))
     model.load_state_dict(random_model(seed=8, pos_emb="rope").state_dict())  # in place: the step sees it
     cache.reset()
-    fresh = model.new_kv_cache(ROWS)
+    fresh = new_kv_cache(model, ROWS)
     torch.testing.assert_close(step.decode_step(tokens, cache), model.decode_step(tokens, fresh), rtol=1e-5, atol=1e-5)
 
 
@@ -80,8 +82,8 @@ def test_another_shape_or_cache_has_another_step(kept, monkeypatch):
     model, cache, _, folder, _ = kept
     monkeypatch.setenv("KVGPT_CACHE_DIR", str(folder))
     paths = {step_path(model, cache),
-             step_path(model, model.new_kv_cache(ROWS + 1)),
-             step_path(model, model.new_kv_cache(ROWS, dtype=torch.int8)),
+             step_path(model, new_kv_cache(model, ROWS + 1)),
+             step_path(model, new_kv_cache(model, ROWS, dtype=torch.int8)),
              step_path(random_model(pos_emb="rope", n_layer=3), cache),
              step_path(random_model(pos_emb="learned"), cache),
              step_path(random_model(seed=1, pos_emb="rope").to(torch.bfloat16), cache)}
@@ -91,7 +93,7 @@ def test_another_shape_or_cache_has_another_step(kept, monkeypatch):
 def test_a_step_refuses_a_cache_of_another_shape(kept):
     model, _, step, _, _ = kept
     with pytest.raises(ValueError, match="compiled for another cache"):
-        generate(model, random_tokens(ROWS + 1, PROMPT), 3, cache=model.new_kv_cache(ROWS + 1), step=step)
+        generate(model, random_tokens(ROWS + 1, PROMPT), 3, cache=new_kv_cache(model, ROWS + 1), step=step)
     with pytest.raises(ValueError, match="drop compile"):
         generate(model, random_tokens(ROWS, PROMPT), 3, step=step, compile=True)
 
@@ -157,7 +159,7 @@ def test_a_folder_that_cannot_be_written_still_gives_a_step(tmp_path, monkeypatc
     (tmp_path / "a file").write_text("")
     monkeypatch.setenv("KVGPT_CACHE_DIR", str(tmp_path / "a file" / "kvgpt"))  # no folder can be made there
     model = random_model(seed=1)
-    cache = model.new_kv_cache(1)
+    cache = new_kv_cache(model, 1)
     said = []
     step = load_or_compile_step(model, cache, say=said.append)
     assert len(said) == 1 and "it serves this run only" in said[0]
@@ -178,17 +180,17 @@ def test_a_folder_that_cannot_be_written_still_gives_a_step(tmp_path, monkeypatc
 def test_each_design_compiles_to_a_step_equal_to_a_full_forward(design, int8, tmp_path, monkeypatch):
     monkeypatch.setenv("KVGPT_CACHE_DIR", str(tmp_path))
     model = random_model(seed=3, pos_emb="rope", n_head=2, n_embd=24, **design)
-    cache = model.new_kv_cache(ROWS, dtype=torch.int8 if int8 else None)
+    cache = new_kv_cache(model, ROWS, dtype=torch.int8 if int8 else None)
     step = load_or_compile_step(model, cache)
     seq = random_tokens(ROWS, PROMPT + 2 * BLOCK_SIZE, seed=5)
     cache.reset(PAD)
     model.decode_step(seq[:, :PROMPT], cache)
-    reference = model.new_kv_cache(ROWS, dtype=torch.int8 if int8 else None)  # int8: the eager step's rounding
+    reference = new_kv_cache(model, ROWS, dtype=torch.int8 if int8 else None)  # int8: the eager step's rounding
     reference.reset(PAD)
     model.decode_step(seq[:, :PROMPT], reference)
     for t in range(PROMPT, seq.size(1)):
         logits = step.decode_step(seq[:, t:t + 1], cache)
-        expected = model.decode_step(seq[:, t:t + 1], reference) if int8 else model(seq[:, :t + 1], n_pad=PAD)[0][:, -1]
+        expected = model.decode_step(seq[:, t:t + 1], reference) if int8 else model(seq[:, :t + 1], cache=Uncached(model.config.block_size, PAD))[0][:, -1]
         torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4, msg=f"step {t}")
 
 
@@ -196,7 +198,7 @@ def test_each_design_compiles_to_a_step_equal_to_a_full_forward(design, int8, tm
 def test_a_damaged_kept_step_is_compiled_again(tmp_path, monkeypatch):
     monkeypatch.setenv("KVGPT_CACHE_DIR", str(tmp_path))
     model = random_model(seed=1)
-    cache = model.new_kv_cache(1)
+    cache = new_kv_cache(model, 1)
     path = step_path(model, cache)
     path.parent.mkdir(parents=True)
     path.write_bytes(b"not a package")

@@ -12,6 +12,7 @@ from model.measuring.decoder_loss import decoder_loss, teacher_forced_loss
 from model.serving.ngram_draft import NGramTable
 from model.serving.speculative import PromptLookup, speculative_generate
 from tiny_models import BLOCK_SIZE, random_model, random_tokens
+from model.caches.factory import new_kv_cache
 
 
 @pytest.fixture(scope="module")
@@ -24,14 +25,14 @@ def first(iterator):
 
 
 CACHE_CASES = {
-    "batch_size a bool": (lambda m: m.new_kv_cache(True), "batch_size"),
-    "batch_size a float": (lambda m: m.new_kv_cache(2.0), "batch_size"),
-    "batch_size negative": (lambda m: m.new_kv_cache(-1), "batch_size"),
-    "max_len zero": (lambda m: m.new_kv_cache(2, max_len=0), "max_len"),
-    "dtype a string": (lambda m: m.new_kv_cache(2, dtype="int8"), "dtype"),
-    "rollback a bool": (lambda m: m.new_kv_cache(1).rollback(True), "n must be"),
-    "rollback a float": (lambda m: m.new_kv_cache(1).rollback(0.0), "n must be"),
-    "rollback negative": (lambda m: m.new_kv_cache(1).rollback(-1), "n must be"),
+    "batch_size a bool": (lambda m: new_kv_cache(m, True), "batch_size"),
+    "batch_size a float": (lambda m: new_kv_cache(m, 2.0), "batch_size"),
+    "batch_size negative": (lambda m: new_kv_cache(m, -1), "batch_size"),
+    "max_len zero": (lambda m: new_kv_cache(m, 2, max_len=0), "max_len"),
+    "dtype a string": (lambda m: new_kv_cache(m, 2, dtype="int8"), "dtype"),
+    "rollback a bool": (lambda m: new_kv_cache(m, 1).rollback(True), "n must be"),
+    "rollback a float": (lambda m: new_kv_cache(m, 1).rollback(0.0), "n must be"),
+    "rollback negative": (lambda m: new_kv_cache(m, 1).rollback(-1), "n must be"),
 }
 
 

@@ -16,6 +16,7 @@ from bench.train_quality import ADAMW_RECIPE, run
 from bench.train_throughput import measure
 from test_train import TINY, data_overrides
 from training.loop import Trainer
+from model.caches.factory import new_kv_cache
 
 
 def test_each_constant_is_assigned_in_one_file():
@@ -57,8 +58,8 @@ def test_a_candidate_may_be_named_with_commas_and_spaces(tmp_path: Path):
 @pytest.mark.parametrize("script, args, fragments", [
     ("decode.py", ["--repeats", "0"], ["--repeats", "must be an integer >= 1, got 0"]),
     ("decode.py", ["--checkpoint", "MISSING"], ["--checkpoint", "no checkpoint at"]),
-    ("model/serving/speculative.py", ["--checkpoint", "MISSING"], ["--checkpoint", "no checkpoint at"]),
-    ("model/serving/speculative.py", ["--ceiling-only", "--new-tokens", "-5"], ["--new-tokens", "got -5"]),
+    ("speculative.py", ["--checkpoint", "MISSING"], ["--checkpoint", "no checkpoint at"]),
+    ("speculative.py", ["--ceiling-only", "--new-tokens", "-5"], ["--new-tokens", "got -5"]),
     ("rolling.py", ["--repeats", "many"], ["--repeats", "got 'many'"]),
     ("kv_designs.py", ["speed", "--repeats", "0"], ["--repeats", "got 0"]),
     ("kv_budget.py", ["--checkpoint", "MISSING"], ["--checkpoint", "no checkpoint at"]),
@@ -102,7 +103,7 @@ def test_the_kv_budget_harness_measures_a_cache_against_the_float_one():
     block = model.config.block_size
     tokens, prompt_len = random_tokens(3, 9 * block + 4), 5
     targets = tokens[:, prompt_len:]
-    reference = stream_log_probs(model, tokens, model.new_kv_cache(3), prompt_len)
+    reference = stream_log_probs(model, tokens, new_kv_cache(model, 3), prompt_len)
     same = compare(reference, reference, targets, prompt_len, block)
     assert same["kl_mean"] == 0 and same["top1"] == 1
     assert abs(same["loss"] - decoder_loss(model, tokens, prompt_len=prompt_len)) < 1e-5

@@ -11,6 +11,7 @@ from model import GPT, GPTConfig
 from runtime.checkpoint import (FORMAT, VERSION, CheckpointError, build_checkpoint, load_checkpoint, load_model,
                                  save_checkpoint)
 from runtime.checkpoint import find_latest_checkpoint
+from model import build_model
 
 STATE = {"format": FORMAT, "version": VERSION, "model_config": {"n_layer": 1}, "vocab": "ab",
          "model": {"w": torch.arange(3.0)}}
@@ -24,7 +25,7 @@ def test_round_trip_keeps_the_format_marker_and_version(tmp_path):
 
 def test_build_checkpoint_and_load_model_round_trip(tmp_path):
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=3, block_size=4, n_layer=1, n_head=1, n_embd=4))
+    model = build_model(GPTConfig(vocab_size=3, block_size=4, n_layer=1, n_head=1, n_embd=4))
     save_checkpoint(build_checkpoint(model, CharVocab("abc")), tmp_path / "best.pt")
     loaded, vocab, _ = load_model(tmp_path, "cpu")  # a run directory means its best.pt
     assert vocab == CharVocab("abc") and loaded.config == model.config and not loaded.training
@@ -41,14 +42,14 @@ DESIGN_FIELDS = ("n_kv_head", "kv_share", "window_pattern", "local_window", "lea
                                     dict(kv_latent=4, pos_emb="rope", kv_latent_rope=2)])
 def test_a_checkpoint_records_the_cache_design_and_one_written_before_it_loads_as_plain_attention(tmp_path, design):
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**{**dict(vocab_size=3, block_size=4, n_layer=1, n_head=2, n_embd=4), **design}))
+    model = build_model(GPTConfig(**{**dict(vocab_size=3, block_size=4, n_layer=1, n_head=2, n_embd=4), **design}))
     contents = build_checkpoint(model, CharVocab("abc"))
     assert {k: contents["model_config"][k] for k in design} == design
     save_checkpoint(contents, tmp_path / "best.pt")
     loaded, _, _ = load_model(tmp_path, "cpu")
     assert loaded.config == model.config
     # a checkpoint from before the fields existed: plain multi-head attention, every layer its own keys and values
-    plain = GPT(GPTConfig(vocab_size=3, block_size=4, n_layer=1, n_head=2, n_embd=4))
+    plain = build_model(GPTConfig(vocab_size=3, block_size=4, n_layer=1, n_head=2, n_embd=4))
     old = build_checkpoint(plain, CharVocab("abc"))
     old["model_config"] = {k: v for k, v in old["model_config"].items() if k not in DESIGN_FIELDS}
     save_checkpoint(old, tmp_path / "last.pt")

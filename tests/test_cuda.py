@@ -15,6 +15,8 @@ from model import GREEDY, generate
 from sampling.compiled_step import load_or_compile_step
 from test_train import TINY, data_overrides
 from tiny_models import BLOCK_SIZE, random_model, random_tokens
+from model.caches.factory import new_kv_cache
+from model.decoding.ring_cache import Uncached
 
 DEVICE = "cuda"
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -42,22 +44,22 @@ def assert_steps_give_full_forward_logits(model, decode_step, cache, pos_emb):
     model.decode_step(seq[:, :PROMPT].to(DEVICE), cache)  # the prompt, eagerly
     for t in range(PROMPT, seq.size(1)):
         logits = decode_step(seq[:, t:t + 1].to(DEVICE), cache)
-        torch.testing.assert_close(logits, model(seq[:, :t + 1].to(DEVICE), n_pad=PAD.to(DEVICE))[0][:, -1],
+        torch.testing.assert_close(logits, model(seq[:, :t + 1].to(DEVICE), cache=Uncached(model.config.block_size, PAD.to(DEVICE)))[0][:, -1],
                                    rtol=1e-5, atol=1e-5, msg=f"step {t}, against the device's full forward")
-        torch.testing.assert_close(logits.cpu(), cpu_model(seq[:, :t + 1], n_pad=PAD)[0][:, -1],
+        torch.testing.assert_close(logits.cpu(), cpu_model(seq[:, :t + 1], cache=Uncached(model.config.block_size, PAD))[0][:, -1],
                                    rtol=1e-4, atol=1e-4, msg=f"step {t}, against the CPU's full forward")
 
 
 @pytest.mark.parametrize("pos_emb", STEPS)
 def test_cached_steps_give_the_logits_of_a_full_forward(pos_emb):
     model = random_model(seed=1, pos_emb=pos_emb).to(DEVICE)
-    cache = model.new_kv_cache(ROWS)
+    cache = new_kv_cache(model, ROWS)
     assert_steps_give_full_forward_logits(model, model.decode_step, cache, pos_emb)
 
 
 def test_the_compiled_step_gives_the_logits_of_a_full_forward():
     model = random_model(seed=1, pos_emb="rope").to(DEVICE)
-    cache = model.new_kv_cache(ROWS)
+    cache = new_kv_cache(model, ROWS)
     step = load_or_compile_step(model, cache)
     assert_steps_give_full_forward_logits(model, step.decode_step, cache, "rope")
     prompt = random_tokens(ROWS, PROMPT, seed=3).to(DEVICE)

@@ -11,6 +11,7 @@ from model import GREEDY, Sampling, generate
 from model.serving import engine as engine_module
 from model.serving.engine import Engine
 from tiny_models import VOCAB, random_model
+from model.caches.factory import new_kv_cache
 
 BLOCK = 40  # the models' block_size: room for a shared prefix, a request's own prompt and its draws
 
@@ -84,7 +85,7 @@ def test_an_int8_pool_decodes_every_request_as_the_int8_cache_decodes_it_alone(s
     engine, requests, drawn = random_schedule(model, seed, n_blocks, block_tokens, chunk, max_batch, int8=True)
     assert engine.pool.k[0].dtype == torch.int8
     for name, (prompt, new, request) in requests.items():
-        cache = model.new_kv_cache(1, dtype=torch.int8)
+        cache = new_kv_cache(model, 1, dtype=torch.int8)
         alone = [model.decode_step(torch.tensor([prompt]), cache)]
         for token in drawn[name][:-1]:
             alone.append(model.decode_step(torch.tensor([[token]]), cache))

@@ -30,7 +30,7 @@ def test_every_cache_is_refused_in_one_line_or_decodes_as_the_float_cache(design
     reference = cached_logits(model, seq, PROMPT, new_cache(model, "float", 2))  # (B, steps, vocab)
     fits = BLOCK_SIZE - PROMPT  # the steps before the text passes block_size
     decoded = []
-    for name in CACHES[1:]:
+    for name in list(CACHES)[1:]:
         try:
             cache = new_cache(model, name, 2, **whole_context(name))
         except ValueError as e:

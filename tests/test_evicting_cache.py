@@ -13,6 +13,7 @@ from model.attention import rotary
 from model.caches.evicting import new_evicting_cache
 from test_sink_cache import cached_logits
 from tiny_models import random_model, random_tokens
+from model.caches.factory import new_kv_cache
 
 
 def evict(policy: str, kept: list[int], score: dict[int, float], budget: int, newest: int, block: int) -> int:
@@ -149,10 +150,9 @@ def test_on_random_attention_scores_each_head_keeps_the_tokens_the_rule_keeps(po
         raw_keys.append(k)
         positions = torch.tensor([p])
         cos, sin = (x.view(1, 1, 1, hd) for x in rotary(positions, hd))
-        view = cache.layer(0, None, None)
+        view = cache.begin(1).layer(0)
         k_read, v_read = view.update(k * cos + k.roll(hd // 2, -1) * sin, v)
         view.attend(q * cos + q.roll(hd // 2, -1) * sin, k_read, v_read, None)
-        cache.advance(1)
         for (b, g), own in kept.items():
             if len(own) == budget:
                 own.remove(evict(policy, own, score[b, g], budget, p - 1, model.config.block_size))
@@ -173,7 +173,7 @@ def test_a_budget_that_holds_the_whole_context_is_the_full_cache(policy):
     model = random_model(pos_emb="rope", n_kv_head=1)
     block = model.config.block_size
     seq = random_tokens(2, 4 * block, seed=10)
-    full = cached_logits(model, seq, 5, model.new_kv_cache(2))
+    full = cached_logits(model, seq, 5, new_kv_cache(model, 2))
     evicting = cached_logits(model, seq, 5, new_evicting_cache(model, 2, policy=policy, budget=block))
     torch.testing.assert_close(evicting, full, rtol=0, atol=1e-5)
     prompt = seq[:, :4]

@@ -7,6 +7,7 @@ import torch
 
 from model import GREEDY, RingKVCache, Sampling, generate
 from tiny_models import random_tokens
+from model.caches.factory import new_kv_cache
 from programs import model
 
 
@@ -19,12 +20,12 @@ from programs import model
 def test_generate_misuse_is_a_value_error_naming_the_argument(model, case, argument):
     idx, kwargs = random_tokens(2, 4), {}
     if case == "a cache of another batch size":
-        kwargs["cache"] = model.new_kv_cache(3)
+        kwargs["cache"] = new_kv_cache(model, 3)
     elif case == "a cache shorter than block_size":
-        c = model.config  # a cache of its own making: model.new_kv_cache refuses fewer slots than block_size
+        c = model.config  # a cache of its own making: new_kv_cache refuses fewer slots than block_size
         kwargs["cache"] = RingKVCache(c.n_kv_layer, 2, c.n_kv_head, c.block_size - 1, c.head_dim)
         with pytest.raises(ValueError, match="max_len"):
-            model.new_kv_cache(2, max_len=c.block_size - 1)
+            new_kv_cache(model, 2, max_len=c.block_size - 1)
     elif case == "float idx":
         idx = idx.float()
     elif case == "empty idx":

@@ -8,13 +8,15 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import train
-from model import GPT, GREEDY, generate
+from model import GREEDY, generate
 from test_train import config, data_overrides
 from tiny_models import random_model, random_tokens
 from training.config import ConfigError, OptimConfig, validate
 from runtime.devices import training_dtype
 from training.loop import Trainer
 from training.optim import make_optimizers
+from model.caches.factory import new_kv_cache
+from model import build_model
 from programs import REPO, SHORT, data_root, model
 
 
@@ -23,7 +25,7 @@ def test_a_bf16_kv_cache_beside_fp32_weights_decodes_the_same_tokens(model, auto
     prompt = random_tokens(2, 5)
     uncached = generate(model, prompt, 40, sampling=GREEDY, use_cache=False)  # fp32 throughout
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        cache = model.new_kv_cache(2, dtype=torch.bfloat16)
+        cache = new_kv_cache(model, 2, dtype=torch.bfloat16)
         cached = generate(model, prompt, 40, sampling=GREEDY, cache=cache)
     assert cache.dtype == torch.bfloat16 and model.wte.weight.dtype == torch.float32
     assert torch.equal(cached, uncached)  # bf16's rounding does not change this model's argmax
@@ -54,7 +56,7 @@ def test_fused_adamw_steps_like_the_unfused_one():
 def test_a_training_step_and_an_evaluation_in_each_precision(tmp_path, data_root, precision):
     settings = validate(config(tmp_path, data_root, *SHORT, f"train.precision={precision}"))
     data = train.prepare_data(settings)
-    model = GPT(dataclasses.replace(settings.model, vocab_size=len(data.vocab)))
+    model = build_model(dataclasses.replace(settings.model, vocab_size=len(data.vocab)))
 
     class NoSummaries:
         def __getattr__(self, name):
@@ -87,7 +89,7 @@ def test_auto_precision_is_bf16_on_a_gpu_and_on_a_cpu_that_multiplies_bf16_nativ
 def test_bf16_training_on_mps_is_refused_in_one_line(tmp_path, data_root):
     settings = validate(config(tmp_path, data_root, *SHORT, "train.precision=bf16"))
     data = train.prepare_data(settings)
-    model = GPT(dataclasses.replace(settings.model, vocab_size=len(data.vocab)))
+    model = build_model(dataclasses.replace(settings.model, vocab_size=len(data.vocab)))
     with pytest.raises(ConfigError, match="^train.precision=bf16 trains on cuda and cpu only; on mps use fp32"):
         Trainer(settings, model, data, torch.device("mps"), tmp_path, None)
 

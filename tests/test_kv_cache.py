@@ -12,6 +12,9 @@ import torch.nn.functional as F
 
 from model import GPT, GPTConfig, GREEDY, CausalSelfAttention, KVCache, RingKVCache, generate, generate_tokens
 from tiny_models import BLOCK_SIZE, VOCAB, random_model, random_tokens, tiny_config, train_briefly
+from model.caches.factory import new_kv_cache
+from model import build_model
+from model.decoding.ring_cache import Uncached
 
 
 # n_embd 24 is not a power of two, and 1, 3 and 4 heads divide it (head widths 24, 8, 6)
@@ -34,7 +37,7 @@ TEXT = PATTERN.repeat(40)
 def trained_model(config_name: str):
     """(model in eval mode, training losses) after 30 Adam steps on TEXT, from GPT-2's own init."""
     torch.manual_seed(0)
-    model = GPT(tiny_config(**CONFIGS[config_name]))
+    model = build_model(tiny_config(**CONFIGS[config_name]))
     losses = train_briefly(model, TEXT, steps=30, batch_size=8)
     return model.eval(), losses
 
@@ -65,7 +68,7 @@ def attention_path(request, monkeypatch):
 def assert_every_step_matches_full_forward(model, prompt):
     """Prefill prompt, then decode greedily until the cache is full. At every step the cached logits must
     equal those of a full forward over exactly the same context."""
-    cache = model.new_kv_cache(prompt.size(0))
+    cache = new_kv_cache(model, prompt.size(0))
     logits, _ = model(prompt, cache=cache)
     torch.testing.assert_close(logits, model(prompt)[0], atol=ATOL, rtol=0)  # every prompt position
     assert len(cache) == prompt.size(1)
@@ -121,10 +124,9 @@ def test_attention_block_with_a_layer_cache_equals_full_causal_attention(ring):
     cache = RingKVCache(**shape, read_all_slots=True) if ring else KVCache(**shape)
     outs, t = [], 0
     for n in (4, 1, 1, 1, 3):
-        _, mask, slots, n_read = cache.for_tokens(n)
-        assert (mask is not None) == ring
-        outs.append(attn(x[:, t:t + n], mask, None, cache.layer(0, slots, n_read)))
-        cache.advance(n)
+        step = cache.begin(n)
+        assert (step.mask is not None) == ring
+        outs.append(attn(x[:, t:t + n], step.mask, None, step.layer(0)))
         t += n
     torch.testing.assert_close(torch.cat(outs, dim=1), expected, atol=1e-6, rtol=1e-5)
 
@@ -133,7 +135,7 @@ def test_attention_block_with_a_layer_cache_equals_full_causal_attention(ring):
 
 def prefill_in_chunks(model, tokens, chunks):
     """Feed tokens through a fresh cache in chunks of the given sizes: (logits (B, T, V), cache)."""
-    cache = model.new_kv_cache(tokens.size(0))
+    cache = new_kv_cache(model, tokens.size(0))
     logits, t = [], 0
     for n in chunks:
         logits.append(model(tokens[:, t:t + n], cache=cache)[0])
@@ -183,7 +185,7 @@ def count_tokens_into_blocks(model):
 def test_each_decode_step_sends_one_token_per_row_and_the_position_advances_by_one(batch):
     model = random_model()
     prompt = random_tokens(batch, 5)
-    cache = model.new_kv_cache(batch)
+    cache = new_kv_cache(model, batch)
     shapes, handle = count_tokens_into_blocks(model)
     try:
         for i, _ in enumerate(generate_tokens(model, prompt, 9, sampling=GREEDY, cache=cache)):
@@ -229,7 +231,7 @@ def test_past_block_size_the_cache_is_rebuilt_with_one_prefill_of_window_tokens(
 def test_cache_buffers_have_shape_b_heads_max_len_head_dim_per_layer(config_name, max_len):
     model = random_model(**CONFIGS[config_name])
     c = model.config
-    cache = model.new_kv_cache(3, max_len)
+    cache = new_kv_cache(model, 3, max_len)
     length = max_len or c.block_size
     assert cache.max_len == length and len(cache) == 0
     assert len(cache.k) == len(cache.v) == c.n_layer
@@ -244,20 +246,20 @@ def test_layer_view_writes_in_place_into_the_cache_buffers():
     cache = KVCache(n_kv_layer=2, batch_size=1, n_kv_head=2, max_len=6, head_dim=3)
     k_new, v_new = torch.randn(1, 2, 2, 3), torch.randn(1, 2, 2, 3)
     k, v = cache.layer(1, torch.arange(2), n_read=None).update(k_new, v_new)
-    assert k.data_ptr() == cache.k[1].data_ptr()  # the whole layer buffer, not a copy
-    assert torch.equal(cache.k[1][:, :, :2], k_new) and torch.equal(cache.v[1][:, :, :2], v_new)
-    assert (cache.k[0] == 0).all() and (cache.k[1][:, :, 2:] == 0).all()
+    assert k.data_ptr() == cache.k1.data_ptr()  # the whole layer buffer, not a copy
+    assert torch.equal(cache.k1[:, :, :2], k_new) and torch.equal(cache.v1[:, :, :2], v_new)
+    assert (cache.k0 == 0).all() and (cache.k1[:, :, 2:] == 0).all()
 
 
 def test_reset_empties_the_cache_and_a_fresh_prefill_equals_a_brand_new_cache():
     model = random_model()
-    cache = model.new_kv_cache(2)
+    cache = new_kv_cache(model, 2)
     model(random_tokens(2, 12, seed=5), cache=cache)  # fill it with something else first
     assert len(cache) == 12
     cache.reset()
     assert len(cache) == 0
     prompt = random_tokens(2, 7)
-    new = model.new_kv_cache(2)
+    new = new_kv_cache(model, 2)
     torch.testing.assert_close(model(prompt, cache=cache)[0], model(prompt, cache=new)[0], atol=0, rtol=0)
     assert_same_cache(cache, new, 7)
     torch.testing.assert_close(model.decode_step(prompt[:, :1], cache), model.decode_step(prompt[:, :1], new), atol=0, rtol=0)
@@ -267,7 +269,7 @@ def test_reset_empties_the_cache_and_a_fresh_prefill_equals_a_brand_new_cache():
 def test_size_in_bytes_is_two_layers_batch_max_len_width_itemsize(dtype):
     model = random_model(n_head=4).to(dtype)
     c = model.config
-    cache = model.new_kv_cache(3, max_len=20, dtype=dtype)  # by default bf16 gets float32 on the CPU
+    cache = new_kv_cache(model, 3, max_len=20, dtype=dtype)  # by default bf16 gets float32 on the CPU
     assert cache.dtype == dtype
     itemsize = torch.empty((), dtype=dtype).element_size()
     assert cache.nbytes == 2 * c.n_layer * 3 * 20 * c.n_embd * itemsize
@@ -276,7 +278,7 @@ def test_size_in_bytes_is_two_layers_batch_max_len_width_itemsize(dtype):
 def test_the_cache_is_scratch_space_not_part_of_any_checkpoint():
     model = random_model()
     keys = set(model.state_dict())
-    cache = model.new_kv_cache(2)
+    cache = new_kv_cache(model, 2)
     model(random_tokens(2, 4), cache=cache)
     assert cache.state_dict() == {}
     assert set(model.state_dict()) == keys
@@ -293,10 +295,10 @@ def test_a_left_padded_row_gets_the_logits_it_gets_alone_with_and_without_the_ca
     padding = torch.ones(3, t, dtype=torch.bool)
     for b, p in enumerate(prompts):
         batch[b, t - p.size(1):], padding[b, t - p.size(1):] = p[0], False
-    cache = model.new_kv_cache(3)
+    cache = new_kv_cache(model, 3)
     cache.reset(padding.sum(dim=1))
     cached, _ = model(batch, cache=cache)
-    uncached, _ = model(batch, n_pad=padding.sum(dim=1))
+    uncached, _ = model(batch, cache=Uncached(model.config.block_size, padding.sum(dim=1)))
     nxt = random_tokens(3, 1, seed=9)
     step = model.decode_step(nxt, cache)
     for b, p in enumerate(prompts):
@@ -310,9 +312,9 @@ def test_a_left_padded_row_gets_the_logits_it_gets_alone_with_and_without_the_ca
 
 def count_cache_paths(monkeypatch):
     """Count the calls of the ring's masked rule (RingKVCache.attn_mask) and of the plain cache's rule
-    (KVCache.for_tokens), which the ring runs eagerly on the CPU while no token has left the window."""
+    (KVCache.begin), which the ring runs eagerly on the CPU while no token has left the window."""
     calls = {"attn_mask": 0, "plain_rule": 0}
-    for key, cls, name in (("attn_mask", RingKVCache, "attn_mask"), ("plain_rule", KVCache, "for_tokens")):
+    for key, cls, name in (("attn_mask", RingKVCache, "attn_mask"), ("plain_rule", KVCache, "begin")):
         original = getattr(cls, name)
 
         def counting(self, *args, _key=key, _original=original):
@@ -333,6 +335,6 @@ def test_read_all_slots_runs_the_masked_rule_at_every_step_and_gives_the_same_to
     passes = calls["plain_rule"]  # a prefill, one-token steps and a refill past block_size
     assert passes >= 20 and calls["attn_mask"] == 0
     calls.update(attn_mask=0, plain_rule=0)
-    masked = generate(model, prompt, 20, sampling=GREEDY, cache=model.new_kv_cache(2, read_all_slots=True))
+    masked = generate(model, prompt, 20, sampling=GREEDY, cache=new_kv_cache(model, 2, read_all_slots=True))
     assert calls == {"attn_mask": passes, "plain_rule": 0}  # the same passes, each through the mask
     assert torch.equal(masked, default)

@@ -9,6 +9,7 @@ import torch
 from model import GPT, GREEDY, RingKVCache, Sampling, generate, greedy_decode
 from model.gpt import POSITIONS
 from tiny_models import BLOCK_SIZE, VOCAB, random_model, random_tokens
+from model.caches.factory import new_kv_cache
 
 
 N_NEW = 40  # 2.5 x block_size: crosses the window more than once
@@ -74,7 +75,7 @@ def test_a_smaller_window_does_see_less_context_than_crop_and_recompute(model):
 
 def test_a_cache_passed_in_is_reset_and_reused(model):
     prompt = random_tokens(2, 5)
-    cache = model.new_kv_cache(2)
+    cache = new_kv_cache(model, 2)
     first = generate(model, prompt, 20, sampling=GREEDY, cache=cache)
     assert len(cache) > 0
     assert torch.equal(generate(model, prompt, 20, sampling=GREEDY, cache=cache), first)
@@ -151,7 +152,7 @@ def test_invalid_sampling_or_window_arguments_are_value_errors(model, kwargs):
                                     dict(cache="cache of 3 rows")], ids=lambda k: "-".join(k))
 def test_options_that_cannot_apply_are_refused(model, kwargs):
     if "cache" in kwargs:
-        kwargs["cache"] = model.new_kv_cache(3 if "3 rows" in kwargs["cache"] else 2)
+        kwargs["cache"] = new_kv_cache(model, 3 if "3 rows" in kwargs["cache"] else 2)
     with pytest.raises(ValueError, match="cache"):
         generate(model, random_tokens(2, 3), 2, **kwargs)
 
@@ -188,11 +189,11 @@ def bad_generate_call(model, case):
         "n_pad=[True, 0]": (lambda: generate(model, prompt, 2, n_pad=[True, 0]), "n_pad"),
         "id >= vocab_size": (lambda: generate(model, torch.full((2, 3), VOCAB), 2), "vocabulary"),
         "negative id": (lambda: generate(model, -prompt - 1, 2), "vocabulary"),
-        "cache of another shape": (lambda: generate(model, prompt, 2, cache=random_model(n_layer=3).new_kv_cache(2)),
+        "cache of another shape": (lambda: generate(model, prompt, 2, cache=new_kv_cache(random_model(n_layer=3), 2)),
                                    "another model shape"),
         "cache of int64": (lambda: generate(model, prompt, 2, cache=RingKVCache(2, 2, 3, BLOCK_SIZE, 8, dtype=torch.long,
                                                                              reach=BLOCK_SIZE)), "int64"),
-        "cache of another kind": (lambda: generate(model, prompt, 2, cache=object()), "KVCache"),
+        "cache of another kind": (lambda: generate(model, prompt, 2, cache=object()), "model/kv_cache.py: Cache"),
     }
     return calls[case]
 

@@ -13,12 +13,15 @@ import torch.nn.functional as F
 
 from model import GPT, GREEDY, MultiHeadAttention, Sampling, generate, kv_cache_bytes, kv_cache_bytes_per_token
 from model.caches import int8 as int8_cache
+from model.caches.local_ring import WindowedKVCache
 from model.attention import rotary, rotate
 from model.measuring.decoder_loss import decoder_loss, teacher_forced_loss
 from model.decoding.generate import prefill
 from model.caches.int8 import Int8KVCache, Quantized, int8_attention
 from model.decoding.quantize import quantize_int8
 from tiny_models import BLOCK_SIZE, random_model, random_tokens
+from model.caches.factory import new_kv_cache
+from model.decoding.ring_cache import Uncached
 
 # 4 layers so that kv_share=2 makes two groups; 4 heads of 6 channels (even, for rope)
 SHAPE = dict(n_layer=4, n_head=4, n_embd=24)
@@ -147,7 +150,7 @@ def test_forward_equals_the_written_out_reference(design, pos_emb):
     seq = random_tokens(2, BLOCK_SIZE)
     torch.testing.assert_close(model(seq)[0], reference_logits(model, seq), atol=ATOL, rtol=0)
     n_pad = torch.tensor([0, 5])
-    got = model(seq, n_pad=n_pad)[0]
+    got = model(seq, cache=Uncached(model.config.block_size, n_pad))[0]
     torch.testing.assert_close(got[1, 5:], reference_logits(model, seq, n_pad)[1, 5:], atol=ATOL, rtol=0)
 
 
@@ -223,7 +226,7 @@ def test_a_plain_model_with_each_key_value_head_repeated_gives_the_same_logits(n
 def cached_steps(model, prompt, n_pad, n_new, read_all_slots):
     """Greedy decoding straight through one cache (a prefill in the chunks it takes, then a token per step, the ring
     rolling past block_size): the sequence and each step's last logits."""
-    cache = model.new_kv_cache(prompt.size(0), read_all_slots=read_all_slots)
+    cache = new_kv_cache(model, prompt.size(0), read_all_slots=read_all_slots)
     cache.reset(n_pad)
     seq, logits = prompt, [prefill(model, prompt, cache)]
     for _ in range(n_new):
@@ -278,7 +281,7 @@ def test_generation_past_block_size_equals_recomputation_step_by_step(design, po
     and seeded sampling give the same tokens with and without the cache."""
     model = design_model(design, pos_emb)
     prompt, n_pad = random_tokens(3, 7, seed=3), [0, 2, 4]
-    cache = model.new_kv_cache(3, read_all_slots=read_all_slots)
+    cache = new_kv_cache(model, 3, read_all_slots=read_all_slots)
     cached, cached_logits = recorded_logits(model, monkeypatch, idx=prompt, max_new_tokens=N_NEW, sampling=GREEDY,
                                             n_pad=n_pad, cache=cache)
     full, full_logits = recorded_logits(model, monkeypatch, idx=prompt, max_new_tokens=N_NEW, sampling=GREEDY,
@@ -317,8 +320,9 @@ def test_int8_cache_logits_stay_within_tolerance_of_fp32_and_greedy_agrees_where
     n_new = N_NEW if pos_emb == "rope" else BLOCK_SIZE - 7
     n_pad = torch.tensor([0, 2, 4])
     seq, fp32_logits = cached_steps(model, random_tokens(3, 7, seed=4), n_pad, n_new, read_all_slots=False)
-    int8 = model.new_kv_cache(3, dtype=torch.int8)
-    assert isinstance(int8, Int8KVCache) and int8.dtype == torch.int8 and int8.k[0].dtype == torch.int8
+    int8 = new_kv_cache(model, 3, dtype=torch.int8)
+    rings = [int8.ring, int8.local] if isinstance(int8, WindowedKVCache) else [int8]  # local layers: two rings
+    assert int8.dtype == torch.int8 and all(isinstance(r, Int8KVCache) and r.k[0].dtype == torch.int8 for r in rings)
     int8.reset(n_pad)
     int8_logits = [prefill(model, seq[:, :7], int8)] + [model.decode_step(seq[:, t:t + 1], int8)
                                                            for t in range(7, seq.size(1) - 1)]
@@ -369,7 +373,7 @@ def test_int8_cache_decodes_a_batch_in_blocks_of_rows_as_it_does_all_at_once(mon
     logits = {}
     for rows_at_a_time in (False, True):
         monkeypatch.setattr(int8_cache, "FLOAT_BLOCK_BYTES", 1 if rows_at_a_time else 2**30)
-        cache = model.new_kv_cache(3, dtype=torch.int8)
+        cache = new_kv_cache(model, 3, dtype=torch.int8)
         cache.reset(n_pad)
         steps = [model.decode_step(prompt, cache)]
         steps += [model.decode_step(steps[-1].argmax(-1, keepdim=True), cache) for _ in range(BLOCK_SIZE + 3)]
@@ -389,7 +393,7 @@ def test_compiled_step_through_an_int8_cache_equals_the_eager_one(design):
     torch._dynamo.utils.counters.clear()
     logits = {}
     for name, step in (("eager", model.decode_step), ("compiled", torch.compile(model.decode_step, fullgraph=True))):
-        cache = model.new_kv_cache(2, dtype=torch.int8)
+        cache = new_kv_cache(model, 2, dtype=torch.int8)
         cache.reset(n_pad)
         out = [prefill(model, prompt, cache)]
         out += [step(out[-1].argmax(-1, keepdim=True), cache) for _ in range(BLOCK_SIZE + 3)]
@@ -403,7 +407,7 @@ def test_int8_cache_generates_with_ragged_rows_past_block_size_for_both_position
     for pos_emb in ("learned", "rope"):
         model = design_model("gqa", pos_emb)
         prompt = random_tokens(2, 7)
-        cache = model.new_kv_cache(2, dtype=torch.int8, read_all_slots=read_all_slots)
+        cache = new_kv_cache(model, 2, dtype=torch.int8, read_all_slots=read_all_slots)
         out = generate(model, prompt, N_NEW, sampling=GREEDY, n_pad=[0, 3], cache=cache)
         assert out.shape == (2, 7 + N_NEW) and len(cache) > 0
 
@@ -417,9 +421,9 @@ def test_cache_bytes_follow_the_formula_and_shrink_as_the_design_says(design, dt
     overrides = {} if design == "mha" else DESIGNS[design]
     model = random_model(**SHAPE, **overrides)
     c = model.config
-    cache = model.new_kv_cache(3, max_len=BLOCK_SIZE + spare, dtype=dtype)
+    cache = new_kv_cache(model, 3, max_len=BLOCK_SIZE + spare, dtype=dtype)
     assert cache.nbytes == 3 * kv_cache_bytes(c, dtype, BLOCK_SIZE + spare)
-    held = [b for name, b in cache.named_buffers() if re.fullmatch(r"(local\.)?(k|v|k_scale|v_scale)\d+", name)]
+    held = [b for name, b in cache.named_buffers() if re.fullmatch(r"((ring|local)\.)?(k|v|k_scale|v_scale)\d+", name)]
     assert len(held) == c.n_kv_layer * (4 if dtype == torch.int8 else 2)
     assert cache.nbytes == sum(b.nbytes for b in held)
     # slots per cache layer: block_size (and the spare ones), or a local layer's window (and the spare ones)
@@ -455,7 +459,7 @@ def test_a_cache_of_another_design_is_refused():
     model = design_model("gqa", "learned")
     other = design_model("mqa", "learned")
     with pytest.raises(ValueError, match="another model shape"):
-        generate(model, random_tokens(1, 3), 2, cache=other.new_kv_cache(1))
+        generate(model, random_tokens(1, 3), 2, cache=new_kv_cache(other, 1))
 
 
 # --- loss through the decoder -------------------------------------------------------------------------------------
@@ -472,7 +476,7 @@ def test_loss_through_the_decoder_equals_teacher_forced_loss_for_an_exact_cache(
         assert decoder_loss(model, tokens, prompt_len=5, window=3) == pytest.approx(
             teacher_forced_loss(model, tokens, prompt_len=5, window=3), abs=1e-5)
     # the int8 cache's logits are not the same: its loss differs, by a little
-    int8 = decoder_loss(model, tokens, prompt_len=5, cache=model.new_kv_cache(3, dtype=torch.int8))
+    int8 = decoder_loss(model, tokens, prompt_len=5, cache=new_kv_cache(model, 3, dtype=torch.int8))
     assert 0 < abs(int8 - through_cache) < 0.01
 
 

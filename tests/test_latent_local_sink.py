@@ -17,6 +17,7 @@ from model.designs.learned_sink import sink_attention
 from model.serving.speculative import PromptLookup, SpeculativeStats, speculative_generate
 from test_kv_designs import ATOL, DESIGNS, SHAPE, design_model, prefill, recorded_logits, reference_logits
 from tiny_models import BLOCK_SIZE, random_model, random_tokens
+from model.caches.factory import new_kv_cache
 
 WINDOWED = [name for name, fields in DESIGNS.items() if "local_window" in fields]
 HEAD_DIM = SHAPE["n_embd"] // SHAPE["n_head"]
@@ -122,20 +123,20 @@ def test_a_latent_cache_holds_the_latent_and_the_rotary_key_and_nothing_else(pos
     multi-query attention's one key and one value hold."""
     rope = dict(kv_latent_rope=4) if pos_emb == "rope" else {}
     model = random_model(**SHAPE, kv_latent=2 * HEAD_DIM, pos_emb=pos_emb, **rope)
-    cache = model.new_kv_cache(3, dtype=dtype)
+    cache = new_kv_cache(model, 3, dtype=dtype)
     width = 2 * HEAD_DIM + (4 if pos_emb == "rope" else 0)
     per_token = width * dtype.itemsize + (2 * 4 if dtype == torch.int8 else 0)
     assert cache.nbytes == 3 * BLOCK_SIZE * SHAPE["n_layer"] * per_token == 3 * kv_cache_bytes(model.config, dtype)
     mqa = random_model(**SHAPE, n_kv_head=1, pos_emb=pos_emb)
     if pos_emb == "learned":
-        assert cache.nbytes == mqa.new_kv_cache(3, dtype=dtype).nbytes
+        assert cache.nbytes == new_kv_cache(mqa, 3, dtype=dtype).nbytes
 
 
 def test_a_cache_made_without_local_rings_is_refused_for_a_model_with_local_layers():
     model = design_model("local", "rope")
     plain = random_model(**SHAPE, pos_emb="rope")
     with pytest.raises(ValueError, match="another model shape .* local window None"):
-        generate(model, random_tokens(1, 3), 2, cache=plain.new_kv_cache(1))
+        generate(model, random_tokens(1, 3), 2, cache=new_kv_cache(plain, 1))
 
 
 def test_a_prompt_longer_than_the_local_window_is_fed_in_chunks_the_rings_take():
@@ -144,7 +145,7 @@ def test_a_prompt_longer_than_the_local_window_is_fed_in_chunks_the_rings_take()
     model = design_model("local", "learned")
     prompt = random_tokens(2, 12, seed=4)
     with pytest.raises(ValueError, match="a chunk of 12 tokens must fit in the cache before it first wraps \\(5 slots"):
-        model.decode_step(prompt, model.new_kv_cache(2))
+        model.decode_step(prompt, new_kv_cache(model, 2))
     out = generate(model, prompt, 3, sampling=GREEDY)
     assert torch.equal(out, generate(model, prompt, 3, sampling=GREEDY, use_cache=False))
     assert torch.equal(out[:, 12], model(prompt)[0][:, -1].argmax(-1))
@@ -178,7 +179,7 @@ def test_past_block_size_a_refill_that_local_rings_take_a_token_at_a_time_goes_t
     monkeypatch.setattr(model, "decode_step", lambda idx, cache: eager.append(idx.size(1)) or decode(idx, cache))
     step = CountingStep(model)
     step.decode = decode
-    text = generate(model, prompt, new, sampling=GREEDY, cache=model.new_kv_cache(1), step=step)
+    text = generate(model, prompt, new, sampling=GREEDY, cache=new_kv_cache(model, 1), step=step)
     assert torch.equal(text, generate(model, prompt, new, sampling=GREEDY, use_cache=False))
     assert 1 not in eager and step.passes > new  # the refills' one-token passes too
     assert len(eager) >= 3  # the prompt and at least two refills, each one chunk
@@ -239,10 +240,10 @@ def test_a_padded_one_row_cache_copied_to_every_row_keeps_its_local_rings_paddin
     row would, past block_size."""
     model = design_model("local-sink-gqa", "rope")
     prompt = random_tokens(1, 3, seed=6)  # two of padding, still in the local rings of 3 slots
-    one = model.new_kv_cache(1, read_all_slots=read_all_slots)
+    one = new_kv_cache(model, 1, read_all_slots=read_all_slots)
     one.reset(torch.tensor([2]))
     prefill(model, prompt, one)
-    three = model.new_kv_cache(3, read_all_slots=read_all_slots)
+    three = new_kv_cache(model, 3, read_all_slots=read_all_slots)
     three.fill_from(one)
     seq = torch.cat([prompt, random_tokens(1, 2 * BLOCK_SIZE, seed=7)], dim=1)
     steps = torch.stack([model.decode_step(seq[:, t:t + 1].expand(3, 1), three) for t in range(3, seq.size(1))], 1)
@@ -275,7 +276,7 @@ def test_latent_attention_with_biases_decodes_by_the_naive_expansion():
             block.attn.up.bias.normal_(0.0, 0.5)
             block.attn.sink.normal_(0.0, 2.0)
     seq = random_tokens(2, BLOCK_SIZE, seed=9)
-    cache = model.new_kv_cache(2)
+    cache = new_kv_cache(model, 2)
     steps = [model.decode_step(seq[:, t:t + 1], cache) for t in range(BLOCK_SIZE)]
     torch.testing.assert_close(torch.stack(steps, 1), reference_logits(model, seq), atol=ATOL, rtol=0)
 

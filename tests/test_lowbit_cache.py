@@ -8,6 +8,7 @@ import torch
 from model import GREEDY, generate
 from model.caches.lowbit import LowBitKVCache, lowbit_cache_bytes, new_lowbit_cache, pack, unpack
 from tiny_models import random_model, random_tokens
+from model.caches.factory import new_kv_cache
 
 @pytest.mark.parametrize("bits", [2, 4])
 def test_packing_puts_each_value_in_its_bits_and_unpacking_restores_it(bits):
@@ -41,9 +42,7 @@ def test_the_cache_reads_old_tokens_quantized_as_kivi_does_and_recent_ones_exact
         t = int(torch.randint(1, cache.longest_chunk() + 1, (), generator=g))
         k, v = torch.randn(B, n_kv, t, hs, generator=g), torch.randn(B, n_kv, t, hs, generator=g)
         k[..., 0] *= 8  # one large channel, as keys have
-        _, _, slots, n_read = cache.for_tokens(t)
-        k_read, v_read = cache.layer(0, slots, n_read).update(k, v)
-        cache.advance(t)
+        k_read, v_read = cache.begin(t).layer(0).update(k, v)
         keys += k.unbind(2)
         values += v.unbind(2)
         fed = len(keys)
@@ -78,7 +77,7 @@ def test_with_every_token_it_sees_in_full_precision_the_cache_is_exact(pos_emb, 
     block = model.config.block_size
     prompt, n_pad = random_tokens(3, 7, seed=1), torch.tensor([0, 2, 5])
     float_logits, lowbit_logits = [], []
-    for cache, out in ((model.new_kv_cache(3), float_logits),
+    for cache, out in ((new_kv_cache(model, 3), float_logits),
                        (new_lowbit_cache(model, 3, bits, group=8, residual=block), lowbit_logits)):
         forcing = Recorder(random_tokens(3, 3 * block, seed=2), out)
         for _ in generate_with(model, prompt, 3 * block, forcing, cache, n_pad):

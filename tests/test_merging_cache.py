@@ -14,6 +14,7 @@ from model.caches.merging import new_merging_cache
 from test_evicting_cache import RandomAttention, evict, token_by_token, turn
 from test_sink_cache import cached_logits
 from tiny_models import random_model, random_tokens
+from model.caches.factory import new_kv_cache
 
 
 class MergingHead:
@@ -67,10 +68,9 @@ def test_on_random_attention_scores_each_head_keeps_merges_and_attends_as_the_ru
     for p in range(60):
         q, k, v = source.next(B)
         cos, sin = (x.view(1, 1, 1, hd) for x in rotary(torch.tensor([p]), hd))
-        view = cache.layer(0, None, None)
+        view = cache.begin(1).layer(0)
         k_read, v_read = view.update(k * cos + k.roll(hd // 2, -1) * sin, v)
         y = view.attend(q * cos + q.roll(hd // 2, -1) * sin, k_read, v_read, None)
-        cache.advance(1)
         for (b, g), head in heads.items():
             head.add(p, turn(k[b, g, 0], p, hd), v[b, g, 0])
             expected = head.attend(torch.stack([turn(q[b, h, 0], p, hd) for h in range(g * group, (g + 1) * group)]))
@@ -126,13 +126,12 @@ def test_merging_tokens_whose_keys_are_equal_loses_nothing():
     keys[[2, 4]] = keys[0].clone()  # tokens 2 and 4 repeat token 0's key
     cache = new_merging_cache(model, 1, budget=4)
     for p in range(6):
-        view = cache.layer(0, None, None)
+        view = cache.begin(1).layer(0)
         if p >= 4:
             view.victim.fill_(2)  # token 2 leaves slot 2 for token 4, which leaves it for token 5
         k_read, v_read = view.update(keys[p].view(1, 1, 1, 8), values[p].view(1, 1, 1, 8))
         q = torch.randn(1, 2, 1, 8, generator=g)
         y = view.attend(q, k_read, v_read, None)
-        cache.advance(1)
     assert cache_state(cache, 0, 0, 0) == {0: 3.0, 1: 1.0, 5: 1.0, 3: 1.0}  # token 0's slot holds 0, 2 and 4
     full = (q[0, :, 0] @ keys.T / math.sqrt(8)).softmax(dim=-1) @ values  # (2, 8): every token, none merged
     torch.testing.assert_close(y[0, :, 0], full, rtol=0, atol=1e-6)
@@ -144,7 +143,7 @@ def test_a_budget_that_holds_the_whole_context_is_the_full_cache():
     model = random_model(pos_emb="rope", n_kv_head=1)
     block = model.config.block_size
     seq = random_tokens(2, 4 * block, seed=10)
-    full = cached_logits(model, seq, 5, model.new_kv_cache(2))
+    full = cached_logits(model, seq, 5, new_kv_cache(model, 2))
     torch.testing.assert_close(cached_logits(model, seq, 5, new_cache(model, "merge", 2, budget=block)), full,
                                rtol=0, atol=1e-5)
     prompt = seq[:, :4]

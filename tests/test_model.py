@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from model import GPT, GPTConfig, Sampling
 from model.measuring.attention_weights import attention_weights, keeping_weights
+from model import build_model
 
 
 SHAPE = {"vocab_size": 13, "block_size": 16, "n_layer": 2, "n_head": 3, "n_embd": 24}
@@ -16,7 +17,7 @@ SHAPE = {"vocab_size": 13, "block_size": 16, "n_layer": 2, "n_head": 3, "n_embd"
 
 def tiny_model(seed=0, **overrides) -> GPT:
     torch.manual_seed(seed)
-    return GPT(GPTConfig(**{**SHAPE, **overrides})).eval()
+    return build_model(GPTConfig(**{**SHAPE, **overrides})).eval()
 
 
 # --- configuration ---------------------------------------------------------------------------------------

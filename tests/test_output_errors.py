@@ -13,12 +13,13 @@ import torch
 import corpus
 import training.runs
 from data import CharVocab
-from model import GPT, GPTConfig
+from model import GPTConfig
 from test_train import TINY, data_overrides
 from runtime.checkpoint import build_checkpoint, save_checkpoint
 from training.config import ConfigError
 from runtime.errors import one_line
 from training.runs import new_run_dir
+from model import build_model
 from programs import ENV, REPO, SHORT, assert_one_line_error, checkpoint, data_root, sample_command, train_cli
 
 
@@ -224,7 +225,7 @@ def test_a_closed_stdin_is_not_needed(checkpoint):
 def test_a_vocabulary_beyond_ascii_on_an_ascii_stdout_is_written_with_replacements(tmp_path):
     vocab = CharVocab.from_text("café au lait\n")
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=len(vocab), block_size=16, n_layer=1, n_head=2, n_embd=16))
+    model = build_model(GPTConfig(vocab_size=len(vocab), block_size=16, n_layer=1, n_head=2, n_embd=16))
     path = save_checkpoint(build_checkpoint(model, vocab), tmp_path / "best.pt")
     result = subprocess.run(sample_command(path, "--prompt", "café", "--max-new-tokens", 20),
                             env={**ENV, "PYTHONIOENCODING": "ascii"}, capture_output=True, text=True, timeout=120)

@@ -18,6 +18,8 @@ from model.decoding.quantize import Int8Linear, QuantizedModelError, to_precisio
 from corpus import CITIZENS
 from tiny_models import random_model, random_tokens, tiny_config, train_briefly
 from runtime.checkpoint import build_checkpoint, load_model, save_checkpoint
+from model.caches.factory import new_kv_cache
+from model import build_model
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT = CITIZENS + """
@@ -55,13 +57,13 @@ GENERATION_STEPS, LOSS_STEPS = 150, 40
 @functools.cache
 def trained_fp32(steps: int = GENERATION_STEPS) -> GPT:
     torch.manual_seed(0)
-    model = GPT(tiny_config(vocab_size=len(VOCAB), block_size=BLOCK_SIZE, n_embd=48, n_head=3, bias=True))
+    model = build_model(tiny_config(vocab_size=len(VOCAB), block_size=BLOCK_SIZE, n_embd=48, n_head=3, bias=True))
     train_briefly(model, TRAIN, steps=steps, batch_size=16)
     return model.eval()
 
 
 def converted(precision: str, steps: int = GENERATION_STEPS) -> GPT:
-    model = GPT(trained_fp32(steps).config)
+    model = build_model(trained_fp32(steps).config)
     model.load_state_dict(trained_fp32(steps).state_dict())
     return to_precision(model, precision)
 
@@ -117,7 +119,7 @@ def test_cached_greedy_decoding_matches_recomputation_within_the_precisions_tole
 def test_cached_logits_stay_within_the_precisions_tolerance_of_a_full_forward(precision):
     model = converted(precision)
     seq = torch.tensor([VOCAB.encode("First Citizen:\nYou are all")[:BLOCK_SIZE]])
-    cache = model.new_kv_cache(1)
+    cache = new_kv_cache(model, 1)
     model(seq[:, :4], cache=cache)
     for t in range(4, seq.size(1)):
         step = model.decode_step(seq[:, t:t + 1], cache).float()

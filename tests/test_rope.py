@@ -13,6 +13,7 @@ import torch
 from model import GREEDY, RingKVCache, generate
 from model.attention import rotary, rotate
 from tiny_models import BLOCK_SIZE, VOCAB, random_model, random_tokens, train_briefly
+from model.caches.factory import new_kv_cache
 
 ATOL = 1e-5
 N_NEW = 3 * BLOCK_SIZE
@@ -88,7 +89,7 @@ def assert_rolling_steps_match_sliding_window_attention(model, prompt, n_new=N_N
     """Prefill the prompt (its first block_size tokens in one chunk, the rest one at a time), then feed one greedy
     token per step for n_new steps. At every step the cached logits equal those of a full forward over the whole
     sequence in which each layer attends its last block_size tokens (written out here as a banded mask)."""
-    cache = model.new_kv_cache(prompt.size(0))
+    cache = new_kv_cache(model, prompt.size(0))
     last = model.decode_step(prompt[:, :BLOCK_SIZE], cache)
     for t in range(BLOCK_SIZE, prompt.size(1)):
         last = model.decode_step(prompt[:, t:t + 1], cache)
@@ -142,7 +143,7 @@ def test_the_band_is_not_vacuous_the_earlier_layers_carry_context_from_beyond_th
     because each cached key was computed while its own token still saw block_size tokens back."""
     model = rope_model()
     seq = random_tokens(1, BLOCK_SIZE + 6)
-    cache = model.new_kv_cache(1)
+    cache = new_kv_cache(model, 1)
     model.decode_step(seq[:, :BLOCK_SIZE], cache)
     for t in range(BLOCK_SIZE, seq.size(1)):
         last = model.decode_step(seq[:, t:t + 1], cache)
@@ -159,7 +160,7 @@ def test_left_padded_rows_roll_as_they_would_alone(attention_path):
     batch = torch.full((3, t), VOCAB - 1)  # padding with a real token id: it must be masked, not ignored
     for b, p in enumerate(prompts):
         batch[b, t - p.size(0):] = p
-    cache = model.new_kv_cache(3)
+    cache = new_kv_cache(model, 3)
     cache.reset(torch.tensor([t - p.size(0) for p in prompts]))
     last = model.decode_step(batch, cache)
     rows = prompts
@@ -173,7 +174,7 @@ def test_left_padded_rows_roll_as_they_would_alone(attention_path):
 
 def test_a_chunk_that_would_wrap_the_ring_is_refused():
     model = rope_model()
-    cache = model.new_kv_cache(1)
+    cache = new_kv_cache(model, 1)
     model.decode_step(random_tokens(1, BLOCK_SIZE - 2), cache)
     with pytest.raises(ValueError, match="one token at a time"):
         model.decode_step(random_tokens(1, 3), cache)

@@ -11,6 +11,7 @@ import torch
 from tiny_models import random_model
 from runtime.checkpoint import save_checkpoint
 from runtime.errors import UsageError
+from model.caches.factory import new_kv_cache
 from programs import ENV, assert_one_line_error, checkpoint, sample_command
 
 
@@ -67,7 +68,7 @@ def test_the_memory_check_counts_the_cache_the_decoder_really_builds(monkeypatch
 
     model = to_precision(random_model(), "bf16")
     spare = 3 if draft else 0
-    cache = model.new_kv_cache(1, max_len=model.config.block_size + spare, dtype=torch.int8 if kv_cache else None)
+    cache = new_kv_cache(model, 1, max_len=model.config.block_size + spare, dtype=torch.int8 if kv_cache else None)
     need = cache.nbytes + (1 + 10) * 8  # a one-token prompt, 10 more
     assert cache.dtype == (torch.int8 if kv_cache else torch.float32)  # float32 on the CPU, even at bf16
     args = argparse.Namespace(num_samples=1, max_new_tokens=10, kv_cache=kv_cache, draft=draft,

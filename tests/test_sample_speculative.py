@@ -16,6 +16,7 @@ from runtime.checkpoint import build_checkpoint, load_model, save_checkpoint
 from sampling.output import interact
 from test_sample import (ENV, NEW_TOKENS, PROMPT, SAMPLE, TEXT, VOCAB, assert_usage_error, run_sample, sample_ok,
                          tiny_model)
+from model import build_model
 
 REPLY = 40
 
@@ -33,7 +34,7 @@ def checkpoints(tmp_path_factory):
     paths["model_with_text"] = save_checkpoint(build_checkpoint(load_model(paths["model"])[0], VOCAB, text=text),
                                                folder / "model_with_text.pt")
     torch.manual_seed(0)
-    other = GPT(GPTConfig(vocab_size=5, block_size=16, n_layer=1, n_head=1, n_embd=8)).eval()
+    other = build_model(GPTConfig(vocab_size=5, block_size=16, n_layer=1, n_head=1, n_embd=8)).eval()
     paths["other"] = save_checkpoint(build_checkpoint(other, CharVocab("abcde")), folder / "other.pt")
     return paths
 

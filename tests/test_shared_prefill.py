@@ -9,13 +9,14 @@ import torch
 from model import Sampling, generate
 from model.gpt import POSITIONS
 from tiny_models import BLOCK_SIZE, random_model, random_tokens
+from model.caches.factory import new_kv_cache
 
 N_SAMPLES = 4
 generate_module = importlib.import_module("model.decoding.generate")  # `model.decoding.generate` is also the function's name
 
 
 def sample_rows(model, prompt, n_new, cache_dtype=None):
-    cache = model.new_kv_cache(prompt.size(0), dtype=cache_dtype)
+    cache = new_kv_cache(model, prompt.size(0), dtype=cache_dtype)
     return generate(model, prompt, n_new, sampling=Sampling(temperature=1.0), cache=cache,
                     generator=torch.Generator().manual_seed(0))
 

@@ -12,6 +12,7 @@ from model import GREEDY, generate
 from model.decoding.generate import generate_tokens
 from model.caches.sinks import new_sink_cache
 from tiny_models import random_model, random_tokens
+from model.caches.factory import new_kv_cache
 
 
 def streaming_reference(model, seq: torch.Tensor, sinks: int, window: int) -> torch.Tensor:
@@ -98,7 +99,7 @@ def test_a_budget_that_holds_the_whole_context_is_the_full_cache():
     model = random_model(pos_emb="rope")
     block = model.config.block_size
     seq = random_tokens(2, 3 * block, seed=6)
-    full = cached_logits(model, seq, 5, model.new_kv_cache(2))
+    full = cached_logits(model, seq, 5, new_kv_cache(model, 2))
     assert torch.equal(cached_logits(model, seq, 5, new_sink_cache(model, 2, sinks=0, window=block)), full)
     fits = cached_logits(model, seq[:, :block], 5, new_sink_cache(model, 2, sinks=4, window=block - 4))
     assert torch.equal(fits, full[:, :block - 5])

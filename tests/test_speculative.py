@@ -13,6 +13,8 @@ from model.gpt import POSITIONS
 from model.serving.ngram_draft import NGramTable
 from model.serving.speculative import PromptLookup, SpeculativeStats, speculative_generate
 from tiny_models import BLOCK_SIZE, VOCAB, random_model, random_tokens, tiny_config
+from model.caches.factory import new_kv_cache
+from model import build_model
 
 PROMPT_LEN = 5
 NEW_TOKENS = 3 * BLOCK_SIZE + 5  # inside block_size at first, then well past it
@@ -114,7 +116,7 @@ def peaked_model(seed: int) -> GPT:
     (N_SAMPLES * sum (r - p)^2 / p = 98 for the first token's distribution r), while after PROMPT each of the 9
     two-token outcomes keeps a probability of at least 0.032 (13 expected in 400)."""
     torch.manual_seed(seed)
-    model = GPT(tiny_config(**SMALL))
+    model = build_model(tiny_config(**SMALL))
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
@@ -202,7 +204,7 @@ def test_the_distribution_test_fails_for_a_wrong_acceptance_rule(wrong_rule, mon
 def fresh_cache(model: GPT, tokens: list[int], start: int):
     """The cache a fresh prefill of tokens[start:] gives: one chunk up to the ring's size, then a token at a time,
     as generate reads a long prompt. Returns (cache, where token i is: its slot)."""
-    cache = model.new_kv_cache(1)
+    cache = new_kv_cache(model, 1)
     ids = torch.tensor([tokens[start:]])
     first = min(ids.size(1), cache.max_len)
     model.decode_step(ids[:, :first], cache)
@@ -278,7 +280,7 @@ def test_a_draft_equal_to_the_model_needs_one_pass_per_k_plus_1_tokens():
 
 def test_a_wrapped_ring_refuses_to_roll_back_past_what_it_still_holds():
     model = random_model(seed=0, pos_emb="rope")
-    cache = model.new_kv_cache(1, max_len=BLOCK_SIZE + 2)
+    cache = new_kv_cache(model, 1, max_len=BLOCK_SIZE + 2)
     model.decode_step(random_tokens(1, BLOCK_SIZE + 2), cache)
     cache.rollback(3)  # not yet wrapped: anything goes
     model.decode_step(random_tokens(1, 3), cache)

@@ -35,19 +35,60 @@ def test_each_layer_imports_only_what_is_below_it_and_never_an_entry_point(layer
 
 
 CORE = ("model/attention.py", "model/gpt.py", "model/kv_cache.py")  # the plain path, read first
-CORE_MAX_LINES = 450
-
-
-def test_the_core_holds_at_most_450_lines_and_imports_no_lab_up_front():
-    """The core reads in one sitting; a lab is reached only through a pointer inside the branch that needs it."""
-    assert sum(len((REPO / path).read_text().splitlines()) for path in CORE) <= CORE_MAX_LINES
-    for path in CORE:
-        tree = ast.parse((REPO / path).read_text())
-        top_level = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
-        assert not [n for n in top_level if isinstance(n, ast.ImportFrom) and n.module and n.module.split(".")[0] in LAB_FOLDERS], path
-
-
+CORE_MAX_LINES = 430
+README_MAX_LINES = 200
 LAB_FOLDERS = ("decoding", "designs", "caches", "serving", "measuring")  # beside the core, by what each module is
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every project module a file imports, anywhere in it (inside functions too), as dotted names."""
+    package = ".".join(path.relative_to(REPO).with_suffix("").parts[:-1])
+    modules = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            modules |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join([*parts, base] if base else parts)
+            modules |= {f"{base}.{alias.name}" for alias in node.names} | {base}
+    return modules
+
+
+def project_modules() -> dict[str, Path]:
+    """The project's modules by dotted name: packages and entry points, tests and bench aside."""
+    files = [*REPO.glob("*.py"), *(p for layer in ALLOWED if layer != "bench" for p in (REPO / layer).rglob("*.py"))]
+    return {".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"): p for p in files}
+
+
+def test_the_core_holds_at_most_430_lines_and_imports_no_lab_anywhere():
+    """The core reads in one sitting, and knows nothing of the folders beside it: not even inside a function."""
+    assert sum(len((REPO / path).read_text().splitlines()) for path in CORE) <= CORE_MAX_LINES
+    core = {"model." + Path(path).stem for path in CORE}
+    for path in CORE:
+        imported = {name for name in imported_modules(REPO / path) if name.startswith("model")}
+        assert {".".join(name.split(".")[:2]) for name in imported} <= core | {"model"}, (path, imported)
+
+
+def test_no_module_imports_itself_through_a_circle():
+    """Following each module's imports (inside functions too) never leads back to it."""
+    modules = project_modules()
+    edges = {name: {m for m in imported_modules(path) if m in modules and m != name} for name, path in modules.items()}
+    state = {}
+
+    def visit(name, trail):
+        state[name] = "open"
+        for nxt in sorted(edges[name]):
+            assert state.get(nxt) != "open", " -> ".join([*trail, name, nxt])
+            if nxt not in state:
+                visit(nxt, [*trail, name])
+        state[name] = "done"
+
+    for name in sorted(modules):
+        if name not in state:
+            visit(name, [])
+    assert len(modules) > 40 and any(edges.values())
 
 
 def test_every_lab_imports_only_the_model():
@@ -55,6 +96,41 @@ def test_every_lab_imports_only_the_model():
     assert files
     for path in files:
         assert project_imports(path) <= {"model"}, path
+
+
+def test_no_cache_class_chain_is_deeper_than_three_and_no_class_is_made_at_run_time():
+    """Caches compose (a budget's rules are mixed in, a windowed cache holds two rings): at most three cache classes
+    from KVCache down. Every attention class is written out, never made by type()."""
+    import importlib
+    import inspect
+
+    from model import KVCache
+    classes = set()
+    for name in project_modules():
+        if name.startswith("model."):
+            module = importlib.import_module(name)
+            classes |= {c for _, c in inspect.getmembers(module, inspect.isclass) if c.__module__ == name}
+    caches = [c for c in classes if issubclass(c, KVCache)]
+    assert len(caches) >= 8
+    for cls in caches:
+        assert sum(issubclass(base, KVCache) for base in cls.__mro__) <= 3, cls.__mro__
+    for path in (REPO / "model").rglob("*.py"):
+        calls = [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Call)
+                 and isinstance(n.func, ast.Name) and n.func.id == "type" and len(n.args) == 3]
+        assert not calls, path
+
+
+def test_a_cache_is_one_module_and_one_line_in_the_factory():
+    """The window cache is the smallest: only the factory names it, in one line of CACHES."""
+    users = [p for p in (REPO / "model").rglob("*.py") if "caches.window" in (text := p.read_text())
+             or "from .window" in text]
+    assert [p.relative_to(REPO).as_posix() for p in users] == ["model/caches/factory.py"]
+    factory = (REPO / "model/caches/factory.py").read_text()
+    assert len([line for line in factory.splitlines() if "WindowKVCache" in line and "import" not in line]) == 1
+
+
+def test_the_readme_holds_at_most_200_lines():
+    assert len((REPO / "README.md").read_text().splitlines()) <= README_MAX_LINES
 
 
 def test_a_plain_cached_decode_step_runs_only_the_core():

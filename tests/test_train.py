@@ -40,6 +40,7 @@ from training.loop import Diverged, Stopped, Trainer
 from training.optim import decay_begins
 from training.text import prepare_data
 from training.summaries import hparam_name
+from model import build_model
 
 REPO = corpus.REPO
 TINY = ["preset=cpu", "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16",
@@ -145,7 +146,7 @@ def test_checkpoints_load_with_weights_only(tiny_run, data_root):
     assert last["training"]["config"]["model"]["n_layer"] == 2 and last["training"]["config"]["data"]["text"] == str(corpus_file(data_root))
     assert last["text"] == best["text"] == {"source": str(corpus_file(data_root)), "sha256": corpus.SHA256}
     assert set(last["training"]["rng"][0]) == {"torch", "batches"}
-    model = GPT(GPTConfig(**last["model_config"]))
+    model = build_model(GPTConfig(**last["model_config"]))
     model.load_state_dict(last["model"])  # strict: same keys, no wrapper prefixes
     decayed, not_decayed = last["training"]["optimizers"][0]["param_groups"]  # weight decay on matrices and embeddings only
     assert (decayed["weight_decay"], not_decayed["weight_decay"]) == (0.1, 0.0)
@@ -248,7 +249,7 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest(tmp_path, data_root):
                       "optim.warmup_iters=2", "optim.min_lr=1e-3"), run_dir)
     last = torch.load(run_dir / "last.pt", weights_only=True)
     adamw, muon = last["training"]["optimizers"]
-    model = GPT(GPTConfig(**last["model_config"]))
+    model = build_model(GPTConfig(**last["model_config"]))
     names = [name for name, _ in model.named_parameters()]
     hidden = [n for n, p in model.named_parameters() if n.startswith("blocks.") and p.dim() == 2]
     assert len(hidden) == 2 * 4  # qkv, out_proj, fc, proj in each of 2 layers
@@ -316,7 +317,7 @@ def test_the_moving_average_starts_at_the_initial_weights_and_follows_each_step(
     decay = 0.8
     settings = validate(config(tmp_path, data_root, f"train.ema_decay={decay}"))
     data = prepare_data(settings)
-    model = GPT(dataclasses.replace(settings.model, vocab_size=len(data.vocab)))
+    model = build_model(dataclasses.replace(settings.model, vocab_size=len(data.vocab)))
     trainer = Trainer(settings, model, data, torch.device("cpu"), tmp_path, summaries=None)
     expected = {name: weight.clone() for name, weight in model.state_dict().items()}
     for _ in range(5):
@@ -336,7 +337,7 @@ def test_evaluations_see_the_moving_average_and_best_pt_holds_it(tmp_path, data_
     tc, data = settings.train, prepare_data(settings)
 
     def val_loss(weights: dict) -> float:
-        model = GPT(GPTConfig(**best["model_config"]))
+        model = build_model(GPTConfig(**best["model_config"]))
         model.load_state_dict(weights)
         return evaluate(model, data, model.config.block_size, tc.batch_size, tc.eval_iters, tc.seed,
                         torch.device("cpu"), autocast_of(settings), world_size=1)["val"]
@@ -544,7 +545,7 @@ def test_a_slowed_run_ends_early_enough_for_the_process_to_exit(tmp_path, data_r
     A step that evaluates anyway (due) must leave room for that evaluation too."""
     settings = validate(config(tmp_path, data_root, *BUDGET, *HOLD))
     data = prepare_data(settings)
-    trainer = Trainer(settings, GPT(dataclasses.replace(settings.model, vocab_size=len(data.vocab))), data,
+    trainer = Trainer(settings, build_model(dataclasses.replace(settings.model, vocab_size=len(data.vocab))), data,
                       torch.device("cpu"), tmp_path, summaries=None)
     monkeypatch.setattr(training.loop, "write_line", lambda line: None)
     now = time.perf_counter()
@@ -863,7 +864,7 @@ def test_ddp_two_cpu_processes_end_with_identical_weights(tmp_path, data_root, e
         assert torch.equal(last["model"][name], weight), name
     for name, weight in ranks[0]["model"].items():
         assert torch.equal(last["training"]["raw_model"][name] if ema else last["model"][name], weight), name
-    model = GPT(GPTConfig(**last["model_config"]))  # the val loss logged last is the saved model's
+    model = build_model(GPTConfig(**last["model_config"]))  # the val loss logged last is the saved model's
     model.load_state_dict(last["model"])
     settings = validate(cfg)
     data = prepare_data(settings)

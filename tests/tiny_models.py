@@ -3,6 +3,7 @@
 import torch
 
 from model import GPT, GPTConfig
+from model import build_model
 
 BLOCK_SIZE, VOCAB = 16, 13
 
@@ -16,7 +17,7 @@ def random_model(seed=0, **overrides) -> GPT:
     """A tiny GPT in eval mode with weights well above GPT-2's 0.02 init, so that attention is far from
     uniform and every token of the context moves the logits (at 0.02 it mostly echoes the last token)."""
     torch.manual_seed(seed)
-    model = GPT(tiny_config(**overrides))
+    model = build_model(tiny_config(**overrides))
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:

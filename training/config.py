@@ -18,6 +18,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 from data import DATASETS, VAL_FRACTION
 from model import GPTConfig
+from model.designs.layers import check_design
 from runtime.devices import choose_device
 from runtime.errors import ConfigError, one_line
 
@@ -200,6 +201,8 @@ def validate(cfg: DictConfig, named: set[str] | None = None) -> Settings:
             node = OmegaConf.merge(node, {"vocab_size": 1})
         try:
             sections[name] = OmegaConf.to_object(node)
+            if name == "model":
+                check_design(sections[name])
         except OmegaConfBaseException as e:
             raise ConfigError(f"{name}.{e.full_key}: {one_line(e)}") from None
         except ValueError as e:

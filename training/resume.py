@@ -16,6 +16,7 @@ from .distributed import is_rank_zero
 from .optim import make_optimizers, make_scheduler
 from .runs import continues_in_place
 from .sizing import kept_on_resume
+from model import build_model
 
 # Settings a resumed run must share with the run it continues: the model, the optimiser, the schedule, the weights'
 # average and the split of its text (training/text.py checks that the text is the same, whatever its path). Its length
@@ -99,7 +100,7 @@ def check_restorable(contents: dict, optim: OptimConfig, max_iters: int | None) 
     """Restore the checkpoint's weights, optimiser and schedule into throwaway copies, as the Trainer will, and
     check the values that are restored as they are; whatever does not fit raises."""
     state = contents["training"]
-    model = GPT(GPTConfig(**contents["model_config"]))
+    model = build_model(GPTConfig(**contents["model_config"]))
     model.load_state_dict(contents["model"])  # strict: every tensor present, of its shape
     if state["config"]["train"].get("ema_decay") is not None:  # model holds the average, raw_model what it averages
         model.load_state_dict(state["raw_model"])

@@ -25,6 +25,7 @@ from runtime.devices import DEFAULT_THREADS, environment_threads, fastest_thread
 from .budget import planned_seconds, steps_within
 from .config import Settings
 from .loop import Trainer
+from model import build_model
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ def sizing(settings: Settings, named: set[str] | None, world_size: int) -> str |
 
 def trainer_step(settings: Settings, data: PreparedData, device: torch.device) -> Callable[[], None]:
     """One training step of a throwaway model with these settings, as a function to time."""
-    model = GPT(dataclasses.replace(settings.model, vocab_size=len(data.vocab))).to(device)
+    model = build_model(dataclasses.replace(settings.model, vocab_size=len(data.vocab))).to(device)
     trainer = Trainer(settings, model, data, device, run_dir=None, summaries=None)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     return lambda: (trainer.train_step(), sync())

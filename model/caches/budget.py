@@ -1,18 +1,17 @@
-"""What a cache of a fixed budget of slots shares, whichever tokens it keeps (model/caches/sinks.py keeps the first and the
-last, model/caches/evicting.py those its heads choose): rows that start together, a first chunk that fills it, then one
-token per pass, eagerly, and no rollback."""
+"""What a cache of a fixed budget of slots shares, whichever tokens it keeps (window.py keeps the last, sinks.py the
+first and the last, evicting.py those its heads choose): rows that start together, a first chunk that fills it,
+then one token per pass, eagerly, and no rollback."""
 
 import torch
 
-from ..decoding.ring_cache import RingKVCache
+from ..kv_cache import Abilities
 
 
-class BudgetKVCache(RingKVCache):
-    """A RingKVCache of max_len slots that keeps fewer tokens than block_size. kind: what it is, for messages;
-    keeps: why rows must start together; moves: why it takes one token at a time once full."""
+class BudgetRules:
+    """Mixed in before KVCache (model/kv_cache.py), whose buffers hold the budget's slots. kind: what it is, for
+    messages; keeps: why rows must start together; moves: why it takes one token at a time once full."""
 
-    budgeted = True
-    compilable = False  # once full, where a token goes depends on the step before, read back each step
+    abilities = Abilities(rolls_back=False, takes_padding=False, compiles=False, budgeted=True)
     kind, keeps, moves = "a budget cache", "keeps chosen tokens of each row", "each needs the step before"
 
     def reset(self, n_pad=None) -> None:
@@ -25,16 +24,14 @@ class BudgetKVCache(RingKVCache):
         return max(self.max_len - len(self), 1)
 
     def check_chunk(self, t: int) -> int:
-        """The tokens fed so far, once t new ones are known to fit in one pass."""
+        """The tokens fed so far, once t new ones are known to fit in one pass, eagerly."""
+        if torch.compiler.is_compiling():
+            raise ValueError(f"{self.kind} decodes eagerly: drop compile")
         fed = len(self)
         if t > self.longest_chunk():
             raise ValueError(f"{self.kind} of {self.max_len} slots with {fed} tokens fed takes "
                              f"{self.longest_chunk()} tokens in one pass ({self.moves}), not {t}")
         return fed
-
-    def check_eager(self) -> None:
-        if torch.compiler.is_compiling():
-            raise ValueError(f"{self.kind} decodes eagerly: drop compile")
 
     def rollback(self, n: int) -> None:
         if n:

@@ -22,8 +22,9 @@ import math
 import torch
 
 from ..attention import causal_mask
-from .budget import BudgetKVCache
 from ..decoding.checks import is_integer
+from ..kv_cache import CachePass, KVCache
+from .budget import BudgetRules
 
 
 class H2O:
@@ -54,15 +55,14 @@ POLICIES = {"h2o": H2O, "tova": TOVA}
 class EvictingLayerKV:
     """One layer's view of an evicting cache during one forward pass: update() stores, attend() scores and chooses."""
 
-    def __init__(self, cache: "EvictingKVCache", i: int):
-        self.cache = cache
+    def __init__(self, cache: "EvictingKVCache", i: int, fed: int):
+        self.cache, self.fed = cache, fed  # fed: the tokens before this pass
         self.k, self.v, self.token, self.score, self.victim = (
             getattr(cache, f"{name}{i}") for name in ("k", "v", "token", "score", "victim"))
 
     def update(self, k_new, v_new):
         """Store the new keys/values (B, n_kv, t, hs); return the kept ones."""
-        c, t, hs = self.cache, k_new.size(2), k_new.size(-1)
-        fed = int(c.pos)
+        c, t, hs, fed = self.cache, k_new.size(2), k_new.size(-1), self.fed
         if fed + t <= c.max_len:  # filling up: token n in slot n
             self.k[:, :, fed:fed + t] = k_new
             self.v[:, :, fed:fed + t] = v_new
@@ -80,7 +80,7 @@ class EvictingLayerKV:
         """q kᵀ / √hs: q (B, nh, t, hs), k (B, nh, S, hs) -> (B, nh, t, S)."""
         return q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
 
-    def attend(self, q, k, v, attn_mask):
+    def attend(self, q, k, v, attn_mask, sink=None):
         """softmax(q kᵀ / √hs) v, explicitly, and the policy's next victims: q (B, nh, t, hs) -> (B, nh, t, hs)."""
         B, nh, t, hs = q.shape
         n_kv, S = k.size(1), k.size(2)
@@ -93,18 +93,19 @@ class EvictingLayerKV:
         c = self.cache
         c.policy.observe(self.score[..., :S], weights.view(B, n_kv, group, t, S).mean(dim=2).float())
         if S == c.max_len:  # full: the slot the next token takes
-            newest = int(c.pos) + t - 1
+            newest = self.fed + t - 1
             claim = c.policy.claim(self.score, self.token, newest)
             leaving = self.token <= newest + 1 - c.block_size  # out of the full cache's view at the next token
             self.victim.copy_(claim.masked_fill(leaving, -math.inf).argmin(dim=-1))
         return weights @ v
 
 
-class EvictingKVCache(BudgetKVCache):
+class EvictingKVCache(BudgetRules, KVCache):
     """budget slots per layer and key/value head; a policy (POLICIES) chooses which token each head drops."""
 
     kind, keeps, moves = "an evicting cache", "numbers each row's tokens alike", "each needs the step before's victim"
     policies = POLICIES  # the policies it takes, by name
+    view = EvictingLayerKV  # a layer's view, for one pass
 
     def __init__(self, n_kv_layer: int, batch_size: int, n_kv_head: int, head_dim: int, dtype=torch.float32,
                  device=None, *, policy: str, budget: int, block_size: int):
@@ -121,17 +122,15 @@ class EvictingKVCache(BudgetKVCache):
         return super().nbytes + sum(t.nbytes for name in ("token", "score", "victim")
                                     for t in self.layer_buffers(name))
 
-    def for_tokens(self, t: int):
+    def begin(self, t: int) -> CachePass:
         fed = self.check_chunk(t)
         new = self.pos + self.slot_ids[:t]  # (t,) the new tokens' numbers: their positions
-        return (new, None, new, fed + t) if fed + t <= self.max_len else (new, None, None, None)
+        self.pos += t
+        return CachePass(new, None, lambda i: self.view(self, i, fed))
 
-    def layer(self, i: int, slots, n_read) -> EvictingLayerKV:
-        self.check_eager()
-        return EvictingLayerKV(self, i)
-
-    def one_row(self, model) -> "EvictingKVCache":
-        return new_evicting_cache(model, 1, policy=self.policy_name, budget=self.max_len)
+    def one_row(self) -> "EvictingKVCache":
+        return type(self)(self.n_kv_layer, 1, self.k0.size(1), self.head_dim, self.dtype, self.device,
+                          policy=self.policy_name, budget=self.max_len, block_size=self.block_size)
 
 
 def new_evicting_cache(model, batch_size: int, *, policy: str, budget: int) -> EvictingKVCache:

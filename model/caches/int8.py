@@ -34,6 +34,10 @@ class Quantized(NamedTuple):
         """What attention computes in."""
         return self.scale.dtype
 
+    def to(self, dtype: torch.dtype) -> torch.Tensor:
+        """The keys or values as floats of dtype: scale * values."""
+        return self.values.to(dtype) * self.scale.to(dtype)
+
 
 class Int8LayerKV(NamedTuple):
     """One layer's view of an int8 cache during one forward pass: LayerKV, with a scale beside each key and value."""
@@ -62,6 +66,10 @@ class Int8LayerKV(NamedTuple):
         return (Quantized(self.k[:, :, :n], self.k_scale[:, :, :n].to(self.dtype)),
                 Quantized(self.v[:, :, :n], self.v_scale[:, :, :n].to(self.dtype)))
 
+    def attend(self, q, k: Quantized, v: Quantized, mask, sink=None):
+        """Attention over the int8 keys and values as read(), the scales folded in (int8_attention)."""
+        return int8_attention(q, k, v, mask, sink=sink)[0]
+
 
 class Int8KVCache(RingKVCache):
     """A RingKVCache that stores keys and values as int8, with one KV_SCALE_DTYPE scale per token and head.
@@ -83,6 +91,10 @@ class Int8KVCache(RingKVCache):
         k, v, slots, n_read = super().layer(i, slots, n_read)
         return Int8LayerKV(k, v, getattr(self, f"k_scale{i}"), getattr(self, f"v_scale{i}"), slots, n_read,
                            self.compute_dtype)
+
+    def one_row(self) -> "Int8KVCache":
+        return Int8KVCache(self.n_kv_layer, 1, self.k0.size(1), self.max_len, self.head_dim, self.compute_dtype,
+                           self.device, reach=self.reach, read_all_slots=self.read_all_slots)
 
 
 def rows(t, r: slice):

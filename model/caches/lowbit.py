@@ -21,6 +21,7 @@ import torch
 
 from ..decoding.checks import is_integer
 from ..decoding.ring_cache import RingKVCache
+from ..kv_cache import Abilities
 
 LOW_BITS = (2, 4)  # 8 bits is the int8 cache (model/caches/int8.py)
 LOWBIT_SCALE_DTYPE = torch.float16  # each group's scale and zero
@@ -58,6 +59,7 @@ class LowBitLayerKV:
 
     def __init__(self, cache: "LowBitKVCache", i: int, slots: torch.Tensor, n_read: int | None):
         self.cache, self.slots, self.n_read = cache, slots, n_read
+        self.first = int(cache.pos) - slots.size(0)  # the first new token's number: the pass has counted them
         self.k, self.v, self.k_scale, self.k_zero, self.v_scale, self.v_zero, self.k_recent, self.v_recent = (
             getattr(cache, f"{name}{i}") for name in LowBitKVCache.LAYER_BUFFERS)
 
@@ -66,7 +68,7 @@ class LowBitLayerKV:
         the recent ones; return what attention reads."""
         c, t = self.cache, k_new.size(2)
         bits, g, R = c.bits, c.group, c.residual
-        first = int(c.pos)  # the first new token's number since reset
+        first = self.first
         B, n_kv, _, hs = k_new.shape
         q, scale, zero = quantize(v_new.reshape(B, n_kv, t, hs // c.value_group, c.value_group), bits, dim=-1)
         self.v.index_copy_(2, self.slots, pack(q.view(B, n_kv, t, hs), bits))
@@ -92,7 +94,7 @@ class LowBitLayerKV:
         """Keys and values (B, n_kv, n_read or max_len, hs) as attention reads them: the last `residual` tokens
         as they were fed, the older ones dequantized (a shared layer reads what its group's first wrote)."""
         c = self.cache
-        fed = int(c.pos) + self.slots.size(0)  # the tokens fed, this pass's included: pos advances after it
+        fed = self.first + self.slots.size(0)  # the tokens fed, this pass's included
         n = self.n_read or c.max_len
         B, n_kv = self.k.shape[:2]
         k = unpack(self.k[:, :, :n], c.bits).float()  # (B, n_kv, n, hs)
@@ -121,16 +123,13 @@ class LowBitKVCache(RingKVCache):
         super().__init__(n_kv_layer, batch_size, n_kv_head, max_len, head_dim * bits // 8, torch.uint8, device,
                          **kwargs)
         self.bits, self.group, self.residual, self.compute_dtype = bits, group, residual, dtype
+        self.head_dim = head_dim  # the buffers hold it packed, bits / 8 bytes a value
         self.value_group = min(group, head_dim)
         self.add_layer_buffers(("k_scale", "k_zero"), (batch_size, n_kv_head, max_len // group, head_dim),
                                LOWBIT_SCALE_DTYPE, device)
         self.add_layer_buffers(("v_scale", "v_zero"), (batch_size, n_kv_head, max_len, head_dim // self.value_group),
                                LOWBIT_SCALE_DTYPE, device)
         self.add_layer_buffers(("k_recent", "v_recent"), (batch_size, n_kv_head, residual, head_dim), dtype, device)
-
-    @property
-    def head_dim(self) -> int:
-        return self.k0.size(-1) * 8 // self.bits
 
     @property
     def nbytes(self) -> int:
@@ -140,7 +139,7 @@ class LowBitKVCache(RingKVCache):
         """(n,) the slots of tokens first .. first + n - 1 (n <= max_len) in a ring of `ring` slots."""
         return (first + self.slot_ids[:n]) % ring
 
-    compilable = False  # which groups it quantizes depends on the tokens fed
+    abilities = Abilities(rolls_back=False, compiles=False)  # which groups it quantizes depends on the tokens fed
 
     def layer(self, i: int, slots: torch.Tensor, n_read: int | None) -> LowBitLayerKV:
         if torch.compiler.is_compiling():
@@ -153,9 +152,10 @@ class LowBitKVCache(RingKVCache):
             raise ValueError(f"a {self.bits}-bit KV cache cannot roll back: the tokens to forget have overwritten "
                              f"the full-precision copies of older ones; decode without speculation")
 
-    def one_row(self, model) -> "LowBitKVCache":
-        return new_lowbit_cache(model, 1, self.bits, self.max_len, group=self.group, residual=self.residual,
-                                read_all_slots=self.read_all_slots)
+    def one_row(self) -> "LowBitKVCache":
+        return LowBitKVCache(self.n_kv_layer, 1, self.k0.size(1), self.max_len, self.head_dim, self.compute_dtype,
+                             self.device, bits=self.bits, group=self.group, residual=self.residual,
+                             reach=self.reach, read_all_slots=self.read_all_slots)
 
 
 def lowbit_defaults(max_len: int, group: int | None, residual: int | None) -> tuple[int, int]:
@@ -180,7 +180,7 @@ def check_lowbit(bits, group, residual, max_len, head_dim) -> None:
 
 def new_lowbit_cache(model, batch_size: int, bits: int, max_len: int | None = None, *, group: int | None = None,
                      residual: int | None = None, read_all_slots: bool = False) -> LowBitKVCache:
-    """An empty low-bit cache for batch_size rows of model, like model.new_kv_cache's (max_len: its slots)."""
+    """An empty low-bit cache for batch_size rows of model, like new_kv_cache's (factory.py; max_len: its slots)."""
     if model.config.local_window is not None:
         raise ValueError("a low-bit KV cache serves layers that attend everything: drop window_pattern, or use "
                          "the float or int8 cache")

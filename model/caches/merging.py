@@ -29,12 +29,12 @@ class ProtectedTOVA(TOVA):
 class MergingLayerKV(EvictingLayerKV):
     """An evicting layer's view whose victim is merged into its likest kept key before the new token takes its slot."""
 
-    def __init__(self, cache: "MergingKVCache", i: int):
-        super().__init__(cache, i)
+    def __init__(self, cache: "MergingKVCache", i: int, fed: int):
+        super().__init__(cache, i, fed)
         self.count = getattr(cache, f"count{i}")  # (B, n_kv, S): how many tokens each slot stands for
 
     def update(self, k_new, v_new):
-        fed, t = int(self.cache.pos), k_new.size(2)
+        fed, t = self.fed, k_new.size(2)
         if fed + t <= self.cache.max_len:
             self.count[..., fed:fed + t] = 1
         else:
@@ -69,6 +69,7 @@ class MergingKVCache(EvictingKVCache):
     """An evicting cache (TOVA, the newest quarter kept) whose heads merge what they drop into what they keep."""
 
     policies = {"merge": ProtectedTOVA}
+    view = MergingLayerKV
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -78,13 +79,6 @@ class MergingKVCache(EvictingKVCache):
     @property
     def nbytes(self) -> int:
         return super().nbytes + sum(t.nbytes for t in self.layer_buffers("count"))
-
-    def layer(self, i: int, slots, n_read) -> MergingLayerKV:
-        self.check_eager()
-        return MergingLayerKV(self, i)
-
-    def one_row(self, model) -> "MergingKVCache":
-        return new_merging_cache(model, 1, budget=self.max_len)
 
 
 def new_merging_cache(model, batch_size: int, *, budget: int) -> MergingKVCache:

@@ -21,8 +21,9 @@ cannot roll back.
 import torch
 
 from ..attention import rotary, rotate
-from .budget import BudgetKVCache
 from ..decoding.checks import is_integer
+from ..kv_cache import CachePass, KVCache
+from .budget import BudgetRules
 
 SINKS = 4  # StreamingLLM's count: the first tokens kept by default
 
@@ -30,15 +31,15 @@ SINKS = 4  # StreamingLLM's count: the first tokens kept by default
 class SinkLayerKV:
     """One layer's view of a sink cache during one forward pass (LayerKV's update and read)."""
 
-    def __init__(self, cache: "SinkKVCache", i: int, slots: torch.Tensor, n_read: int | None):
-        self.cache, self.slots, self.n_read = cache, slots, n_read
+    def __init__(self, cache: "SinkKVCache", i: int, slots: torch.Tensor, n_read: int | None, first: int):
+        self.cache, self.slots, self.n_read, self.first = cache, slots, n_read, first  # first: the first new token
         self.k, self.v, self.k_sink = (getattr(cache, f"{name}{i}") for name in ("k", "v", "k_sink"))
 
     def update(self, k_new, v_new):
         """Write the new keys/values (B, n_kv, t, hs) into their slots, turn the sinks' keys to where they sit
         now; return what attention reads."""
         c, t = self.cache, k_new.size(2)
-        first, S = int(c.pos), c.sinks
+        first, S = self.first, c.sinks
         if first < S and c.turn_sinks:  # new sinks: their keys as they came, turned to their own positions
             n = min(S - first, t)
             self.k_sink[:, :, first:first + n] = k_new[:, :, :n].to(self.k_sink.dtype)
@@ -55,7 +56,7 @@ class SinkLayerKV:
         return self.k[:, :, :self.n_read], self.v[:, :, :self.n_read]
 
 
-class SinkKVCache(BudgetKVCache):
+class SinkKVCache(BudgetRules, KVCache):
     """Slots 0 .. sinks - 1 hold the first tokens; the other `window` slots are a ring of the last ones."""
 
     kind, keeps, moves = "a sink cache", "keeps each row's first tokens", "each new token moves the sinks"
@@ -67,20 +68,19 @@ class SinkKVCache(BudgetKVCache):
         self.add_layer_buffers(("k_sink",), (batch_size, n_kv_head, sinks if turn_sinks else 0, head_dim), dtype,
                                device)
 
-    def for_tokens(self, t: int):
+    def begin(self, t: int) -> CachePass:
         fed = self.check_chunk(t)
         new = self.pos + self.slot_ids[:t]  # (t,) the new tokens' numbers: their positions
-        if fed + t <= self.max_len:
-            return new, None, new, fed + t  # filling up: token n in slot n, the plain cache's rule
+        self.pos += t
+        if fed + t <= self.max_len:  # filling up: token n in slot n, the plain cache's rule
+            return CachePass(new, None, lambda i: SinkLayerKV(self, i, new, fed + t, fed))
         slot = self.sinks + (new - self.sinks) % self.window  # one token sees every slot
-        return new if self.turn_sinks else self.slot_ids[-1:], None, slot, None  # learned: the cache's last place
+        positions = new if self.turn_sinks else self.slot_ids[-1:]  # learned: the cache's last place
+        return CachePass(positions, None, lambda i: SinkLayerKV(self, i, slot, None, fed))
 
-    def layer(self, i: int, slots: torch.Tensor, n_read: int | None) -> SinkLayerKV:
-        self.check_eager()
-        return SinkLayerKV(self, i, slots, n_read)
-
-    def one_row(self, model) -> "SinkKVCache":
-        return new_sink_cache(model, 1, sinks=self.sinks, window=self.window)
+    def one_row(self) -> "SinkKVCache":
+        return SinkKVCache(self.n_kv_layer, 1, self.k0.size(1), self.head_dim, self.dtype, self.device,
+                           sinks=self.sinks, window=self.window, turn_sinks=self.turn_sinks)
 
 
 def new_sink_cache(model, batch_size: int, *, sinks: int, window: int) -> SinkKVCache:
@@ -97,3 +97,11 @@ def new_sink_cache(model, batch_size: int, *, sinks: int, window: int) -> SinkKV
     shape = model.kv_cache_shape(batch_size)
     del shape["max_len"]
     return SinkKVCache(**shape, sinks=sinks, window=window, turn_sinks=c.pos_emb == "rope")
+
+
+def new_budget_sink_cache(model, batch_size: int, *, budget: int) -> SinkKVCache:
+    """A sink cache of `budget` slots: the first SINKS tokens and the last budget - SINKS."""
+    if is_integer(budget) and budget < SINKS + 1:
+        raise ValueError(f"a budget of {budget!r} slots leaves none for the last tokens beside {SINKS} sinks: give "
+                         f"at least {SINKS + 1}")
+    return new_sink_cache(model, batch_size, sinks=SINKS, window=budget - SINKS)

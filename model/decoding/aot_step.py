@@ -59,7 +59,7 @@ class CacheAsInputs(nn.Module):
 
 
 def check_step_cache(cache) -> None:
-    if not getattr(cache, "compilable", False):
+    if not cache.abilities.compiles:
         raise ValueError(f"a {type(cache).__name__} decodes eagerly: its steps cannot be compiled")
 
 

@@ -12,11 +12,12 @@ import torch
 
 from ..gpt import GPT
 from .generate import context_limits, moved_start, prefill
+from ..caches.factory import new_kv_cache
 
 
 def text_cache(model: GPT, spare: int = 0):
     """The cache a CachedText keeps: one row of block_size + spare slots."""
-    return model.new_kv_cache(1, max_len=model.config.block_size + spare)
+    return new_kv_cache(model, 1, max_len=model.config.block_size + spare)
 
 
 class CachedText:

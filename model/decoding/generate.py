@@ -29,11 +29,14 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from ..gpt import GPT, GPTConfig
-from .checks import is_integer
+from ..caches.factory import new_kv_cache
 from ..caches.int8 import Int8KVCache
+from ..caches.local_ring import WindowedKVCache
 from ..caches.lowbit import LowBitKVCache
-from .ring_cache import RingKVCache
+from ..gpt import GPT, GPTConfig
+from ..kv_cache import Cache, KVCache
+from .checks import is_integer
+from .ring_cache import RingKVCache, Uncached
 from .sampling import Sampling
 
 
@@ -41,7 +44,7 @@ from .sampling import Sampling
 def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampling: Sampling = Sampling(),
              generator: torch.Generator | None = None, window: int | None = None,
              n_pad: Sequence[int] | torch.Tensor | None = None, use_cache: bool = True,
-             cache: RingKVCache | None = None, compile: bool = False, step=None) -> torch.Tensor:
+             cache: Cache | None = None, compile: bool = False, step=None) -> torch.Tensor:
     """idx (B, T) -> (B, T + max_new_tokens): the prompt followed by the new tokens. See generate_tokens."""
     new = list(generate_tokens(model, idx, max_new_tokens, sampling=sampling, generator=generator,
                                window=window, n_pad=n_pad, use_cache=use_cache, cache=cache, compile=compile,
@@ -53,23 +56,23 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampling: Sa
 def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampling: Sampling = Sampling(),
                     generator: torch.Generator | None = None, window: int | None = None,
                     n_pad: Sequence[int] | torch.Tensor | None = None, use_cache: bool = True,
-                    cache: RingKVCache | None = None, compile: bool = False, step=None) -> Iterator[torch.Tensor]:
+                    cache: Cache | None = None, compile: bool = False, step=None) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, (B,), max_new_tokens times.
 
     sampling: how each token is drawn; generator: a torch.Generator, for reproducible sampling. window: context
     tokens kept when the context passes block_size, for learned positions (see the module's docstring). n_pad:
-    left padding per row. use_cache=False recomputes the whole context at every step; cache is a RingKVCache to
-    reuse (from model.new_kv_cache), and compile torch.compiles the one-token step; step: a compiled step to take
+    left padding per row. use_cache=False recomputes the whole context at every step; cache: a cache to reuse
+    (model/kv_cache.py: Cache; new_kv_cache by default), and compile torch.compiles the one-token step; step: a compiled step to take
     one-token steps through instead (model/decoding/aot_step.py). Each needs the cache. Arguments that cannot work are a
     ValueError naming the argument.
     """
     block_size = model.config.block_size
     start = check_arguments(model, idx, max_new_tokens, window, n_pad, use_cache, cache, compile, step)
     # the cache rolls on past block_size: with rotary positions, or a budget that places tokens itself
-    rolling = model.config.pos_emb == "rope" or (cache is not None and cache.budgeted)
+    rolling = model.config.pos_emb == "rope" or (cache is not None and cache.abilities.budgeted)
     span, window = context_limits(model.config, window)
     if use_cache:
-        cache = cache if cache is not None else model.new_kv_cache(idx.size(0))
+        cache = cache if cache is not None else new_kv_cache(model, idx.size(0))
         if step is not None and not step.fits(cache):
             raise ValueError("step was compiled for another cache, or for passes of more than one token: compile "
                              "a one-token step for this cache")
@@ -100,7 +103,9 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampl
                 logits = prefill(model, buffer[:, fed:length], cache, one_token_step)
             fed = length
         else:
-            logits = model(buffer[:, first:length], n_pad=context_pad)[0][:, -1]
+            ragged = context_pad is not None or length - first > block_size  # the ring's rule, without a cache
+            context = Uncached(block_size, context_pad, idx.device) if ragged else None
+            logits = model(buffer[:, first:length], cache=context)[0][:, -1]
         next_ids = sampling.next_token(logits, generator)  # (B,)
         buffer[:, length] = next_ids
         length += 1
@@ -138,7 +143,7 @@ def _same_rows(idx: torch.Tensor) -> bool:
     return idx.size(0) > 1 and bool((idx == idx[:1]).all())
 
 
-def prefill(model: GPT, tokens: torch.Tensor, cache: RingKVCache, step=None, step_tokens: int = 1) -> torch.Tensor:
+def prefill(model: GPT, tokens: torch.Tensor, cache: Cache, step=None, step_tokens: int = 1) -> torch.Tensor:
     """Feed tokens (B, T) through cache in the longest chunks it takes (local layers' rings take shorter ones);
     the last token's logits, (B, vocab_size). step: a compiled decode_step for chunks of up to step_tokens tokens,
     which a full local ring takes a few at a time."""
@@ -151,10 +156,10 @@ def prefill(model: GPT, tokens: torch.Tensor, cache: RingKVCache, step=None, ste
     return logits
 
 
-def _prefill_once(model: GPT, prompt: torch.Tensor, cache: RingKVCache) -> torch.Tensor:
+def _prefill_once(model: GPT, prompt: torch.Tensor, cache: Cache) -> torch.Tensor:
     """Prefill prompt (1, T) into a one-row cache like `cache`, copy it to all of cache's rows; the last logits,
     (B, vocab_size)."""
-    one = cache.one_row(model)
+    one = cache.one_row()
     logits = prefill(model, prompt, one)
     cache.fill_from(one)
     return logits.expand(cache.batch_size, -1)
@@ -192,9 +197,9 @@ def check_arguments(model: GPT, idx, max_new_tokens, window=None, n_pad=None, us
         raise ValueError("step is a compiled step already: drop compile")
     if cache is not None:
         check_cache(model, cache, B)
-        if compile and not cache.compilable:
+        if compile and not cache.abilities.compiles:
             raise ValueError(f"a {type(cache).__name__} decodes eagerly: drop compile")
-        if window is not None and cache.budgeted:
+        if window is not None and cache.abilities.budgeted:
             raise ValueError(f"window moves the context that the float and low-bit caches refill; {cache.kind} keeps "
                              f"its own tokens: drop window")
     if n_pad is None:
@@ -207,23 +212,30 @@ def check_arguments(model: GPT, idx, max_new_tokens, window=None, n_pad=None, us
 
 
 def check_cache(model: GPT, cache, batch_size: int) -> None:
-    """A cache passed in must be one that model.new_kv_cache(batch_size) could have made."""
+    """A cache passed in must serve batch_size rows; one of the project's caches must be one that
+    new_kv_cache(model, batch_size) (or model/caches/factory.py's new_cache) could make for this model."""
     c = model.config
-    if not isinstance(cache, RingKVCache):
-        raise ValueError(f"cache must be a RingKVCache from model.new_kv_cache, got {type(cache).__name__}")
-    local = getattr(cache, "local", None)  # the local layers' ring (model/designs/local_global.py)
-    layers = len(cache.k) + (len(local.k) if local is not None else 0)
-    heads, head_dim = cache.k[0].size(1), cache.head_dim
-    window = local.reach if local is not None else None
-    reach = cache.reach if cache.budgeted else c.block_size
-    if (layers, heads, head_dim, cache.reach, window) != (c.n_kv_layer, *c.kv_cache_heads, reach, c.local_window):
-        raise ValueError(f"cache was made for another model shape ({layers} layers of {heads} key/value heads of "
-                         f"{head_dim}, reach {cache.reach}, local window {window}); use "
-                         f"model.new_kv_cache({batch_size})")
-    if cache.batch_size != batch_size or cache.max_len < reach:
-        raise ValueError(f"cache holds {cache.batch_size} rows of {cache.max_len} tokens; this generation "
-                         f"needs {batch_size} rows of at least block_size={c.block_size}: use "
-                         f"model.new_kv_cache({batch_size})")
-    if not (cache.dtype.is_floating_point or isinstance(cache, (Int8KVCache, LowBitKVCache))):
-        raise ValueError(f"cache holds {cache.dtype}: keys and values are floating point, or int8 through "
-                         f"model.new_kv_cache({batch_size}, dtype=torch.int8)")
+    if not all(hasattr(cache, name) for name in ("begin", "abilities", "batch_size")):
+        raise ValueError(f"cache must be a KV cache (model/kv_cache.py: Cache), got {type(cache).__name__}")
+    windowed = isinstance(cache, WindowedKVCache)
+    ring, local = (cache.ring, cache.local) if windowed else (cache, None)
+    reach = None
+    if isinstance(ring, KVCache):
+        layers = ring.n_kv_layer + (local.n_kv_layer if windowed else 0)
+        heads, head_dim = ring.k0.size(1), ring.head_dim
+        reach = None if cache.abilities.budgeted else ring.reach if isinstance(ring, RingKVCache) else ring.max_len
+        window = local.reach if windowed else None
+        expected = (c.n_kv_layer, *c.kv_cache_heads, None if cache.abilities.budgeted else c.block_size,
+                    c.local_window)
+        if (layers, heads, head_dim, reach, window) != expected:
+            raise ValueError(f"cache was made for another model shape ({layers} layers of {heads} key/value heads "
+                             f"of {head_dim}, reach {reach}, local window {window}); use "
+                             f"new_kv_cache(model, {batch_size})")
+        if not (ring.dtype.is_floating_point or isinstance(ring, (Int8KVCache, LowBitKVCache))):
+            raise ValueError(f"cache holds {ring.dtype}: keys and values are floating point, or int8 through "
+                             f"new_kv_cache(model, {batch_size}, dtype=torch.int8)")
+    slots = ring.max_len if isinstance(ring, KVCache) else None
+    if cache.batch_size != batch_size or (reach is not None and slots < c.block_size):
+        raise ValueError(f"cache holds {cache.batch_size} rows of {slots} tokens; this generation needs "
+                         f"{batch_size} rows of at least block_size={c.block_size}: use "
+                         f"new_kv_cache(model, {batch_size})")

@@ -20,7 +20,7 @@ wrap; speculative decoding, which verifies k + 1 tokens in one pass, asks for re
 forgets the last n tokens exactly: the slots they overwrote held tokens that no later query sees.
 
 Eagerly on the CPU, while no row is padded and no token has left the window, the ring is the plain cache, and its
-rule runs (KVCache.for_tokens). Past that point one new token still sees every filled slot when the ring is as
+rule runs (KVCache.begin). Past that point one new token still sees every filled slot when the ring is as
 long as the window (their order does not matter to attention), so it needs no mask either. Compiled steps and
 GPUs read all max_len slots through the mask (static shapes); read_all_slots=True asks for that everywhere.
 """
@@ -28,15 +28,23 @@ GPUs read all max_len slots through the mask (static shapes); read_all_slots=Tru
 import torch
 
 from ..attention import causal_mask
-from ..kv_cache import KVCache
+from ..kv_cache import Abilities, CachePass, KVCache
 from .checks import is_integer
 
 
 class RingKVCache(KVCache):
     """A KVCache whose slots are a ring, rows may start with left padding, and each query sees `reach` tokens."""
 
-    compilable = True  # whether torch.compile can run a decode step through it
-    budgeted = False  # whether it keeps fewer tokens than block_size (model/caches/sinks.py, model/caches/evicting.py)
+    abilities = Abilities()
+
+    @property
+    def k(self) -> list[torch.Tensor]:
+        """Each layer's keys; v: its values."""
+        return self.layer_buffers("k")
+
+    @property
+    def v(self) -> list[torch.Tensor]:
+        return self.layer_buffers("v")
 
     def __init__(self, n_kv_layer: int, batch_size: int, n_kv_head: int, max_len: int, head_dim: int,
                  dtype=torch.float32, device=None, reach: int | None = None, read_all_slots: bool = False):
@@ -61,22 +69,28 @@ class RingKVCache(KVCache):
         shapes compile once), and off the CPU (reading `pos` back would wait for the device)."""
         return self.read_all_slots or torch.compiler.is_compiling() or self.pos.device.type != "cpu"
 
-    def for_tokens(self, t: int):
+    def begin(self, t: int) -> CachePass:
         if t > 1 and not torch.compiler.is_compiling() and t > self.longest_chunk():
             raise ValueError(f"a chunk of {t} tokens must fit in the cache before it first wraps ({self.max_len} "
                              f"slots, {len(self)} fed), or the cache needs reach + {t - 1} = {self.reach + t - 1} "
                              f"slots; feed one token at a time past that")
         if self.static_shapes:
             new = self.pos + self.slot_ids[:t]  # (t,) the new tokens' numbers since reset
-            return self.positions(new), self.attn_mask(new), new % self.max_len, None
+            self.pos += t
+            return CachePass(self.positions(new), self.attn_mask(new), self.views(new % self.max_len, None))
         fed = len(self) + t
         if not self.padded and fed <= self.reach:
-            return super().for_tokens(t)  # nothing has left the window: the plain cache's rule
+            return super().begin(t)  # nothing has left the window: the plain cache's rule
         new = self.pos + self.slot_ids[:t]
-        slots, n_read = new % self.max_len, min(fed, self.max_len)
+        self.pos += t
+        views = self.views(new % self.max_len, min(fed, self.max_len))
         if not self.padded and t == 1 and self.max_len == self.reach:
-            return new, None, slots, n_read  # one token sees every filled slot
-        return self.positions(new), self.attn_mask(new)[..., :n_read], slots, n_read
+            return CachePass(new, None, views)  # one token sees every filled slot
+        return CachePass(self.positions(new), self.attn_mask(new)[..., :min(fed, self.max_len)], views)
+
+    def views(self, slots: torch.Tensor, n_read: int | None):
+        """Each layer's view for a pass that writes `slots` and reads slots [:n_read] (None: all)."""
+        return lambda i: self.layer(i, slots, n_read)
 
     def longest_chunk(self) -> int:
         """The most tokens the next forward pass may feed: those that fit before the ring first wraps, or
@@ -109,73 +123,35 @@ class RingKVCache(KVCache):
                              f"the cache with max_len = reach + {n - 1}")
         self.pos -= n
 
-    def one_row(self, model) -> "RingKVCache":
-        """An empty cache like this one for model, of one row: generate prefills a prompt shared by every row into
-        it."""
-        return model.new_kv_cache(1, self.max_len, self.dtype, read_all_slots=self.read_all_slots)
+    def one_row(self) -> "RingKVCache":
+        """An empty cache like this one, of one row: generate prefills a prompt shared by every row into it."""
+        return type(self)(self.n_kv_layer, 1, self.k0.size(1), self.max_len, self.head_dim, self.dtype, self.device,
+                          reach=self.reach, read_all_slots=self.read_all_slots)
 
     def fill_from(self, other: "RingKVCache") -> None:
         super().fill_from(other)
         self.padded = other.padded
 
 
-def uncached_context(t: int, reach: int, n_pad, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions and mask for a forward pass without a cache over t tokens, by the ring's rule: each token sees
-    itself and reach - 1 before it, and a row's left padding (n_pad (B,) or None) is seen by no other token."""
-    pos = torch.arange(t, device=device)  # (t,)
-    mask = causal_mask(t, t, device, reach=reach)  # (t, t): past block_size, rotary models see block_size back
-    if n_pad is None:
-        return pos, mask
-    pos = (pos[None, :] - n_pad[:, None]).clamp(min=0)  # (B, t), counted from each row's first token
-    not_pad = torch.arange(t, device=device)[None, :] >= n_pad[:, None]  # (B, t)
-    own = torch.eye(t, dtype=torch.bool, device=device)
-    return pos, mask & (not_pad[:, None, None, :] | own)  # (B, 1, t, t)
+class Uncached:
+    """Positions and a mask for a forward pass without a cache, by the ring's rule: each token sees itself and
+    reach - 1 before it (past block_size, rotary models see block_size back), and a row's left padding (n_pad (B,)
+    or None) is seen by no other token. model(idx, cache=Uncached(reach, n_pad, device)) gives a padded row the
+    logits it would get alone."""
 
+    abilities = Abilities(rolls_back=False, compiles=False)
 
-def kv_cache_dtype(model, dtype: torch.dtype | None = None) -> torch.dtype:
-    """The dtype new_kv_cache(model, dtype=dtype) stores keys and values in: attention's own unless given."""
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and (dtype.is_floating_point or dtype == torch.int8)):
-        raise ValueError(f"a KV cache holds floating-point keys and values, or int8 ones: dtype {dtype}")
-    return dtype or model.attention_dtype
+    def __init__(self, reach: int, n_pad: torch.Tensor | None = None, device=None):
+        self.reach, self.n_pad = reach, n_pad
+        self.device = n_pad.device if n_pad is not None else device
 
-
-def new_kv_cache(model, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None, *,
-                 read_all_slots: bool = False) -> RingKVCache:
-    """An empty cache for batch_size rows, on the model's device. max_len: its slots (default block_size; more let
-    a chunk of tokens wrap the ring). dtype: the dtype attention computes in unless given; torch.int8 stores int8
-    keys and values (model/caches/int8.py). read_all_slots: always read every slot through the mask."""
-    for name, value in (("batch_size", batch_size), ("max_len", max_len)):
-        if value is not None and not (is_integer(value) and value >= 1):
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    shape = model.kv_cache_shape(batch_size)
-    shape.update(max_len=max_len or shape["max_len"], reach=model.config.block_size, read_all_slots=read_all_slots)
-    dtype = kv_cache_dtype(model, dtype)
-    int8 = dtype == torch.int8  # an int8 cache's dtype argument is what attention computes in: shape's
-    shape = shape if int8 else {**shape, "dtype": dtype}
-    if model.config.local_window is not None:  # local layers keep their own, shorter ring
-        from ..designs.local_global import new_windowed_cache
-        return new_windowed_cache(model.config, shape, int8)
-    if int8:
-        from ..caches.int8 import Int8KVCache
-        return Int8KVCache(**shape)
-    return RingKVCache(**shape)
-
-
-def kv_cache_bytes(config, dtype: torch.dtype, max_len: int | None = None) -> int:
-    """Bytes a cache from new_kv_cache(model, 1, max_len, dtype) holds: keys and values for every layer that
-    projects them (n_layer / kv_share), each head the cache holds (config.kv_cache_heads) and each slot. A layer
-    has max_len slots (default block_size), a local one local_window + max_len - block_size
-    (model/designs/local_global.py). int8 adds one KV_SCALE_DTYPE scale per token and head to each."""
-    from ..caches.int8 import KV_SCALE_DTYPE
-    from ..designs.local_global import local_kv_layers
-    max_len = max_len or config.block_size
-    heads, width = config.kv_cache_heads
-    per_slot = 2 * heads * (width * dtype.itemsize + (KV_SCALE_DTYPE.itemsize if dtype == torch.int8 else 0))
-    slots = [config.local_window + max_len - config.block_size if local else max_len
-             for local in local_kv_layers(config)]
-    return per_slot * sum(slots)
-
-
-def kv_cache_bytes_per_token(config, dtype: torch.dtype) -> float:
-    """kv_cache_bytes per token of a full context (block_size tokens): what the cache costs per token it serves."""
-    return kv_cache_bytes(config, dtype) / config.block_size
+    def begin(self, t: int) -> CachePass:
+        device = self.device
+        pos = torch.arange(t, device=device)  # (t,)
+        mask = causal_mask(t, t, device, reach=self.reach)  # (t, t)
+        if self.n_pad is None:
+            return CachePass(pos, mask, lambda i: None)
+        pos = (pos[None, :] - self.n_pad[:, None]).clamp(min=0)  # (B, t), counted from each row's first token
+        not_pad = torch.arange(t, device=device)[None, :] >= self.n_pad[:, None]  # (B, t)
+        own = torch.eye(t, dtype=torch.bool, device=device)
+        return CachePass(pos, mask & (not_pad[:, None, None, :] | own), lambda i: None)  # (B, 1, t, t)

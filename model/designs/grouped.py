@@ -24,7 +24,7 @@ class GroupedQueryAttention(CausalSelfAttention):
         B, nh, T_q, hs = q.shape
         mask_shared_by_heads = attn_mask is None or attn_mask.dim() <= 2 or (attn_mask.dim() == 4
                                                                               and attn_mask.size(1) == 1)
-        if isinstance(k, tuple) or k.size(1) == nh or T_q > 1 or not mask_shared_by_heads:
+        if k.size(1) == nh or T_q > 1 or not mask_shared_by_heads:
             return super().attend(q, k, v, attn_mask)
         dropout_p = self.attn_dropout if self.training else 0.0
         with no_autocast(q.device):  # in q's dtype, as attention_dtype says

@@ -15,13 +15,14 @@ The latent is normalised before it is cached (DeepSeek-V2 applies an RMSNorm the
 so that keys and values, a product of two small matrices at initialisation, start at a useful scale.
 
 The cache is the plain ring: it holds the latent and the rotary key as one vector per token, split in two halves
-between its key and value buffers (cache_layout), so that every cache path, the int8 one included, serves it
+between its key and value buffers (GPTConfig.kv_cache_heads), so that every cache path, the int8 one included, serves it
 unchanged. Training expands the latents into keys and values (the naive form). Decoding absorbs the
 up-projections instead: q · up_k(c) = (up_kᵀ q) · c, and Σ w up_v(c) = up_v(Σ w c), so each step reads the cached
 latents as they are, never projecting the whole context up again.
 """
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -29,12 +30,6 @@ import torch.nn as nn
 from ..attention import rotate
 from ..decoding.checks import is_integer
 from .grouped import GroupedQueryAttention
-
-
-def cache_layout(config) -> tuple[int, int]:
-    """(heads, head width) of the cache's key and value buffers: one head holding half of each token's latent and
-    rotary key."""
-    return 1, (config.kv_latent + config.kv_latent_rope) // 2
 
 
 def check_latent(config) -> None:
@@ -78,7 +73,7 @@ class LatentAttention(GroupedQueryAttention):
         decoding, the absorbed form: the up-projections move into the queries and the output, so attention reads
         the cached latents as they are, one key/value head of width kv_latent + kv_latent_rope for every query head."""
         if kv is None or self.up.bias is not None:
-            return super().forward(x, attn_mask, rope, kv)
+            return super().forward(x, attn_mask, rope, kv if kv is None else FloatView(kv))
         B, T, C = x.shape
         nh, hs, d_c, d_r = self.n_head, self.head_dim, self.latent, self.rope_width
         q, z = self.queries_and_latents(x, rope, kv)  # z (B, 1, T_k, d_c + d_r): each token's latent, rotary key
@@ -115,10 +110,15 @@ class LatentAttention(GroupedQueryAttention):
         z = torch.cat([latent, rotary_key], dim=-1)  # (B, 1, T, d_c + d_r)
         if kv is not None:
             half = z.size(-1) // 2
-            z = torch.cat([dequantized(t, x.dtype) for t in kv.update(z[..., :half], z[..., half:])], dim=-1)
+            z = torch.cat([t.to(x.dtype) for t in kv.update(z[..., :half], z[..., half:])], dim=-1)  # int8: dequantized
         return q, z
 
 
-def dequantized(t, dtype):
-    """A cache half as floats: an int8 cache's (values, scale) multiplied out (model/caches/int8.py)."""
-    return t.values.to(dtype) * t.scale.to(dtype) if isinstance(t, tuple) else t
+class FloatView(NamedTuple):
+    """A cache view whose keys and values this layer reads as floats, so that its own attention applies, never the
+    cache's (an int8 cache attends int8 keys itself)."""
+
+    kv: object
+
+    def update(self, k_new, v_new):
+        return self.kv.update(k_new, v_new)

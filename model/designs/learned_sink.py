@@ -5,8 +5,8 @@ its weight. The sink holds no value: the output is Σ_j w_j v_j with softmax tak
 own weight dropped.
 
 The sink is a parameter, never cached: every cache path serves it as is. Attention is written out here (the
-scores, a column for the sink, softmax), since SDPA takes no extra column; an int8 cache's attention takes the same
-column (model/caches/int8.py).
+scores, a column for the sink, softmax), since SDPA takes no extra column; a cache that attends itself (the int8
+cache, model/caches/int8.py) is handed the sink and adds the same column.
 """
 
 import math
@@ -37,16 +37,13 @@ def sink_attention(q, k, v, mask, sink, dropout_p: float = 0.0):
 
 
 class LearnedSink:
-    """Mixed into an attention class (model/designs/shared_kv.py): a trained sink logit per head."""
+    """Mixed into an attention class (model/designs/layers.py): a trained sink logit per head."""
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
         self.sink = nn.Parameter(torch.zeros(config.n_head))  # 0: a key scored 0, as likely as any at the start
 
     def attend(self, q, k, v, attn_mask):
-        if isinstance(k, tuple):  # an int8 cache's keys and values with their scales
-            from ..caches.int8 import int8_attention
-            return int8_attention(q, k, v, attn_mask, sink=self.sink)[0]
         dropout_p = self.attn_dropout if self.training else 0.0
         with torch.autocast(q.device.type, enabled=False):  # in q's dtype, as the plain attention computes
             return sink_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask, self.sink, dropout_p)[0]

@@ -3,8 +3,6 @@ layers reads one set of keys and values. The group's first layer projects them, 
 (with grouped queries when n_kv_head < n_head, model/designs/grouped.py); the others project queries only and read the first's.
 The cache holds one layer per group: n_layer / kv_share of them."""
 
-import functools
-
 import torch.nn as nn
 
 from ..attention import rotate
@@ -33,32 +31,3 @@ class SharedKVAttention(GroupedQueryAttention):
         q = q if rope is None else rotate(q, *rope)
         k, v = kv.read() if kv is not None else self.reads_from[0].kept  # already turned and cached
         return q, k, v
-
-
-def design_attention_layers(config) -> list[nn.Module]:
-    """Each layer's attention for grouped queries (n_kv_head < n_head), shared layers (kv_share > 1), latent
-    attention (kv_latent, model/designs/latent.py), local layers (window_pattern, model/designs/local_global.py) and a
-    learned sink (model/designs/learned_sink.py)."""
-    from .local_global import local_layers
-    layers, first = [], None
-    for i, local in enumerate(local_layers(config)):
-        cls = layer_class(config.kv_share > 1, config.kv_latent is not None, local, config.learned_sink)
-        if i % config.kv_share == 0:
-            first = cls(config, kv_layer=i // config.kv_share)
-            layers.append(first)
-        else:
-            layers.append(cls(config, kv_layer=i // config.kv_share, reads=first))
-    return layers
-
-
-@functools.cache
-def layer_class(shared: bool, latent: bool, local: bool, sink: bool) -> type:
-    """The attention class for one layer: a design class, with the mixins of a local window and a sink before it."""
-    from .latent import LatentAttention
-    from .learned_sink import LearnedSink
-    from .local_global import LocalWindow
-    mixins = (LocalWindow,) * local + (LearnedSink,) * sink
-    base = SharedKVAttention if shared else LatentAttention if latent else GroupedQueryAttention
-    if not mixins:
-        return base
-    return type("".join(m.__name__ for m in mixins) + base.__name__, (*mixins, base), {})

@@ -34,7 +34,7 @@ def keeping_weights(model):
 
     attentions = [block.attn for block in model.blocks]
     for attn in attentions:
-        attn.attend = with_sink(attn.sink) if hasattr(attn, "sink") else explicit
+        attn.attend = with_sink(attn.sink) if attn.sink is not None else explicit
     try:
         yield weights
     finally:

@@ -17,6 +17,7 @@ from ..gpt import GPT
 from ..decoding.checks import is_integer
 from ..decoding.generate import check_arguments, default_window, generate_tokens
 from ..decoding.ring_cache import RingKVCache
+from ..caches.factory import new_kv_cache
 
 
 class TeacherForcing:
@@ -49,7 +50,7 @@ def decoder_loss(model: GPT, tokens: torch.Tensor, *, prompt_len: int, cache: Ri
                  window: int | None = None) -> float:
     """Mean cross-entropy of tokens[:, prompt_len:] (B rows, each its own stream) as cached decoding predicts them:
     generate_tokens prefills the first prompt_len tokens, then feeds the text one token per step. cache: a RingKVCache
-    to decode through (model.new_kv_cache(B) by default; dtype=torch.int8 for the int8 cache); window: as in
+    to decode through (new_kv_cache(model, B) by default; dtype=torch.int8 for the int8 cache); window: as in
     generate."""
     check_text(model, tokens, prompt_len, window, longest_prompt=None)
     forcing = TeacherForcing(tokens[:, prompt_len:])

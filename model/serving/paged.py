@@ -17,8 +17,9 @@ from collections import OrderedDict
 
 import torch
 
-from ..caches.int8 import KV_SCALE_DTYPE, Quantized
+from ..caches.int8 import KV_SCALE_DTYPE, Int8LayerKV, Quantized
 from ..decoding.quantize import quantize_int8
+from ..kv_cache import CachePass
 
 
 def chain_hash(parent: bytes, tokens) -> bytes:
@@ -124,6 +125,12 @@ class PagedLayer:
         return tuple(Quantized(rows[x], rows[f"{x}_scale"].to(b.pool.dtype)) for x in ("k", "v"))
 
 
+class Int8PagedLayer(PagedLayer):
+    """A view of a pool of int8 keys and values, which attends them as the int8 cache does."""
+
+    attend = Int8LayerKV.attend
+
+
 class PagedPass:
     """The cache a forward pass sees: rows are sequences (tables, fed: tokens already in the pool), row b feeding
     counts[b] new tokens, right-padded to the longest; each row's keys its own, up to its own length. A padding
@@ -143,11 +150,7 @@ class PagedPass:
         keys = torch.arange(self.table.size(1) * bt, device=device)  # (L,): past a row's length, masked
         self.mask = (keys <= self.positions[..., None])[:, None]  # (B, 1, t, L): causal, within its own length
 
-    def for_tokens(self, t: int):
-        return self.positions, self.mask, None, None
-
-    def layer(self, i: int, slots, n_read) -> PagedLayer:
-        return PagedLayer(i, self)
-
-    def advance(self, t: int) -> None:
-        """The engine counts what each sequence has fed."""
+    def begin(self, t: int) -> CachePass:
+        """The pass itself: the engine counts what each sequence has fed."""
+        view = Int8PagedLayer if self.pool.int8 else PagedLayer
+        return CachePass(self.positions, self.mask, lambda i: view(i, self))

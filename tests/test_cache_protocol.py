@@ -1,0 +1,90 @@
+"""The cache protocol (model/kv_cache.py: Cache): a cache written here from the protocol alone, keeping each layer's
+keys and values in a Python list, decodes through generate and gives the text of full recomputation."""
+
+import pytest
+import torch
+
+from model import GREEDY, Abilities, CachePass, Sampling, generate
+from model.caches.factory import CACHES
+from tiny_models import BLOCK_SIZE, random_model, random_tokens
+
+
+class ListView:
+    """One layer of a ListCache during one pass."""
+
+    def __init__(self, cache: "ListCache", i: int):
+        self.cache, self.i = cache, i
+
+    def update(self, k_new, v_new):
+        keys, values = self.cache.layers.setdefault(self.i, ([], []))
+        keys.append(k_new)
+        values.append(v_new)
+        return self.read()
+
+    def read(self):
+        keys, values = self.cache.layers[self.i]
+        return torch.cat(keys, dim=2), torch.cat(values, dim=2)
+
+
+class ListCache:
+    """Keys and values in lists of (B, n_kv, t, hs) chunks, one list per layer; it keeps every token it is fed."""
+
+    abilities = Abilities(rolls_back=False, takes_padding=False, compiles=False)
+
+    def __init__(self, batch_size: int):
+        self.batch_size, self.layers, self.fed = batch_size, {}, 0
+
+    def begin(self, t: int) -> CachePass:
+        positions = torch.arange(self.fed, self.fed + t)
+        self.fed += t
+        return CachePass(positions, None, lambda i: ListView(self, i))  # mask None: the new tokens come last
+
+    def reset(self, n_pad=None) -> None:
+        self.layers, self.fed = {}, 0
+
+    def longest_chunk(self) -> int:
+        return BLOCK_SIZE
+
+    def rollback(self, n: int) -> None:
+        raise ValueError("a ListCache cannot roll back")
+
+    def one_row(self) -> "ListCache":
+        return ListCache(1)
+
+    def fill_from(self, other: "ListCache") -> None:
+        self.fed = other.fed
+        self.layers = {i: tuple([t.expand(self.batch_size, -1, -1, -1) for t in kv] for kv in pair)
+                       for i, pair in other.layers.items()}
+
+
+@pytest.mark.parametrize("rows", ["one row", "three rows of one prompt", "three prompts"])
+@pytest.mark.parametrize("design", [{}, dict(n_kv_head=1), dict(kv_share=2, n_layer=4)], ids=["mha", "mqa", "shared"])
+def test_a_cache_written_from_the_protocol_alone_decodes_as_full_recomputation(rows, design):
+    """Learned positions, past block_size: generate refills the toy cache as it refills the ring."""
+    model = random_model(**design)
+    prompt = random_tokens(1, 5).expand(3, -1) if rows == "three rows of one prompt" else \
+        random_tokens(3 if rows == "three prompts" else 1, 5)
+    new = 3 * BLOCK_SIZE
+    cached = generate(model, prompt, new, sampling=GREEDY, cache=ListCache(prompt.size(0)))
+    assert torch.equal(cached, generate(model, prompt, new, sampling=GREEDY, use_cache=False))
+
+
+def test_a_rotary_model_decodes_through_it_within_block_size():
+    """A rotary model's ring rolls past block_size; the toy keeps every token, so it serves one context."""
+    model = random_model(pos_emb="rope")
+    prompt, new = random_tokens(2, 4), BLOCK_SIZE - 4
+    sampling = Sampling(temperature=0.9)
+    cached = generate(model, prompt, new, sampling=sampling, generator=torch.Generator().manual_seed(1),
+                      cache=ListCache(2))
+    uncached = generate(model, prompt, new, sampling=sampling, generator=torch.Generator().manual_seed(1),
+                        use_cache=False)
+    assert torch.equal(cached, uncached)
+
+
+def test_what_a_cache_can_do_is_read_from_its_record():
+    """generate refuses compile for a cache whose record says it cannot, and the factory's names agree."""
+    with pytest.raises(ValueError, match="decodes eagerly: drop compile"):
+        generate(random_model(), random_tokens(1, 3), 2, cache=ListCache(1), compile=True)
+    assert {name for name, (cls, _) in CACHES.items() if cls.abilities.budgeted} == {"window", "sinks", "h2o", "tova",
+                                                                                      "merge"}
+    assert {name for name, (cls, _) in CACHES.items() if cls.abilities.rolls_back} == {"float", "int8"}
