@@ -6,8 +6,8 @@
 Speed. Random weights of the classic shape (conf/model/classic.yaml), fp32 unless --precision, greedy, a 16-token
 prompt and 1,024 new tokens, so that 240 come inside the first block_size (256) and 784 past it. Each token's
 time is taken as it is yielded. Per repeat, in this order: the rotary model (its cache rolls), the learned model
-with its default window (a refill of block_size // 2 tokens every 129 tokens, so it sees 128-256 tokens), and
-the learned model with window = block_size (a refill at every token: the classic crop, every token sees 256).
+with its default keep (a refill of block_size // 2 tokens every 129 tokens, so it sees 128-256 tokens), and
+the learned model with keep = block_size (a refill at every token: the classic crop, every token sees 256).
 Ratios are taken within each repeat; the table gives the median (min-max) over --repeats.
 
 Quality (--checkpoint, a rope checkpoint): training sees windows of block_size tokens, while the rolling cache
@@ -39,10 +39,10 @@ from model import build_model
 ROLLING_NEW_TOKENS = 1024  # 240 inside the first block_size, 784 past it
 
 
-def token_times(model, prompt, window=None) -> list[float]:
+def token_times(model, prompt, keep=None) -> list[float]:
     """The perf_counter time at which each new token was yielded (greedy), the prompt's start first."""
     times = [time.perf_counter()]
-    for _ in generate_tokens(model, prompt, ROLLING_NEW_TOKENS, sampling=GREEDY, window=window):
+    for _ in generate_tokens(model, prompt, ROLLING_NEW_TOKENS, sampling=GREEDY, keep=keep):
         times.append(time.perf_counter())
     return times
 
@@ -70,7 +70,7 @@ def speed(precision: str, repeats: int) -> None:
     for _ in range(repeats):
         rope = token_times(models["rope"], prompt)
         default = token_times(models["learned"], prompt)
-        crop = token_times(models["learned"], prompt, window=block)
+        crop = token_times(models["learned"], prompt, keep=block)
         rows["rope inside"].append(rate(rope, 1, inside))
         rows["rope past"].append(rate(rope, inside, ROLLING_NEW_TOKENS))
         rows["learned default past"].append(rate(default, inside, ROLLING_NEW_TOKENS))

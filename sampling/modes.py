@@ -56,7 +56,7 @@ def plain(loaded: Loaded) -> None:
     step = kept_or_compiled_step(args, model, cache)
     on, start = decoded_on(loaded, step), time.perf_counter()
     steps = checked(generate_tokens(model, idx, args.max_new_tokens, sampling=loaded.sampling,
-                                    generator=loaded.generator, window=args.window, use_cache=use_cache, cache=cache,
+                                    generator=loaded.generator, keep=args.keep, use_cache=use_cache, cache=cache,
                                     step=step))
     if not written(loaded.vocab, lambda: write_out(loaded, steps)):
         return
@@ -79,7 +79,7 @@ def speculative(loaded: Loaded) -> None:
     on, start = decoded_on(loaded, step), time.perf_counter()
     speculation = SpeculativeStats()
     steps = checked(speculative_generate(model, idx, args.max_new_tokens, draft=loaded.draft, k=k,
-                                         sampling=loaded.sampling, generator=loaded.generator, window=args.window,
+                                         sampling=loaded.sampling, generator=loaded.generator, keep=args.keep,
                                          stats=speculation, verify_pass=step))
     if not written(loaded.vocab, lambda: write_out(loaded, steps)):
         return
@@ -94,7 +94,7 @@ def interactive(loaded: Loaded) -> None:
     interact); --session takes up the conversation saved there, and saves it there at the end."""
     args, model, vocab = loaded.args, loaded.model, loaded.vocab
     try:
-        conversation = Conversation(model, sampling=loaded.sampling, generator=loaded.generator, window=args.window)
+        conversation = Conversation(model, sampling=loaded.sampling, generator=loaded.generator, keep=args.keep)
     except ValueError as e:  # its messages name the argument, as the options do
         raise UsageError(e) from None
     resumed = args.session is not None and args.session.exists()
@@ -144,7 +144,7 @@ def check_decoding(loaded: Loaded, idx: torch.Tensor, cache) -> None:
     """The decoding loop's own checks, before a step is compiled."""
     args = loaded.args
     try:
-        check_arguments(loaded.model, idx, args.max_new_tokens, args.window, use_cache=not args.no_kv_cache,
+        check_arguments(loaded.model, idx, args.max_new_tokens, args.keep, use_cache=not args.no_kv_cache,
                         cache=cache)
     except ValueError as e:  # its messages name the argument, as the options do
         raise UsageError(e) from None

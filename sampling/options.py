@@ -47,9 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     cache = parser.add_mutually_exclusive_group()
     cache.add_argument("--no-kv-cache", action="store_true",
                        help="recompute the whole context at every step (slow; for comparison)")
-    parser.add_argument("--window", metavar="N", type=int,
-                        help="context tokens kept when it grows past block_size, 1..block_size "
-                             "(default: the model's, block_size // 2; block_size is the classic crop)")
+    parser.add_argument("--keep", "--window", metavar="N", type=int,
+                        help="learned positions: the context tokens kept when it jumps past block_size, "
+                             "1..block_size (default: block_size // 2; block_size is the classic crop)")
     parser.add_argument("--threads", metavar="N", type=int,
                         help="CPU threads (default: the count whose decoding is fastest now, timed at start)")
     parser.add_argument("--precision", choices=DECODING_PRECISIONS, default="fp32",
@@ -141,9 +141,9 @@ def check_options(args) -> None:
                          "one of them")
     if args.each_line and (args.prompt_file is None or args.draft or args.interactive):
         raise UsageError("--each-line continues the lines of --prompt-file, without --draft or --interactive")
-    if args.each_line and args.window is not None:
-        raise UsageError("--window moves a long generation's context; --each-line keeps each line and its "
-                         "continuation within block_size: drop --window")
+    if args.each_line and args.keep is not None:
+        raise UsageError("--keep moves a long generation's context; --each-line keeps each line and its "
+                         "continuation within block_size: drop --keep")
     if args.max_new_tokens is not None and args.max_new_tokens < 0:
         raise UsageError(f"--max-new-tokens: max_new_tokens must be an integer >= 0, got {args.max_new_tokens}")
     if args.interactive and sys.stdin is None:

@@ -52,7 +52,7 @@ def loss_cases(loss):
         "prompt_len the whole text": (lambda m: loss(m, tokens, prompt_len=tokens.size(1)), "prompt_len"),
         "a 1-D text": (lambda m: loss(m, tokens[0], prompt_len=2), "idx"),
         "ids outside the vocabulary": (lambda m: loss(m, tokens + 1000, prompt_len=2), "vocabulary"),
-        "window 0": (lambda m: loss(m, tokens, prompt_len=2, window=0), "window"),
+        "keep 0": (lambda m: loss(m, tokens, prompt_len=2, keep=0), "keep"),
         "training mode": (lambda m: loss(m.train(), tokens, prompt_len=2), "model.eval()"),
     }
 

@@ -12,8 +12,8 @@ TURN_LENGTHS = [3, 1, 4, 2, 5, 1, 3]  # the tokens each turn adds
 REPLY = 6  # new tokens per reply: after 4 turns the text passes block_size
 
 
-def fresh_greedy(model, tokens, n, window=None) -> list[int]:
-    return generate(model, torch.tensor([tokens]), n, sampling=GREEDY, window=window)[0, len(tokens):].tolist()
+def fresh_greedy(model, tokens, n, keep=None) -> list[int]:
+    return generate(model, torch.tensor([tokens]), n, sampling=GREEDY, keep=keep)[0, len(tokens):].tolist()
 
 
 @pytest.mark.parametrize("pos_emb, window", [("rope", None), ("learned", None), ("learned", 3)])
@@ -21,7 +21,7 @@ def test_each_reply_equals_a_fresh_greedy_generation_over_the_whole_text(pos_emb
     model = random_model(seed=0, pos_emb=pos_emb)
     fed = []
     model.blocks[0].register_forward_hook(lambda module, args, out: fed.append(args[0].size(1)))
-    chat = Conversation(model, window=window)
+    chat = Conversation(model, keep=window)
     history, refilled = [], False
     for turn, n in enumerate(TURN_LENGTHS):
         new = random_tokens(n, seed=turn).tolist()

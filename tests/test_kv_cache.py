@@ -216,7 +216,7 @@ def test_past_block_size_the_cache_is_rebuilt_with_one_prefill_of_window_tokens(
     w = BLOCK_SIZE // 2 if window is None else window
     shapes, handle = count_tokens_into_blocks(model)
     try:
-        generate(model, random_tokens(1, 4), 50, sampling=GREEDY, window=window)
+        generate(model, random_tokens(1, 4), 50, sampling=GREEDY, keep=window)
     finally:
         handle.remove()
     cycle = [w] + [1] * (BLOCK_SIZE - w)

@@ -32,8 +32,8 @@ def test_generate_returns_the_prompt_followed_by_the_new_tokens(model):
 @pytest.mark.parametrize("prompt_len", [5, BLOCK_SIZE + 4])
 def test_greedy_generation_with_cache_equals_without_token_for_token(model, window, prompt_len):
     prompt = random_tokens(2, prompt_len)
-    cached = generate(model, prompt, N_NEW, sampling=GREEDY, window=window)
-    uncached = generate(model, prompt, N_NEW, sampling=GREEDY, window=window, use_cache=False)
+    cached = generate(model, prompt, N_NEW, sampling=GREEDY, keep=window)
+    uncached = generate(model, prompt, N_NEW, sampling=GREEDY, keep=window, use_cache=False)
     assert torch.equal(cached, uncached)
 
 
@@ -57,20 +57,20 @@ def test_window_block_size_equals_crop_and_recompute_at_every_step(model, monkey
         return step_logits[-1]
 
     monkeypatch.setattr(model, "decode_step", recording_step)
-    cached = generate(model, prompt, N_NEW, sampling=GREEDY, window=BLOCK_SIZE)
+    cached = generate(model, prompt, N_NEW, sampling=GREEDY, keep=BLOCK_SIZE)
     monkeypatch.undo()
     assert torch.equal(cached, expected)
     assert len(step_logits) == N_NEW
     for got, want in zip(step_logits, expected_logits):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-    assert torch.equal(generate(model, prompt, N_NEW, sampling=GREEDY, window=BLOCK_SIZE, use_cache=False), expected)
+    assert torch.equal(generate(model, prompt, N_NEW, sampling=GREEDY, keep=BLOCK_SIZE, use_cache=False), expected)
 
 
 def test_a_smaller_window_does_see_less_context_than_crop_and_recompute(model):
     """The control for the test above: the window does matter, so its equality there is not vacuous."""
     prompt = random_tokens(2, 5)
     expected, _ = crop_and_recompute(model, prompt, N_NEW)
-    assert not torch.equal(generate(model, prompt, N_NEW, sampling=GREEDY, window=3), expected)
+    assert not torch.equal(generate(model, prompt, N_NEW, sampling=GREEDY, keep=3), expected)
 
 
 def test_a_cache_passed_in_is_reset_and_reused(model):
@@ -101,9 +101,9 @@ def test_ragged_batch_rows_equal_each_prompt_generated_alone(model, window, use_
     passes block_size and is rebuilt over its last `window` tokens, as it would be alone."""
     prompts = [random_tokens(1, n, seed=n) for n in (3, 7, 5)]
     batch, padding = left_pad(prompts, pad_id=VOCAB - 1)  # a real token id: it must be masked, not ignored
-    out = generate(model, batch, N_NEW, sampling=GREEDY, window=window, n_pad=padding.sum(dim=1), use_cache=use_cache)
+    out = generate(model, batch, N_NEW, sampling=GREEDY, keep=window, n_pad=padding.sum(dim=1), use_cache=use_cache)
     for b, p in enumerate(prompts):
-        alone = generate(model, p, N_NEW, sampling=GREEDY, window=window, use_cache=use_cache)
+        alone = generate(model, p, N_NEW, sampling=GREEDY, keep=window, use_cache=use_cache)
         assert torch.equal(out[b, batch.size(1):], alone[0, p.size(1):]), f"row {b} (prompt length {p.size(1)})"
 
 
@@ -140,12 +140,12 @@ def test_seeded_sampling_is_reproducible_and_equal_with_and_without_cache(pos_em
 
 @pytest.mark.parametrize("kwargs", [dict(temperature=-0.1), dict(top_k=0), dict(top_p=0.0), dict(top_p=1.5),
                                     dict(temperature=0, top_k=3), dict(temperature=0, top_p=0.5),
-                                    dict(window=0), dict(window=BLOCK_SIZE + 1)],
+                                    dict(keep=0), dict(keep=BLOCK_SIZE + 1)],
                          ids=lambda k: "-".join(f"{a}={v}" for a, v in k.items()))
 def test_invalid_sampling_or_window_arguments_are_value_errors(model, kwargs):
     with pytest.raises(ValueError):
-        window = kwargs.pop("window", None)
-        generate(model, random_tokens(1, 3), 2, sampling=Sampling(**kwargs), window=window)
+        window = kwargs.pop("keep", None)
+        generate(model, random_tokens(1, 3), 2, sampling=Sampling(**kwargs), keep=window)
 
 
 @pytest.mark.parametrize("kwargs", [dict(use_cache=False, compile=True), dict(use_cache=False, cache="cache"),
@@ -183,7 +183,7 @@ def bad_generate_call(model, case):
     prompt = random_tokens(2, 3)
     calls = {
         "max_new_tokens=True": (lambda: generate(model, prompt, True), "max_new_tokens"),
-        "window=True": (lambda: generate(model, prompt, 2, window=True), "window"),
+        "keep=True": (lambda: generate(model, prompt, 2, keep=True), "keep"),
         "top_k=True": (lambda: generate(model, prompt, 2, sampling=Sampling(top_k=True)), "top_k"),
         "temperature=True": (lambda: generate(model, prompt, 2, sampling=Sampling(temperature=True)), "temperature"),
         "n_pad=[True, 0]": (lambda: generate(model, prompt, 2, n_pad=[True, 0]), "n_pad"),
@@ -198,7 +198,7 @@ def bad_generate_call(model, case):
     return calls[case]
 
 
-@pytest.mark.parametrize("case", ["max_new_tokens=True", "window=True", "top_k=True", "temperature=True",
+@pytest.mark.parametrize("case", ["max_new_tokens=True", "keep=True", "top_k=True", "temperature=True",
                                   "n_pad=[True, 0]", "id >= vocab_size", "negative id", "cache of another shape",
                                   "cache of int64", "cache of another kind"])
 def test_arguments_that_cannot_work_are_value_errors_naming_them(model, case):

@@ -473,8 +473,8 @@ def test_loss_through_the_decoder_equals_teacher_forced_loss_for_an_exact_cache(
     assert through_cache == pytest.approx(teacher_forced_loss(model, tokens, prompt_len=5, chunk=13), abs=1e-5)
     assert through_cache == pytest.approx(teacher_forced_loss(model, tokens, prompt_len=5, chunk=64), abs=1e-5)
     if pos_emb == "learned":
-        assert decoder_loss(model, tokens, prompt_len=5, window=3) == pytest.approx(
-            teacher_forced_loss(model, tokens, prompt_len=5, window=3), abs=1e-5)
+        assert decoder_loss(model, tokens, prompt_len=5, keep=3) == pytest.approx(
+            teacher_forced_loss(model, tokens, prompt_len=5, keep=3), abs=1e-5)
     # the int8 cache's logits are not the same: its loss differs, by a little
     int8 = decoder_loss(model, tokens, prompt_len=5, cache=new_kv_cache(model, 3, dtype=torch.int8))
     assert 0 < abs(int8 - through_cache) < 0.01

@@ -207,7 +207,7 @@ def test_greedy_generation_with_the_rolling_cache_equals_without_it(prompt_len):
     prompt = random_tokens(2, prompt_len)
     cached = generate(model, prompt, N_NEW, sampling=GREEDY)
     assert torch.equal(cached, generate(model, prompt, N_NEW, sampling=GREEDY, use_cache=False))
-    assert torch.equal(cached, generate(model, prompt, N_NEW, sampling=GREEDY, window=BLOCK_SIZE))
+    assert torch.equal(cached, generate(model, prompt, N_NEW, sampling=GREEDY, keep=BLOCK_SIZE))
 
 
 @pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "no_cache"])
@@ -225,8 +225,8 @@ def test_ragged_batch_rows_equal_each_prompt_generated_alone(use_cache):
 
 
 def test_a_window_smaller_than_block_size_is_refused_for_a_rolling_model():
-    with pytest.raises(ValueError, match="window applies to learned positions"):
-        generate(rope_model(), random_tokens(1, 3), 2, window=BLOCK_SIZE // 2)
+    with pytest.raises(ValueError, match="keep applies to learned positions"):
+        generate(rope_model(), random_tokens(1, 3), 2, keep=BLOCK_SIZE // 2)
 
 
 def test_compiled_rolling_step_equals_eager_past_block_size():

@@ -234,7 +234,7 @@ def unavailable_device() -> str:
     (["--top-p", 1.5], ["top_p must be", "1.5"]),
     (["--max-new-tokens", -1], ["max_new_tokens must be", "-1"]),
     (["--num-samples", 0], ["--num-samples", "0"]),
-    (["--window", BLOCK_SIZE + 1], ["window must be an integer in", f"[1, block_size={BLOCK_SIZE}]"]),
+    (["--keep", BLOCK_SIZE + 1], ["keep must be an integer in", f"[1, block_size={BLOCK_SIZE}]"]),
     (["--top-k", "many"], ["--top-k", "'many'"]),
     (["--prompt", ""], ["--prompt", "empty"]),
     (["--compile", "--no-kv-cache"], ["--compile", "--no-kv-cache"]),

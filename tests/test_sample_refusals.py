@@ -45,8 +45,8 @@ def test_a_folder_of_runs_says_what_to_pass(checkpoint, tmp_path):
     (["--temperature", "nan"], ["temperature must be 0 (greedy) or a finite number"]),
     (["--temperature", 0, "--top-k", 5], ["top_k and top_p apply to sampled text: temperature 0 takes the likeliest "
                                           "token whatever they keep"]),
-    (["--window", 4, "--kv-cache", "sinks", "--kv-budget", 8], ["window moves the context that the float and "
-                                                               "low-bit caches refill; a sink cache keeps its own"]),
+    (["--window", 4, "--kv-cache", "sinks", "--kv-budget", 8], ["keep applies to the float and low-bit caches, "
+                                                               "whose context jumps forward; a sink cache keeps its own"]),
 ])
 def test_sample_values_that_cannot_work_are_one_line(checkpoint, args, fragments):
     result = subprocess.run(sample_command(checkpoint, *args), env=ENV, capture_output=True, text=True, timeout=120)

@@ -77,9 +77,9 @@ def test_greedy_speculative_text_equals_plain_cached_greedy_text(pos_emb, kind):
 def test_greedy_speculative_text_follows_any_window_of_learned_positions(window):
     model = random_model(seed=0)
     prompt = random_tokens(1, PROMPT_LEN, seed=3)
-    plain = generate(model, prompt, NEW_TOKENS, sampling=GREEDY, window=window)[0, PROMPT_LEN:].tolist()
+    plain = generate(model, prompt, NEW_TOKENS, sampling=GREEDY, keep=window)[0, PROMPT_LEN:].tolist()
     for k in (1, 4):
-        assert speculative_ids(model, prompt, NEW_TOKENS, draft=model, k=k, window=window) == plain
+        assert speculative_ids(model, prompt, NEW_TOKENS, draft=model, k=k, keep=window) == plain
 
 
 def test_a_prompt_longer_than_the_block_is_read_as_generate_reads_it():

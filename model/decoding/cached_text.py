@@ -2,7 +2,7 @@
 (model/serving/speculative.py) and a conversation (model/serving/conversation.py) build on.
 
 Past block_size it follows generate's rules (model/decoding/generate.py): a rotary model's ring rolls on, and a
-learned-position model's context jumps forward to its last `window` tokens, its cache refilled. The tokens
+learned-position model's context jumps forward to its last `keep` tokens, its cache refilled. The tokens
 already fed stay in the cache until the text is cut back (truncate), which rolls the cache back past them.
 """
 
@@ -27,12 +27,12 @@ class CachedText:
     many may be rolled back after it has wrapped (see model/decoding/ring_cache.py).
     """
 
-    def __init__(self, model: GPT, *, spare: int = 0, window: int | None = None):
+    def __init__(self, model: GPT, *, spare: int = 0, keep: int | None = None):
         self.model = model
         self.tokens: list[int] = []
         self.cache = text_cache(model, spare)
         self.rolling = model.config.pos_emb == "rope"  # the ring rolls on: the context never jumps
-        self.span, self.window = context_limits(model.config, window)
+        self.span, self.keep = context_limits(model.config, keep)
         self.start = 0  # the context is tokens[start:]
         self.compiled = None  # a compiled pass for this cache (model/decoding/aot_step.py): it takes every pass that fits it
 
@@ -50,7 +50,7 @@ class CachedText:
                 self.start = length - self.span
                 self.cache.reset()
             return
-        start = moved_start(0 if fresh else self.start, length, self.span, self.window)
+        start = moved_start(0 if fresh else self.start, length, self.span, self.keep)
         if start != self.start:
             self.start = start
             self.cache.reset()

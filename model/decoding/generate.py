@@ -12,13 +12,13 @@ Past block_size. The model attends at most block_size tokens back, so each row's
   last block_size tokens, so the last token still depends on up to n_layer * (block_size - 1) tokens before it,
   through the earlier layers: that is the context kept.
 - Learned positions: cached keys carry their absolute positions and cannot slide. When the next token would not
-  fit, start jumps forward so that only the last `window` tokens remain (default block_size // 2, at least 1), and
-  the cache is refilled with one prefill over them: O(1) forward passes per token, amortised. window = block_size
+  fit, start jumps forward so that only the last `keep` tokens remain (default block_size // 2, at least 1), and
+  the cache is refilled with one prefill over them: O(1) forward passes per token, amortised. keep = block_size
   refills at every step, which is exactly the classic crop to the last block_size tokens.
 use_cache=False runs a full forward over the very same context at every step.
 
 Ragged batches. n_pad (B,) says how many tokens at the start of each row of idx are left padding. Each row's
-context, and when its window moves, is the one it would have alone; with learned positions a batch whose rows
+context, and when it jumps forward, is the one it would have alone; with learned positions a batch whose rows
 fill up at different steps refills the cache (for all rows) whenever one of them does.
 
 Many samples of one prompt. When every row of idx holds the same tokens, the prompt goes through the model once,
@@ -42,24 +42,24 @@ from .sampling import Sampling
 
 @torch.no_grad()
 def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampling: Sampling = Sampling(),
-             generator: torch.Generator | None = None, window: int | None = None,
+             generator: torch.Generator | None = None, keep: int | None = None,
              n_pad: Sequence[int] | torch.Tensor | None = None, use_cache: bool = True,
              cache: Cache | None = None, compile: bool = False, step=None) -> torch.Tensor:
     """idx (B, T) -> (B, T + max_new_tokens): the prompt followed by the new tokens. See generate_tokens."""
     new = list(generate_tokens(model, idx, max_new_tokens, sampling=sampling, generator=generator,
-                               window=window, n_pad=n_pad, use_cache=use_cache, cache=cache, compile=compile,
+                               keep=keep, n_pad=n_pad, use_cache=use_cache, cache=cache, compile=compile,
                                step=step))
     return torch.cat([idx, torch.stack(new, dim=1)], dim=1) if new else idx
 
 
 @torch.no_grad()
 def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampling: Sampling = Sampling(),
-                    generator: torch.Generator | None = None, window: int | None = None,
+                    generator: torch.Generator | None = None, keep: int | None = None,
                     n_pad: Sequence[int] | torch.Tensor | None = None, use_cache: bool = True,
                     cache: Cache | None = None, compile: bool = False, step=None) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, (B,), max_new_tokens times.
 
-    sampling: how each token is drawn; generator: a torch.Generator, for reproducible sampling. window: context
+    sampling: how each token is drawn; generator: a torch.Generator, for reproducible sampling. keep: context
     tokens kept when the context passes block_size, for learned positions (see the module's docstring). n_pad:
     left padding per row. use_cache=False recomputes the whole context at every step; cache: a cache to reuse
     (model/kv_cache.py: Cache; new_kv_cache by default), and compile torch.compiles the one-token step; step: a compiled step to take
@@ -67,10 +67,10 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampl
     ValueError naming the argument.
     """
     block_size = model.config.block_size
-    start = check_arguments(model, idx, max_new_tokens, window, n_pad, use_cache, cache, compile, step)
+    start = check_arguments(model, idx, max_new_tokens, keep, n_pad, use_cache, cache, compile, step)
     # the cache rolls on past block_size: with rotary positions, or a budget that places tokens itself
     rolling = model.config.pos_emb == "rope" or (cache is not None and cache.abilities.budgeted)
-    span, window = context_limits(model.config, window)
+    span, keep = context_limits(model.config, keep)
     if use_cache:
         cache = cache if cache is not None else new_kv_cache(model, idx.size(0))
         if step is not None and not step.fits(cache):
@@ -80,12 +80,12 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampl
     # the whole sequence, filled as it grows: seq = buffer[:, :length]
     buffer = torch.cat([idx, idx.new_empty(idx.size(0), max_new_tokens)], dim=1)
     length = idx.size(1)
-    # row b's context is seq[b, start[b]:]: it starts after the row's left padding, and each row's window
+    # row b's context is seq[b, start[b]:]: it starts after the row's left padding, and each row's context
     # moves on its own schedule, exactly as if the row were generated alone
     fed = None  # seq[:, :fed] has gone through the cache; None: (re)fill it
     for _ in range(max_new_tokens):
         if length - min(start) > span:  # some row's context would pass span
-            start = [moved_start(s, length, span, window) for s in start]
+            start = [moved_start(s, length, span, keep) for s in start]
             if not rolling:
                 fed = None
         first = min(start)  # the batch's context is seq[:, first:], each row left-padded to it
@@ -119,24 +119,24 @@ def compiled_step(model: GPT):
     return lambda idx, cache: step(idx.clone(memory_format=torch.contiguous_format), cache)
 
 
-def default_window(block_size: int) -> int:
+def default_keep(block_size: int) -> int:
     """Context tokens that learned positions keep when the context passes block_size: half of it, at least one."""
     return max(block_size // 2, 1)
 
 
-def context_limits(config: GPTConfig, window: int | None) -> tuple[int, int]:
-    """(span, window): the longest context that can still change the next token, and how much of it a jump
+def context_limits(config: GPTConfig, keep: int | None) -> tuple[int, int]:
+    """(span, keep): the longest context that can still change the next token, and how much of it a jump
     forward keeps (see the module's docstring)."""
     if config.pos_emb == "rope":
         span = config.n_layer * (config.block_size - 1) + 1
         return span, span
-    return config.block_size, default_window(config.block_size) if window is None else window
+    return config.block_size, default_keep(config.block_size) if keep is None else keep
 
 
-def moved_start(start: int, length: int, span: int, window: int) -> int:
+def moved_start(start: int, length: int, span: int, keep: int) -> int:
     """Where a context that starts at `start` starts before the token after seq[:length] is drawn: where it did,
-    or, when it would pass span, `window` tokens back."""
-    return start if length - start <= span else length - window
+    or, when it would pass span, `keep` tokens back."""
+    return start if length - start <= span else length - keep
 
 
 def _same_rows(idx: torch.Tensor) -> bool:
@@ -165,7 +165,7 @@ def _prefill_once(model: GPT, prompt: torch.Tensor, cache: Cache) -> torch.Tenso
     return logits.expand(cache.batch_size, -1)
 
 
-def check_arguments(model: GPT, idx, max_new_tokens, window=None, n_pad=None, use_cache=True, cache=None,
+def check_arguments(model: GPT, idx, max_new_tokens, keep=None, n_pad=None, use_cache=True, cache=None,
                     compile=False, step=None) -> list[int]:
     """Refuse generate's arguments that cannot work, each in a ValueError naming it; each row's left padding as a
     list of ints."""
@@ -186,11 +186,11 @@ def check_arguments(model: GPT, idx, max_new_tokens, window=None, n_pad=None, us
                          f"{idx.min().item()} .. {idx.max().item()}")
     if not (is_integer(max_new_tokens) and max_new_tokens >= 0):
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-    if c.pos_emb == "rope" and window not in (None, block_size):
-        raise ValueError(f"window applies to learned positions: a rotary-position model's cache rolls, and every "
-                         f"token sees the last block_size={block_size} tokens; drop window")
-    if window is not None and not (is_integer(window) and 1 <= window <= block_size):
-        raise ValueError(f"window must be an integer in [1, block_size={block_size}], got {window!r}")
+    if c.pos_emb == "rope" and keep not in (None, block_size):
+        raise ValueError(f"keep applies to learned positions: a rotary-position model's cache rolls, and every "
+                         f"token sees the last block_size={block_size} tokens; drop keep")
+    if keep is not None and not (is_integer(keep) and 1 <= keep <= block_size):
+        raise ValueError(f"keep must be an integer in [1, block_size={block_size}], got {keep!r}")
     if not use_cache and (cache is not None or compile or step is not None):
         raise ValueError("cache, compile and step apply to cached decoding: pass use_cache=True, or none of them")
     if compile and step is not None:
@@ -199,9 +199,9 @@ def check_arguments(model: GPT, idx, max_new_tokens, window=None, n_pad=None, us
         check_cache(model, cache, B)
         if compile and not cache.abilities.compiles:
             raise ValueError(f"a {type(cache).__name__} decodes eagerly: drop compile")
-        if window is not None and cache.abilities.budgeted:
-            raise ValueError(f"window moves the context that the float and low-bit caches refill; {cache.kind} keeps "
-                             f"its own tokens: drop window")
+        if keep is not None and cache.abilities.budgeted:
+            raise ValueError(f"keep applies to the float and low-bit caches, whose context jumps forward; "
+                             f"{cache.kind} keeps its own tokens: drop keep")
     if n_pad is None:
         return [0] * B
     pads = n_pad.tolist() if isinstance(n_pad, torch.Tensor) else list(n_pad)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from ..gpt import GPT
 from ..decoding.checks import is_integer
-from ..decoding.generate import check_arguments, default_window, generate_tokens
+from ..decoding.generate import check_arguments, default_keep, generate_tokens
 from ..decoding.ring_cache import RingKVCache
 from ..caches.factory import new_kv_cache
 
@@ -34,10 +34,10 @@ class TeacherForcing:
         return target
 
 
-def check_text(model: GPT, tokens, prompt_len, window, longest_prompt: int | None) -> int:
+def check_text(model: GPT, tokens, prompt_len, keep, longest_prompt: int | None) -> int:
     """Refuse arguments that cannot work, each in a ValueError naming it (as generate does); the text's length.
     tokens: (B, N) token ids of the model's vocabulary; prompt_len in [1, N - 1] (and at most longest_prompt)."""
-    check_arguments(model, tokens, 0, window)  # a (B, N) tensor of ids, the window, a model in eval mode
+    check_arguments(model, tokens, 0, keep)  # a (B, N) tensor of ids, the keep, a model in eval mode
     most = tokens.size(1) - 1 if longest_prompt is None else min(longest_prompt, tokens.size(1) - 1)
     if not (is_integer(prompt_len) and 1 <= prompt_len <= most):
         raise ValueError(f"prompt_len must be an integer in [1, {most}] for a text of {tokens.size(1)} tokens, got "
@@ -47,28 +47,28 @@ def check_text(model: GPT, tokens, prompt_len, window, longest_prompt: int | Non
 
 @torch.no_grad()
 def decoder_loss(model: GPT, tokens: torch.Tensor, *, prompt_len: int, cache: RingKVCache | None = None,
-                 window: int | None = None) -> float:
+                 keep: int | None = None) -> float:
     """Mean cross-entropy of tokens[:, prompt_len:] (B rows, each its own stream) as cached decoding predicts them:
     generate_tokens prefills the first prompt_len tokens, then feeds the text one token per step. cache: a RingKVCache
-    to decode through (new_kv_cache(model, B) by default; dtype=torch.int8 for the int8 cache); window: as in
+    to decode through (new_kv_cache(model, B) by default; dtype=torch.int8 for the int8 cache); keep: as in
     generate."""
-    check_text(model, tokens, prompt_len, window, longest_prompt=None)
+    check_text(model, tokens, prompt_len, keep, longest_prompt=None)
     forcing = TeacherForcing(tokens[:, prompt_len:])
     for _ in generate_tokens(model, tokens[:, :prompt_len], tokens.size(1) - prompt_len, sampling=forcing,
-                             cache=cache, window=window):
+                             cache=cache, keep=keep):
         pass
     return torch.stack(forcing.losses).mean().item()
 
 
 @torch.no_grad()
-def teacher_forced_loss(model: GPT, tokens: torch.Tensor, *, prompt_len: int, window: int | None = None,
+def teacher_forced_loss(model: GPT, tokens: torch.Tensor, *, prompt_len: int, keep: int | None = None,
                         chunk: int = 256) -> float:
     """decoder_loss's mean cross-entropy computed with full forwards, no cache, under the context rule that
     generate_tokens follows (model/decoding/generate.py): with rotary positions each layer attends its last block_size
     tokens, so a logit depends on at most n_layer * (block_size - 1) tokens before it; with learned positions the
-    context tokens[start:] jumps to the last `window` tokens whenever it would pass block_size."""
+    context tokens[start:] jumps to the last `keep` tokens whenever it would pass block_size."""
     c = model.config
-    N = check_text(model, tokens, prompt_len, window, longest_prompt=c.block_size)
+    N = check_text(model, tokens, prompt_len, keep, longest_prompt=c.block_size)
     if not is_integer(chunk) or chunk < 1:
         raise ValueError(f"chunk must be an integer >= 1, got {chunk!r}")
     losses = []
@@ -85,11 +85,11 @@ def teacher_forced_loss(model: GPT, tokens: torch.Tensor, *, prompt_len: int, wi
             last = min(first + chunk, N) - 1
             score(max(0, first - 1 - reach), last, first)
     else:
-        window = default_window(c.block_size) if window is None else window
+        keep = default_keep(c.block_size) if keep is None else keep
         start, length = 0, prompt_len  # the context tokens[start:length] predicts tokens[length]
         while length < N:
             if length - start > c.block_size:
-                start = length - window
+                start = length - keep
             end = min(start + c.block_size, N - 1)  # the longest context before the next jump
             score(start, end, length)
             length = end + 1

@@ -10,7 +10,7 @@ Each turn appends the new tokens to the text and continues it, and only the toke
 model: the new ones, and the previous reply's last token. Each reply is what generate would continue the whole
 text with: a rotary model's cache rolls on past block_size, with nothing read twice; a learned-position model's
 context starts where generate's would for the whole text as a prompt, so that once the text passes block_size each
-turn starts by refilling the cache with its last `window` tokens, as generate does.
+turn starts by refilling the cache with its last `keep` tokens, as generate does.
 """
 
 from collections.abc import Iterator, Sequence
@@ -25,14 +25,14 @@ from ..decoding.sampling import GREEDY, Sampling, check_sampling
 
 
 class Conversation:
-    """sampling, generator, window: as in generate."""
+    """sampling, generator, keep: as in generate."""
 
     def __init__(self, model: GPT, *, sampling: Sampling = GREEDY, generator: torch.Generator | None = None,
-                 window: int | None = None):
-        check_arguments(model, torch.zeros(1, 1, dtype=torch.long), 0, window)  # window, eval mode
+                 keep: int | None = None):
+        check_arguments(model, torch.zeros(1, 1, dtype=torch.long), 0, keep)  # keep, eval mode
         check_sampling(sampling)
-        self.sampling, self.generator, self.window = sampling, generator, window
-        self.text = CachedText(model, window=window)
+        self.sampling, self.generator, self.keep = sampling, generator, keep
+        self.text = CachedText(model, keep=keep)
 
     @property
     def tokens(self) -> list[int]:
@@ -81,7 +81,7 @@ class Conversation:
         if not text.tokens and not new_tokens:
             raise ValueError("a conversation starts from at least one token: new_tokens is empty")
         ids = torch.tensor([[*text.tokens[-1:], *new_tokens]], device=text.cache.device)
-        check_arguments(model, ids, max_new_tokens, self.window)
+        check_arguments(model, ids, max_new_tokens, self.keep)
         text.tokens += new_tokens
         text.prepare(len(text.tokens), fresh=True)
         stop = list(stop)

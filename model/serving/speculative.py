@@ -171,17 +171,17 @@ def verify(logits: torch.Tensor, proposals: list[int], q: torch.Tensor | None, s
 def speculative_generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *,
                          draft: "GPT | NGramTable | PromptLookup",
                          k: int, sampling: Sampling = GREEDY, generator: torch.Generator | None = None,
-                         window: int | None = None, stats: SpeculativeStats | None = None,
+                         keep: int | None = None, stats: SpeculativeStats | None = None,
                          verify_pass=None) -> Iterator[torch.Tensor]:
     """Yield the next token, (1,), max_new_tokens times, as generate_tokens does for one row, drafting k tokens
     per model pass. draft: a GPT with the model's vocabulary (in eval mode, on its device), an NGramTable of its
     vocabulary, or PromptLookup().
-    window: as in generate, for learned positions (the model's; a draft model keeps its default). stats: a
+    keep: as in generate, for learned positions (the model's; a draft model keeps its default). stats: a
     SpeculativeStats to fill. verify_pass: a compiled pass of up to k + 1 tokens (model/decoding/aot_step.py) for caches like
     text_cache(model, k) (model/decoding/cached_text.py), which takes every pass after the prompt's, shorter drafts' too.
     Arguments that cannot work are a ValueError naming the argument.
     """
-    check_arguments(model, idx, max_new_tokens, window)
+    check_arguments(model, idx, max_new_tokens, keep)
     check_sampling(sampling)
     if idx.size(0) != 1:
         raise ValueError(f"speculative decoding decodes one row: idx has {idx.size(0)} rows; decode each alone, "
@@ -202,7 +202,7 @@ def speculative_generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *,
         raise ValueError(f"draft must be a GPT with the model's vocabulary, an NGramTable or PromptLookup(), got "
                          f"{type(draft).__name__}")
     stats = stats if stats is not None else SpeculativeStats()
-    target = CachedText(model, spare=k, window=window)
+    target = CachedText(model, spare=k, keep=keep)
     target.tokens = idx[0].tolist()
     if verify_pass is not None:
         if not verify_pass.fits(target.cache, k + 1):
