@@ -62,8 +62,9 @@ class GPTConfig:
     @property
     def plain_attention(self) -> bool:
         """Whether every layer's attention is the plain one (model/attention.py), with no smaller cache's design."""
-        return (self.n_kv_head == self.n_head and self.kv_share == 1 and self.local_window is None
-                and not self.learned_sink and self.kv_latent is None)
+        return (self.n_kv_head == self.n_head and self.kv_share == 1 and self.window_pattern == "G"
+                and self.local_window is None and self.learned_sink is False
+                and self.kv_latent is None and not self.kv_latent_rope)
 
     @property
     def rotary_dim(self) -> int:
@@ -146,8 +147,7 @@ class GPT(nn.Module):
         return logits, loss
 
     def decode_step(self, idx, cache):
-        """Feed idx (B, T) after the cached tokens: a prefill when T > 1, one decoding step when T = 1.
-        Returns the logits of the last position (B, vocab_size)."""
+        """idx (B, T) after the cached tokens (a prefill, or one step when T = 1) -> the last logits (B, vocab_size)."""
         return self.lm_head(self._trunk(idx, cache)[:, -1])
 
     def _trunk(self, idx, cache=None):

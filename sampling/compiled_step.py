@@ -60,7 +60,8 @@ def step_path(model, cache, tokens: int = 1) -> Path:
 
 
 def has_compiled_step(model, cache, tokens: int = 1) -> bool:
-    return step_path(model, cache, tokens).is_file()
+    """Whether such a step is kept; where none has ever been kept, without naming it (which reads model/'s code)."""
+    return (cache_dir() / "steps").is_dir() and step_path(model, cache, tokens).is_file()
 
 
 def load_or_compile_step(model, cache, tokens: int = 1, say=print) -> AotStep:

@@ -106,6 +106,8 @@ def kv_cache_bytes(config, dtype: torch.dtype, max_len: int | None = None) -> in
     max_len = max_len or config.block_size
     heads, width = config.kv_cache_heads
     per_slot = 2 * heads * (width * dtype.itemsize + (KV_SCALE_DTYPE.itemsize if dtype == torch.int8 else 0))
+    if config.local_window is None:  # every layer holds max_len slots
+        return per_slot * config.n_kv_layer * max_len
     slots = [config.local_window + max_len - config.block_size if local else max_len
              for local in local_kv_layers(config)]
     return per_slot * sum(slots)

@@ -93,5 +93,7 @@ def design_attention_layers(config: GPTConfig) -> list[nn.Module]:
 
 def build_model(config: GPTConfig) -> GPT:
     """The model config describes: the plain one, or one with the design its fields choose."""
+    if config.plain_attention:
+        return GPT(config)
     check_design(config)
-    return GPT(config) if config.plain_attention else GPT(config, design_attention_layers(config))
+    return GPT(config, design_attention_layers(config))
