@@ -36,7 +36,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from model import GPT
+from model import build_model
 from runtime.devices import choose_device, keep_freed_memory
 from runtime.errors import (ConfigError, OutputError, UsageError, check_standard_streams, exit_status, fail,
                             one_line, silence, write_line)
@@ -50,7 +50,6 @@ from training.signals import StopSignals, interrupt_on_signals
 from training.sizing import size_to_host
 from training.summaries import Summaries, report_thread_error
 from training.text import check_training_fits_memory, fit_sample_prompt, prepare_data
-from model import build_model
 
 register()
 failed_jobs = []  # the exit statuses of a sweep's failed jobs

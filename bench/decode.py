@@ -25,11 +25,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.configs import MODEL_SHAPES, host, model_config, run_tool, shakespeare  # noqa: E402
 from data import Batches  # noqa: E402
-from model import GPT, GREEDY, generate  # noqa: E402
+from model import GREEDY, build_model, generate  # noqa: E402
 from model.decoding.quantize import DECODING_PRECISIONS, Int8Linear, to_precision  # noqa: E402
 from runtime.checkpoint import existing_checkpoint, load_model  # noqa: E402
 from runtime.errors import OneLineErrorParser, positive_int  # noqa: E402
-from model import build_model
 
 PROMPT_LEN = 16
 NEW_TOKENS = 240

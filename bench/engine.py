@@ -22,11 +22,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.configs import host, model_config, run_tool, shakespeare  # noqa: E402
-from model import GPT, GREEDY, generate_tokens, kv_cache_bytes  # noqa: E402
+from model import GREEDY, build_model, generate_tokens, kv_cache_bytes  # noqa: E402
 from model.serving.engine import Engine  # noqa: E402
 from runtime.checkpoint import existing_checkpoint, load_model, training_text  # noqa: E402
 from runtime.errors import OneLineErrorParser, UsageError, positive_int  # noqa: E402
-from model import build_model
 
 BLOCK_TOKENS = 16
 

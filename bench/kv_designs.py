@@ -37,13 +37,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.configs import REPO, host, model_config, run_tool, shakespeare  # noqa: E402
 from bench.curve import read_curve  # noqa: E402
-from model import GPT, kv_cache_bytes_per_token  # noqa: E402
+from model import GPT, build_model, kv_cache_bytes_per_token  # noqa: E402
 from model.measuring.decoder_loss import decoder_loss, teacher_forced_loss  # noqa: E402
 from model.decoding.generate import prefill  # noqa: E402
 from runtime.checkpoint import load_model  # noqa: E402
 from runtime.errors import OneLineErrorParser, positive_int  # noqa: E402
 from model.caches.factory import new_kv_cache
-from model import build_model
 
 STEPS = 16  # one-token steps timed after the prefill, the context growing from block_size - STEPS to block_size
 BATCHES = (1, 64)

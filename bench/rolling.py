@@ -29,12 +29,11 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.configs import model_config, run_tool, shakespeare  # noqa: E402
 from bench.decode import PROMPT_LEN  # noqa: E402
-from model import GPT, GREEDY, generate_tokens  # noqa: E402
+from model import GREEDY, build_model, generate_tokens  # noqa: E402
 from model.decoding.quantize import DECODING_PRECISIONS, to_precision  # noqa: E402
 from runtime.checkpoint import existing_checkpoint, load_model  # noqa: E402
 from runtime.errors import OneLineErrorParser, positive_int  # noqa: E402
 from model.caches.factory import new_kv_cache
-from model import build_model
 
 ROLLING_NEW_TOKENS = 1024  # 240 inside the first block_size, 784 past it
 

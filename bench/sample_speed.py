@@ -25,11 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.configs import REPO, model_config, run_tool  # noqa: E402
 from bench.decode import NEW_TOKENS, PROMPT_LEN, best_seconds  # noqa: E402
 from data import CharVocab  # noqa: E402
-from model import GPT, GREEDY, generate  # noqa: E402
+from model import GREEDY, build_model, generate  # noqa: E402
 from model.decoding.quantize import DECODING_PRECISIONS, to_precision  # noqa: E402
 from runtime.checkpoint import build_checkpoint, save_checkpoint  # noqa: E402
 from runtime.errors import OneLineErrorParser, positive_int  # noqa: E402
-from model import build_model
 
 VOCAB = CharVocab("\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")  # tiny_shakespeare's 65
 PROMPT = "First Citizen:\nB"

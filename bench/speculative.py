@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.configs import host, model_config, run_tool  # noqa: E402
 from bench.decode import fmt, rates, timings  # noqa: E402
-from model import GPT, GREEDY, Sampling, generate  # noqa: E402
+from model import GREEDY, Sampling, build_model, generate  # noqa: E402
 from model.decoding.cached_text import text_cache  # noqa: E402
 from model.serving.ngram_draft import NGramTable  # noqa: E402
 from model.serving.speculative import PromptLookup, SpeculativeStats, speculative_generate  # noqa: E402
@@ -41,7 +41,6 @@ from runtime.checkpoint import existing_checkpoint, load_model, training_text  #
 from sampling.compiled_step import load_or_compile_step  # noqa: E402
 from runtime.errors import OneLineErrorParser, positive_int  # noqa: E402
 from model.caches.factory import new_kv_cache
-from model import build_model
 
 BENCH_PROMPT = "ROMEO:"
 KS = (1, 2, 4, 8)

@@ -22,11 +22,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.configs import MODEL_SHAPES, host, model_config, run_tool  # noqa: E402
 from bench.decode import NEW_TOKENS, PROMPT_LEN, fmt, matmul_bound  # noqa: E402
-from model import GPT, GREEDY, generate  # noqa: E402
+from model import GREEDY, build_model, generate  # noqa: E402
 from sampling.compiled_step import load_or_compile_step  # noqa: E402
 from runtime.errors import OneLineErrorParser, positive_int  # noqa: E402
 from model.caches.factory import new_kv_cache
-from model import build_model
 
 PATHS = ("eager", "torch.compile", "ahead of time")
 

@@ -20,12 +20,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.configs import host, run_tool, settings, shakespeare  # noqa: E402
 from data import PreparedData  # noqa: E402
-from model import GPT  # noqa: E402
+from model import build_model  # noqa: E402
 from training.config import TRAINING_PRECISIONS, Settings  # noqa: E402
 from runtime.devices import keep_freed_memory  # noqa: E402
 from training.loop import Trainer  # noqa: E402
 from runtime.errors import OneLineErrorParser, positive_int  # noqa: E402
-from model import build_model
 
 SHAPES = {  # name: (overrides of the cpu preset, as on train.py's command line)
     "cpu preset": [],

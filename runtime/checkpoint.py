@@ -28,13 +28,12 @@ import torch
 
 from data import (DATASETS, SHAKESPEARE, VAL_FRACTION, CharVocab, DataError, PreparedData,
                   prepare_training_text)
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, build_model
 from model.decoding.checks import is_integer
 from model.decoding.quantize import to_precision
 
 from .errors import CheckpointError, OutputError, one_line
 from .files import write_atomically
-from model import build_model
 
 FORMAT = "kvgpt-checkpoint"
 VERSION = 2  # bump when the layout changes; older files then get a clear error instead of a wrong model

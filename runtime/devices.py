@@ -9,8 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from model import GPT, GPTConfig
-from model import build_model
+from model import GPTConfig, build_model
 
 
 def choose_device(name: str) -> torch.device:

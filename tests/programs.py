@@ -11,11 +11,10 @@ import torch
 import corpus
 import train
 from data import CharVocab
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, build_model
 from test_train import config
 from tiny_models import random_model
 from runtime.checkpoint import build_checkpoint, save_checkpoint
-from model import build_model
 
 REPO = corpus.REPO
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

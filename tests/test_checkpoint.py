@@ -7,11 +7,10 @@ import pytest
 import torch
 
 from data import CharVocab
-from model import GPT, GPTConfig
+from model import GPTConfig, build_model
 from runtime.checkpoint import (FORMAT, VERSION, CheckpointError, build_checkpoint, load_checkpoint, load_model,
                                  save_checkpoint)
 from runtime.checkpoint import find_latest_checkpoint
-from model import build_model
 
 STATE = {"format": FORMAT, "version": VERSION, "model_config": {"n_layer": 1}, "vocab": "ab",
          "model": {"w": torch.arange(3.0)}}

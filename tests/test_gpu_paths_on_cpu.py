@@ -8,7 +8,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import train
-from model import GREEDY, generate
+from model import GREEDY, build_model, generate
 from test_train import config, data_overrides
 from tiny_models import random_model, random_tokens
 from training.config import ConfigError, OptimConfig, validate
@@ -16,7 +16,6 @@ from runtime.devices import training_dtype
 from training.loop import Trainer
 from training.optim import make_optimizers
 from model.caches.factory import new_kv_cache
-from model import build_model
 from programs import REPO, SHORT, data_root, model
 
 

@@ -10,10 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import GPT, GPTConfig, GREEDY, CausalSelfAttention, KVCache, RingKVCache, generate, generate_tokens
+from model import CausalSelfAttention, GPT, GPTConfig, GREEDY, KVCache, RingKVCache, build_model, generate, generate_tokens
 from tiny_models import BLOCK_SIZE, VOCAB, random_model, random_tokens, tiny_config, train_briefly
 from model.caches.factory import new_kv_cache
-from model import build_model
 from model.decoding.ring_cache import Uncached
 
 

@@ -7,9 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import GPT, GPTConfig, Sampling
+from model import GPT, GPTConfig, Sampling, build_model
 from model.measuring.attention_weights import attention_weights, keeping_weights
-from model import build_model
 
 
 SHAPE = {"vocab_size": 13, "block_size": 16, "n_layer": 2, "n_head": 3, "n_embd": 24}

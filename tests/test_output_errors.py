@@ -13,13 +13,12 @@ import torch
 import corpus
 import training.runs
 from data import CharVocab
-from model import GPTConfig
+from model import GPTConfig, build_model
 from test_train import TINY, data_overrides
 from runtime.checkpoint import build_checkpoint, save_checkpoint
 from training.config import ConfigError
 from runtime.errors import one_line
 from training.runs import new_run_dir
-from model import build_model
 from programs import ENV, REPO, SHORT, assert_one_line_error, checkpoint, data_root, sample_command, train_cli
 
 

@@ -13,13 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from data import CharVocab
-from model import GPT, GREEDY, generate
+from model import GPT, GREEDY, build_model, generate
 from model.decoding.quantize import Int8Linear, QuantizedModelError, to_precision
 from corpus import CITIZENS
 from tiny_models import random_model, random_tokens, tiny_config, train_briefly
 from runtime.checkpoint import build_checkpoint, load_model, save_checkpoint
 from model.caches.factory import new_kv_cache
-from model import build_model
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT = CITIZENS + """

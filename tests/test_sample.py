@@ -12,12 +12,11 @@ import pytest
 import torch
 
 from data import CharVocab
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, build_model
 import runtime.devices
 from runtime.checkpoint import FORMAT, VERSION, build_checkpoint, save_checkpoint
 from corpus import CITIZENS
 from tiny_models import train_briefly
-from model import build_model
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO / "sample.py"

@@ -10,13 +10,12 @@ import pytest
 import torch
 
 from data import CharVocab, prepare_text
-from model import GPT, GPTConfig, GREEDY, generate
+from model import GPTConfig, GREEDY, build_model, generate
 from model.serving.conversation import Conversation
 from runtime.checkpoint import build_checkpoint, load_model, save_checkpoint
 from sampling.output import interact
 from test_sample import (ENV, NEW_TOKENS, PROMPT, SAMPLE, TEXT, VOCAB, assert_usage_error, run_sample, sample_ok,
                          tiny_model)
-from model import build_model
 
 REPLY = 40
 

@@ -7,14 +7,13 @@ import pytest
 import torch
 
 import model.serving.speculative as speculative
-from model import GPT, GREEDY, Sampling, generate
+from model import GPT, GREEDY, Sampling, build_model, generate
 from model.decoding.cached_text import CachedText
 from model.gpt import POSITIONS
 from model.serving.ngram_draft import NGramTable
 from model.serving.speculative import PromptLookup, SpeculativeStats, speculative_generate
 from tiny_models import BLOCK_SIZE, VOCAB, random_model, random_tokens, tiny_config
 from model.caches.factory import new_kv_cache
-from model import build_model
 
 PROMPT_LEN = 5
 NEW_TOKENS = 3 * BLOCK_SIZE + 5  # inside block_size at first, then well past it

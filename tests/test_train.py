@@ -30,7 +30,7 @@ import training.budget
 import training.config
 import training.loop
 import training.optim
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, build_model
 from training.budget import EXIT_S, steps_within
 from runtime.checkpoint import save_checkpoint
 from training.config import OptimConfig, validate
@@ -40,7 +40,6 @@ from training.loop import Diverged, Stopped, Trainer
 from training.optim import decay_begins
 from training.text import prepare_data
 from training.summaries import hparam_name
-from model import build_model
 
 REPO = corpus.REPO
 TINY = ["preset=cpu", "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16",

@@ -2,8 +2,7 @@
 
 import torch
 
-from model import GPT, GPTConfig
-from model import build_model
+from model import GPT, GPTConfig, build_model
 
 BLOCK_SIZE, VOCAB = 16, 13
 

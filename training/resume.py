@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from model import GPT, GPTConfig
+from model import GPTConfig, build_model
 from runtime.checkpoint import load_checkpoint, resolve_checkpoint
 from runtime.errors import CheckpointError, ConfigError, one_line
 from runtime.files import remove_stale_temporaries
@@ -16,7 +16,6 @@ from .distributed import is_rank_zero
 from .optim import make_optimizers, make_scheduler
 from .runs import continues_in_place
 from .sizing import kept_on_resume
-from model import build_model
 
 # Settings a resumed run must share with the run it continues: the model, the optimiser, the schedule, the weights'
 # average and the split of its text (training/text.py checks that the text is the same, whatever its path). Its length

@@ -19,13 +19,12 @@ from dataclasses import dataclass
 import torch
 
 from data import PreparedData
-from model import GPT
+from model import build_model
 from runtime.devices import DEFAULT_THREADS, environment_threads, fastest_threads, thread_counts, time_in_turns
 
 from .budget import planned_seconds, steps_within
 from .config import Settings
 from .loop import Trainer
-from model import build_model
 
 
 @dataclass(frozen=True)
