@@ -2,7 +2,7 @@
 
 A budget (train.max_minutes) buys a number of steps, and that number depends on the machine. A deeper model
 learns more per step but takes fewer steps. SHAPES records, for each shape the cpu preset may train, the best
-val loss that a run of so many steps reached (docs/benchmarks.md lists the runs). At start-up the
+val loss that a run of so many steps reached (docs/training.md, "How the run sizes itself"). At start-up the
 run times a few steps of each shape here, counts the steps its budget then buys, and trains the shape whose
 record predicts the lowest val loss at that count.
 
@@ -52,8 +52,7 @@ class Shape:
 
 
 # The cpu preset's shapes (conf/model/small.yaml's 128-wide model at these depths and batches), each with the
-# best val loss that runs of so many steps reached: docs/benchmarks.md lists the runs, docs/training.md how to
-# add one.
+# best val loss that runs of so many steps reached: docs/training.md lists the runs, and how to add one.
 SHAPES = (
     Shape(2, 32, ((700, 1.6135), (1200, 1.5561), (2000, 1.5141))),
     Shape(3, 32, ((500, 1.6499), (696, 1.5781), (1150, 1.5164), (2001, 1.4871))),
