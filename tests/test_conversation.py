@@ -16,17 +16,17 @@ def fresh_greedy(model, tokens, n, keep=None) -> list[int]:
     return generate(model, torch.tensor([tokens]), n, sampling=GREEDY, keep=keep)[0, len(tokens):].tolist()
 
 
-@pytest.mark.parametrize("pos_emb, window", [("rope", None), ("learned", None), ("learned", 3)])
-def test_each_reply_equals_a_fresh_greedy_generation_over_the_whole_text(pos_emb, window):
+@pytest.mark.parametrize("pos_emb, keep", [("rope", None), ("learned", None), ("learned", 3)])
+def test_each_reply_equals_a_fresh_greedy_generation_over_the_whole_text(pos_emb, keep):
     model = random_model(seed=0, pos_emb=pos_emb)
     fed = []
     model.blocks[0].register_forward_hook(lambda module, args, out: fed.append(args[0].size(1)))
-    chat = Conversation(model, keep=window)
+    chat = Conversation(model, keep=keep)
     history, refilled = [], False
     for turn, n in enumerate(TURN_LENGTHS):
         new = random_tokens(n, seed=turn).tolist()
         fed.clear()
-        expected = fresh_greedy(model, history + new, REPLY, window)
+        expected = fresh_greedy(model, history + new, REPLY, keep)
         fed_by_generate = sum(fed)
         fed.clear()
         reply = list(chat.reply(new, REPLY))
@@ -35,7 +35,7 @@ def test_each_reply_equals_a_fresh_greedy_generation_over_the_whole_text(pos_emb
         history += new + reply
         assert chat.tokens == history
         # the previous reply's last token, this turn's tokens and the reply but its last; a learned-position
-        # model past block_size reads what generate reads: the window it starts from, and its refills
+        # model past block_size reads what generate reads: the context it starts from, and its refills
         unread = (1 if text_before else 0) + n + REPLY - 1
         if pos_emb == "learned" and text_before + n > BLOCK_SIZE:
             refilled = True

@@ -207,15 +207,15 @@ def test_without_the_cache_every_step_recomputes_the_whole_context():
     assert shapes == [(2, 5), (2, 6), (2, 7), (2, 8)]
 
 
-@pytest.mark.parametrize("window", [None, 5, BLOCK_SIZE], ids=["default_window", "window=5", "window=block_size"])
-def test_past_block_size_the_cache_is_rebuilt_with_one_prefill_of_window_tokens(window):
-    """Prompt 4, block 16, window W: 4, then 1 per step up to a full context of 16, then W (the rebuild),
+@pytest.mark.parametrize("keep", [None, 5, BLOCK_SIZE], ids=["default_keep", "keep=5", "keep=block_size"])
+def test_past_block_size_the_cache_is_rebuilt_with_one_prefill_of_keep_tokens(keep):
+    """Prompt 4, block 16, keep W: 4, then 1 per step up to a full context of 16, then W (the rebuild),
     then 1 per step up to 16 again, and so on: a rebuild every 16 - W + 1 tokens."""
     model = random_model()
-    w = BLOCK_SIZE // 2 if window is None else window
+    w = BLOCK_SIZE // 2 if keep is None else keep
     shapes, handle = count_tokens_into_blocks(model)
     try:
-        generate(model, random_tokens(1, 4), 50, sampling=GREEDY, keep=window)
+        generate(model, random_tokens(1, 4), 50, sampling=GREEDY, keep=keep)
     finally:
         handle.remove()
     cycle = [w] + [1] * (BLOCK_SIZE - w)

@@ -12,7 +12,7 @@ from tiny_models import BLOCK_SIZE, VOCAB, random_model, random_tokens
 from model.caches.factory import new_kv_cache
 
 
-N_NEW = 40  # 2.5 x block_size: crosses the window more than once
+N_NEW = 40  # 2.5 x block_size: jumps past block_size more than once
 
 
 @pytest.fixture(scope="module")
@@ -28,12 +28,12 @@ def test_generate_returns_the_prompt_followed_by_the_new_tokens(model):
     assert torch.equal(generate(model, prompt, 0), prompt)
 
 
-@pytest.mark.parametrize("window", [None, BLOCK_SIZE, 3], ids=["default_window", "window=block_size", "window=3"])
+@pytest.mark.parametrize("keep", [None, BLOCK_SIZE, 3], ids=["default_keep", "keep=block_size", "keep=3"])
 @pytest.mark.parametrize("prompt_len", [5, BLOCK_SIZE + 4])
-def test_greedy_generation_with_cache_equals_without_token_for_token(model, window, prompt_len):
+def test_greedy_generation_with_cache_equals_without_token_for_token(model, keep, prompt_len):
     prompt = random_tokens(2, prompt_len)
-    cached = generate(model, prompt, N_NEW, sampling=GREEDY, keep=window)
-    uncached = generate(model, prompt, N_NEW, sampling=GREEDY, keep=window, use_cache=False)
+    cached = generate(model, prompt, N_NEW, sampling=GREEDY, keep=keep)
+    uncached = generate(model, prompt, N_NEW, sampling=GREEDY, keep=keep, use_cache=False)
     assert torch.equal(cached, uncached)
 
 
@@ -67,7 +67,7 @@ def test_window_block_size_equals_crop_and_recompute_at_every_step(model, monkey
 
 
 def test_a_smaller_window_does_see_less_context_than_crop_and_recompute(model):
-    """The control for the test above: the window does matter, so its equality there is not vacuous."""
+    """The control for the test above: keep does matter, so its equality there is not vacuous."""
     prompt = random_tokens(2, 5)
     expected, _ = crop_and_recompute(model, prompt, N_NEW)
     assert not torch.equal(generate(model, prompt, N_NEW, sampling=GREEDY, keep=3), expected)
@@ -94,16 +94,16 @@ def left_pad(prompts, pad_id):
     return batch, padding
 
 
-@pytest.mark.parametrize("window", [None, BLOCK_SIZE, 5], ids=["default_window", "window=block_size", "window=5"])
+@pytest.mark.parametrize("keep", [None, BLOCK_SIZE, 5], ids=["default_keep", "keep=block_size", "keep=5"])
 @pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "no_cache"])
-def test_ragged_batch_rows_equal_each_prompt_generated_alone(model, window, use_cache):
+def test_ragged_batch_rows_equal_each_prompt_generated_alone(model, keep, use_cache):
     """Prompts of lengths 3, 7, 5 left-padded into one batch; N_NEW > block_size, so every row's context
     passes block_size and is rebuilt over its last `window` tokens, as it would be alone."""
     prompts = [random_tokens(1, n, seed=n) for n in (3, 7, 5)]
     batch, padding = left_pad(prompts, pad_id=VOCAB - 1)  # a real token id: it must be masked, not ignored
-    out = generate(model, batch, N_NEW, sampling=GREEDY, keep=window, n_pad=padding.sum(dim=1), use_cache=use_cache)
+    out = generate(model, batch, N_NEW, sampling=GREEDY, keep=keep, n_pad=padding.sum(dim=1), use_cache=use_cache)
     for b, p in enumerate(prompts):
-        alone = generate(model, p, N_NEW, sampling=GREEDY, keep=window, use_cache=use_cache)
+        alone = generate(model, p, N_NEW, sampling=GREEDY, keep=keep, use_cache=use_cache)
         assert torch.equal(out[b, batch.size(1):], alone[0, p.size(1):]), f"row {b} (prompt length {p.size(1)})"
 
 
@@ -144,8 +144,8 @@ def test_seeded_sampling_is_reproducible_and_equal_with_and_without_cache(pos_em
                          ids=lambda k: "-".join(f"{a}={v}" for a, v in k.items()))
 def test_invalid_sampling_or_window_arguments_are_value_errors(model, kwargs):
     with pytest.raises(ValueError):
-        window = kwargs.pop("keep", None)
-        generate(model, random_tokens(1, 3), 2, sampling=Sampling(**kwargs), keep=window)
+        keep = kwargs.pop("keep", None)
+        generate(model, random_tokens(1, 3), 2, sampling=Sampling(**kwargs), keep=keep)
 
 
 @pytest.mark.parametrize("kwargs", [dict(use_cache=False, compile=True), dict(use_cache=False, cache="cache"),
@@ -216,7 +216,7 @@ def test_a_model_in_training_mode_is_refused_rather_than_decoded_with_dropout():
 
 @pytest.mark.parametrize("pos_emb", POSITIONS)
 def test_block_size_1_generates_what_recomputation_does(pos_emb):
-    """The smallest context: each token sees only itself (rope: heads of 2 channels), and the default window keeps
+    """The smallest context: each token sees only itself (rope: heads of 2 channels), and the default keep holds
     one token, so every step's logits come from the newest token, never from the step before."""
     model = random_model(block_size=1, n_head=2, n_embd=4 if pos_emb == "rope" else 24, pos_emb=pos_emb)
     prompt = random_tokens(2, 3)

@@ -125,13 +125,13 @@ def test_settings_that_cannot_work_are_refused(overrides, kwargs, fragment):
         new_sink_cache(random_model(**overrides), 1, **kwargs)
 
 
-def test_padding_rollback_compile_and_a_window_are_refused():
-    """A window moves a refilled cache's context (learned positions); a budget keeps its own tokens and never
-    refills, so a window would be ignored."""
+def test_padding_rollback_compile_and_a_keep_are_refused():
+    """keep says what a refilled cache's context keeps (learned positions); a budget keeps its own tokens and never
+    refills, so a keep would be ignored."""
     learned = random_model()
-    with pytest.raises(ValueError, match="window moves the context that the float and low-bit caches refill; a "
-                                         "sink cache keeps its own tokens: drop window"):
-        generate(learned, random_tokens(1, 5), 3, cache=new_sink_cache(learned, 1, sinks=2, window=6), window=4)
+    with pytest.raises(ValueError, match="keep applies to the float and low-bit caches, whose context jumps forward; "
+                                         "a sink cache keeps its own tokens: drop keep"):
+        generate(learned, random_tokens(1, 5), 3, cache=new_sink_cache(learned, 1, sinks=2, window=6), keep=4)
     model = random_model(pos_emb="rope")
     with pytest.raises(ValueError, match="no left padding"):
         generate(model, random_tokens(2, 5), 3, cache=new_sink_cache(model, 2, sinks=2, window=6), n_pad=[0, 2])

@@ -72,13 +72,13 @@ def test_greedy_speculative_text_equals_plain_cached_greedy_text(pos_emb, kind):
             assert stats.drafted > 0 and stats.accepted > 0
 
 
-@pytest.mark.parametrize("window", [1, 5, BLOCK_SIZE])
-def test_greedy_speculative_text_follows_any_window_of_learned_positions(window):
+@pytest.mark.parametrize("keep", [1, 5, BLOCK_SIZE])
+def test_greedy_speculative_text_follows_any_keep_of_learned_positions(keep):
     model = random_model(seed=0)
     prompt = random_tokens(1, PROMPT_LEN, seed=3)
-    plain = generate(model, prompt, NEW_TOKENS, sampling=GREEDY, keep=window)[0, PROMPT_LEN:].tolist()
+    plain = generate(model, prompt, NEW_TOKENS, sampling=GREEDY, keep=keep)[0, PROMPT_LEN:].tolist()
     for k in (1, 4):
-        assert speculative_ids(model, prompt, NEW_TOKENS, draft=model, k=k, keep=window) == plain
+        assert speculative_ids(model, prompt, NEW_TOKENS, draft=model, k=k, keep=keep) == plain
 
 
 def test_a_prompt_longer_than_the_block_is_read_as_generate_reads_it():
