@@ -82,9 +82,12 @@ def test_a_rotary_model_decodes_through_it_within_block_size():
 
 
 def test_what_a_cache_can_do_is_read_from_its_record():
-    """generate refuses compile for a cache whose record says it cannot, and the factory's names agree."""
+    """generate refuses compile and left padding for a cache whose record says it cannot take them, and the
+    factory's names agree with their classes' records."""
     with pytest.raises(ValueError, match="decodes eagerly: drop compile"):
         generate(random_model(), random_tokens(1, 3), 2, cache=ListCache(1), compile=True)
+    with pytest.raises(ValueError, match="n_pad: a ListCache takes no left padding"):
+        generate(random_model(), random_tokens(2, 3), 2, cache=ListCache(2), n_pad=[0, 1])
     assert {name for name, (cls, _) in CACHES.items() if cls.abilities.budgeted} == {"window", "sinks", "h2o", "tova",
                                                                                       "merge"}
     assert {name for name, (cls, _) in CACHES.items() if cls.abilities.rolls_back} == {"float", "int8"}

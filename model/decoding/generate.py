@@ -208,6 +208,9 @@ def check_arguments(model: GPT, idx, max_new_tokens, keep=None, n_pad=None, use_
     if len(pads) != B or not all(is_integer(p) and 0 <= p < T for p in pads):
         raise ValueError(f"n_pad must give each of the {B} rows its count of left-padding tokens, "
                          f"each in [0, {T - 1}], got {pads}")
+    if any(pads) and cache is not None and not cache.abilities.takes_padding:
+        raise ValueError(f"n_pad: a {type(cache).__name__} takes no left padding, its rows must start together: "
+                         f"drop n_pad, or decode the rows one by one")
     return pads
 
 
