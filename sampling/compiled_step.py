@@ -22,7 +22,7 @@ from runtime.files import write_atomically
 
 # one-token steps after which compiling the step for the first time has paid for itself (docs/benchmarks.md)
 COMPILE_PAYS_AFTER = 10_000
-DEVICES = ("cpu", "cuda")  # where AOTInductor builds steps
+DEVICES = ("cpu",)  # where AOTInductor builds steps; on CUDA a step is captured (model/decoding/cuda_graph.py)
 
 
 def cache_dir() -> Path:

@@ -16,6 +16,7 @@ from data import CharVocab
 from model import GPT, Sampling, generate_tokens
 from model.caches.factory import EAGER
 from model.decoding.cached_text import text_cache
+from model.decoding.cuda_graph import CapturedStep
 from model.decoding.generate import check_arguments
 from model.serving.conversation import Conversation
 from model.serving.speculative import SpeculativeStats, speculative_generate
@@ -53,7 +54,7 @@ def plain(loaded: Loaded) -> None:
     cache = cache_for(args, model, args.num_samples) if use_cache else None
     check_decoding(loaded, idx, cache)
     announce(loaded)
-    step = kept_or_compiled_step(args, model, cache)
+    step = kept_or_compiled_step(args, model, cache, capture=True)
     on, start = decoded_on(loaded, step), time.perf_counter()
     steps = checked(generate_tokens(model, idx, args.max_new_tokens, sampling=loaded.sampling,
                                     generator=loaded.generator, keep=args.keep, use_cache=use_cache, cache=cache,
@@ -163,7 +164,7 @@ def decoded_on(loaded: Loaded, step) -> str:
     """Where the summary line says it decoded: the device, the CPU's threads, a compiled step."""
     device, threads = loaded.device, loaded.threads
     on = f"{device.type}, {threads} thread{'s' if threads > 1 else ''}" if device.type == "cpu" else device.type
-    return on + (", compiled step" if step is not None else "")
+    return on + ("" if step is None else ", captured step" if isinstance(step, CapturedStep) else ", compiled step")
 
 
 def timed(tokens: int, seconds: float, precision: str) -> str:

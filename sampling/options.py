@@ -118,9 +118,9 @@ def check_options(args) -> None:
         raise UsageError(f"--speculate-k must be >= 1, got {args.speculate_k}")
     if args.compile and args.kv_cache in EAGER:
         raise UsageError(f"--kv-cache {args.kv_cache} decodes eagerly: drop --compile")
-    if args.compile and args.device not in ("auto", *STEP_DEVICES):
-        raise UsageError(f"--compile builds steps for {' or '.join(STEP_DEVICES)}, not --device {args.device}: "
-                         f"drop --compile")
+    if args.compile and args.device not in ("auto", *STEP_DEVICES, "cuda"):
+        raise UsageError(f"--compile builds steps for {' or '.join((*STEP_DEVICES, 'cuda'))}, not --device "
+                         f"{args.device}: drop --compile")
     if args.read_all_slots and args.kv_cache in BUDGETED:
         raise UsageError(f"--read-all-slots applies to the ring; --kv-cache {args.kv_cache} reads its own slots: "
                          f"drop one of them")

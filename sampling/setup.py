@@ -1,7 +1,8 @@
 """What sample.py sets up between loading the checkpoint and decoding: the draft that speculative decoding checks,
-the CPU threads, the random generator and the compiled step."""
+the CPU threads, the random generator and the compiled step (on CUDA, the step captured as a CUDA graph)."""
 
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -9,6 +10,7 @@ import torch
 from data import CharVocab, DataError
 from model import GPT, Sampling, generate_tokens
 from model.caches.factory import EAGER
+from model.decoding.cuda_graph import CapturedStep
 from model.serving.ngram_draft import NGramTable
 from model.serving.speculative import PromptLookup
 from runtime.checkpoint import load_model, resolve_checkpoint, training_text
@@ -67,11 +69,16 @@ def new_generator(device: torch.device, seed: int | None) -> torch.Generator:
     return generator
 
 
-def kept_or_compiled_step(args, model: GPT, cache, tokens: int = 1):
+def kept_or_compiled_step(args, model: GPT, cache, tokens: int = 1, capture: bool = False):
     """The compiled pass of `tokens` tokens per row (one: the decoding step; more: speculative decoding's
     verification) that --compile asks for, or by default one kept before, or one worth compiling for a long
-    generation; None: decode eagerly. Says on stderr which, and why."""
-    if args.compile is False or cache is None or args.kv_cache in EAGER or cache.device.type not in STEP_DEVICES:
+    generation; None: decode eagerly. capture: on CUDA, the one-token step captured over `cache` itself, by
+    default (captured_step). Says on stderr which, and why."""
+    if args.compile is False or cache is None or args.kv_cache in EAGER:
+        return None
+    if capture and tokens == 1 and cache.device.type == "cuda":
+        return captured_step(model, cache)
+    if cache.device.type not in STEP_DEVICES:
         return None
     kept = has_compiled_step(model, cache, tokens)
     if not (args.compile or kept or args.max_new_tokens >= COMPILE_PAYS_AFTER):
@@ -85,3 +92,17 @@ def kept_or_compiled_step(args, model: GPT, cache, tokens: int = 1):
     except Exception as e:  # noqa: BLE001  no C++ compiler, or one that fails: the eager step still decodes
         print(f"compiling the {what} failed ({one_line(e)[:200]}); decoding eagerly", file=sys.stderr)
         return None
+
+
+def captured_step(model: GPT, cache) -> CapturedStep | None:
+    """The one-token step captured as a CUDA graph over cache; None where capture fails,
+    and the eager step decodes. Says on stderr how long capturing took: no token's time includes it."""
+    start = time.perf_counter()
+    try:
+        step = CapturedStep(model, cache)
+    except Exception as e:  # noqa: BLE001  a driver or kernel that cannot be captured: the eager step still decodes
+        print(f"capturing the decoding step failed ({one_line(e)[:200]}); decoding eagerly", file=sys.stderr)
+        return None
+    print(f"captured the decoding step as a CUDA graph in {time.perf_counter() - start:.2f} s (--no-compile "
+          f"decodes eagerly)", file=sys.stderr)
+    return step

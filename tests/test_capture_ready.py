@@ -10,6 +10,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTens
 
 from model import GREEDY, Sampling, generate, new_kv_cache
 from model.decoding.aot_step import swap_buffers
+from model.decoding.cuda_graph import CapturedStep
 from model.decoding.generate import prefill
 from test_kv_designs import design_model
 from tiny_models import BLOCK_SIZE, random_model, random_tokens
@@ -89,3 +90,10 @@ def test_greedy_text_through_the_capture_ready_step_equals_full_recomputation(po
     captured = generate(model, prompt, STEPS, sampling=GREEDY, compile=True,
                         cache=new_kv_cache(model, 2, read_all_slots=True))
     assert torch.equal(captured, generate(model, prompt, STEPS, sampling=GREEDY, use_cache=False))
+
+
+def test_a_step_is_captured_only_on_a_cuda_device():
+    """On the CPU the captured step is refused in one line; the CPU's compiled step is AOTInductor's."""
+    model = random_model()
+    with pytest.raises(ValueError, match="a CUDA graph records a step on a CUDA device, and the cache is on cpu"):
+        CapturedStep(model, new_kv_cache(model, 1))

@@ -12,7 +12,7 @@ import torch
 from corpus import REPO
 from data import Batches
 from model import GREEDY, generate
-from sampling.compiled_step import load_or_compile_step
+from model.decoding.cuda_graph import CapturedStep
 from test_train import TINY, data_overrides
 from tiny_models import BLOCK_SIZE, random_model, random_tokens
 from model.caches.factory import new_kv_cache
@@ -35,18 +35,18 @@ def test_batches_on_the_device_are_the_cpus_batches():
         assert torch.equal(x, x_device.cpu()) and torch.equal(y, y_device.cpu())
 
 
-def assert_steps_give_full_forward_logits(model, decode_step, cache, pos_emb):
+def assert_steps_give_full_forward_logits(model, decode_step, cache, pos_emb, pad=PAD):
     """One-token steps through decode_step; at each, the logits of a full forward over the same context, on the
-    device and on the CPU."""
+    device and on the CPU. pad: each row's left padding."""
     cpu_model = copy.deepcopy(model).cpu()  # the same weights, on the CPU
-    seq = random_tokens(ROWS, STEPS[pos_emb], seed=2)
-    cache.reset(PAD.to(DEVICE))
+    seq = random_tokens(cache.batch_size, STEPS[pos_emb], seed=2)
+    cache.reset(pad.to(DEVICE))
     model.decode_step(seq[:, :PROMPT].to(DEVICE), cache)  # the prompt, eagerly
     for t in range(PROMPT, seq.size(1)):
         logits = decode_step(seq[:, t:t + 1].to(DEVICE), cache)
-        torch.testing.assert_close(logits, model(seq[:, :t + 1].to(DEVICE), cache=Uncached(model.config.block_size, PAD.to(DEVICE)))[0][:, -1],
+        torch.testing.assert_close(logits, model(seq[:, :t + 1].to(DEVICE), cache=Uncached(model.config.block_size, pad.to(DEVICE)))[0][:, -1],
                                    rtol=1e-5, atol=1e-5, msg=f"step {t}, against the device's full forward")
-        torch.testing.assert_close(logits.cpu(), cpu_model(seq[:, :t + 1], cache=Uncached(model.config.block_size, PAD))[0][:, -1],
+        torch.testing.assert_close(logits.cpu(), cpu_model(seq[:, :t + 1], cache=Uncached(model.config.block_size, pad))[0][:, -1],
                                    rtol=1e-4, atol=1e-4, msg=f"step {t}, against the CPU's full forward")
 
 
@@ -57,14 +57,19 @@ def test_cached_steps_give_the_logits_of_a_full_forward(pos_emb):
     assert_steps_give_full_forward_logits(model, model.decode_step, cache, pos_emb)
 
 
-def test_the_compiled_step_gives_the_logits_of_a_full_forward():
-    model = random_model(seed=1, pos_emb="rope").to(DEVICE)
-    cache = new_kv_cache(model, ROWS)
-    step = load_or_compile_step(model, cache)
-    assert_steps_give_full_forward_logits(model, step.decode_step, cache, "rope")
-    prompt = random_tokens(ROWS, PROMPT, seed=3).to(DEVICE)
-    eager = generate(model, prompt, 2 * BLOCK_SIZE, sampling=GREEDY)
-    assert torch.equal(generate(model, prompt, 2 * BLOCK_SIZE, sampling=GREEDY, cache=cache, step=step), eager)
+@pytest.mark.parametrize("rows", [1, 8], ids=["batch 1", "a batch bucket of 8"])
+@pytest.mark.parametrize("pos_emb", STEPS)
+def test_the_captured_step_gives_the_logits_of_a_full_forward_at_every_step(pos_emb, rows):
+    """A CUDA graph replayed at every step, past the ring's wrap (rope) and across refills (learned positions):
+    each step's logits are a full forward's, and generate's greedy text is the eager step's."""
+    model = random_model(seed=1, pos_emb=pos_emb).to(DEVICE)
+    cache = new_kv_cache(model, rows)
+    step = CapturedStep(model, cache)
+    pad = torch.tensor([0, 3] * (rows // 2) if rows > 1 else [0])  # every other row left-padded
+    assert_steps_give_full_forward_logits(model, step.decode_step, cache, pos_emb, pad)
+    prompt = random_tokens(rows, PROMPT, seed=3).to(DEVICE)
+    eager = generate(model, prompt, 3 * BLOCK_SIZE, sampling=GREEDY)
+    assert torch.equal(generate(model, prompt, 3 * BLOCK_SIZE, sampling=GREEDY, cache=cache, step=step), eager)
 
 
 def test_train_py_trains_on_the_device_and_sample_py_decodes_there_alike_with_and_without_the_cache(tmp_path):
