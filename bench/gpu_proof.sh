@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# The GPU proof, in one command on a CUDA machine: bash bench/gpu_proof.sh [minutes, 8 unless given]
-# 1. The cuda tests (python -m pytest -m cuda): cached steps, the compiled step, train.py and sample.py on the GPU.
-# 2. The gpu preset trains 300 steps with learned and with rotary positions, side by side (compiled, bf16 autocast,
-#    fused AdamW).
-# 3. Each model samples greedily at every precision, with the KV cache, without it and compiled; the texts are
-#    compared.
-# Each stage runs within the minutes left. runs/gpu-proof/<date>_<time>/summary.txt grows as stages end.
-# PYTHON names the interpreter where `python` is not the one with torch. The CPU's proofs are the suite's.
+# The GPU proof, in one short run on a fresh CUDA machine: bash bench/gpu_proof.sh [minutes, 8 unless given]
+# 1. Decoding speed, every path in one process (bench/gpu_decode.py): kvgpt eager, captured as a CUDA graph and
+#    uncached, and Hugging Face's GPT-2 eager and with a static cache compiled, at batches 1 and 64.
+# 2. The cuda tests (python -m pytest -m cuda).
+# 3. The main job, python train.py: its wall time, best val loss and last val loss.
+# 4. Its checkpoint's fp32 greedy text cached, uncached and through the captured step, compared.
+# Everything goes into one folder, flat, at most 8 files: $OUT if set, else runs/gpu-proof/<date>_<time>.
+# summary.txt grows as each stage ends, so a run cut short still says what it measured.
+# Where there is no package index: run ../shared/gpu/prepare.sh before, and carry .gpu-site and datasets along;
+# this script puts .gpu-site on PYTHONPATH, and takes tiny_shakespeare from KVGPT_DATA_URL (a file:// URL) when
+# datasets/ lacks it. PYTHON names the interpreter where `python` is not the one with torch.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python}
@@ -15,8 +18,16 @@ refuse() { echo "gpu_proof.sh: error: $*" >&2; exit 2; }
 [[ $minutes =~ ^[1-9][0-9]*$ ]] || refuse "minutes must be a whole number above 0, got '$minutes'"
 "$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null \
     || refuse "$python finds no CUDA device (or no torch); run it on a CUDA machine, PYTHON naming the interpreter"
-out=runs/gpu-proof/$(date +%Y-%m-%d_%H-%M-%S)
-mkdir -p "$out" 2>/dev/null || refuse "cannot create $out; run it where runs/ can be written"
+[ -d .gpu-site ] && export PYTHONPATH="$PWD/.gpu-site${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+data=datasets/tiny_shakespeare/input.txt
+if [ ! -f "$data" ] && [[ ${KVGPT_DATA_URL:-} == file://* ]]; then
+    mkdir -p "$(dirname "$data")" && cp "${KVGPT_DATA_URL#file://}" "$data" || refuse "cannot copy $KVGPT_DATA_URL to $data"
+fi
+out=${OUT:-runs/gpu-proof/$(date +%Y-%m-%d_%H-%M-%S)}
+mkdir -p "$out" 2>/dev/null || refuse "cannot create $out; run it where it can be written"
+run=runs/gpu-proof-run  # train.py's own folder: its checkpoints stay out of $out
+rm -rf "$run"
 deadline=$((SECONDS + minutes * 60))
 
 say() { echo "$*" | tee -a "$out/summary.txt"; }
@@ -28,58 +39,29 @@ bounded() {  # runs a command within the time left; timeout stops the command's 
 descendants() { local child; for child in $(pgrep -P "$1"); do descendants "$child"; echo "$child"; done; }
 trap 'say "## stopped by a signal at $SECONDS s"; kill $(descendants $$) 2>/dev/null; exit 130' INT TERM
 
-gpu=$("$python" -c "import torch; print(torch.cuda.get_device_name(), 'torch', torch.__version__)")
-say "# $gpu, within $minutes minutes"
+say "# $("$python" -c "import torch; print(torch.cuda.get_device_name(), 'torch', torch.__version__)"), within $minutes minutes"
+
+bounded "$python" bench/gpu_decode.py >"$out/decode.md" 2>&1; decode_rc=$?
+say "## decoding speed (rc $decode_rc, at $SECONDS s)"; cat "$out/decode.md" >>"$out/summary.txt"
+
 bounded "$python" -m pytest -q -m cuda -p no:cacheprovider >"$out/cuda-tests.log" 2>&1; tests_rc=$?
 say "## the cuda tests (rc $tests_rc, at $SECONDS s): $(tail -n 1 "$out/cuda-tests.log")"
 
-greedy() {  # $1: the file stem, then sample.py's flags; one greedy text, with its log and exit status beside it
-    local stem=$1; shift
-    bounded "$python" sample.py "$@" --device cuda --seed 1 --temperature 0 --max-new-tokens 600 --prompt "ROMEO:" \
-        >"$stem.txt" 2>"$stem.log"
-    echo $? >"$stem.rc"
-}
+start=$SECONDS
+bounded "$python" train.py hydra.run.dir="$run" >"$out/train.log" 2>&1; train_rc=$?
+say "## python train.py (rc $train_rc), $((SECONDS - start)) s start to end: $(tr '\r' '\n' <"$out/train.log" | grep "^done:" | tail -n 1)"
 
-prove() {  # trains one model, samples from it nine ways and compares the texts; the status says whether they agree
-    local pos=$1 dir=$out/$1 failed=0
-    bounded "$python" train.py preset=gpu model.pos_emb=$pos train.max_iters=300 train.eval_interval=100 \
-        hydra.run.dir=$dir >"$out/$pos.log" 2>&1 || { echo "## $pos: training failed"; tail -n 5 "$out/$pos.log"
-                                                        return 1; }
-    echo "## $pos, trained at $SECONDS s: $(tr '\r' '\n' <"$out/$pos.log" | grep "^step 300")"
-    for precision in fp32 bf16 int8; do  # the samples run side by side: each is a small process on the GPU
-        greedy "$dir/$precision-cached" --checkpoint "$dir" --precision $precision &
-        greedy "$dir/$precision-uncached" --checkpoint "$dir" --precision $precision --no-kv-cache &
-        greedy "$dir/$precision-compiled" --checkpoint "$dir" --precision $precision --compile &
+texts_rc=1
+if [ "$train_rc" = 0 ]; then
+    for way in cached uncached captured; do
+        flags=(); [ $way = uncached ] && flags=(--no-kv-cache); [ $way = cached ] && flags=(--no-compile)
+        bounded "$python" sample.py --checkpoint "$run" --device cuda --seed 1 --temperature 0 --max-new-tokens 600 \
+            --prompt "ROMEO:" "${flags[@]}" >"$out/text-$way.txt" 2>>"$out/texts.log"
     done
-    wait
-    for precision in fp32 bf16 int8; do
-        echo "## $pos, $precision: $(tail -n 1 "$dir/$precision-cached.log")"
-        local unfinished=0
-        for way in cached uncached compiled; do
-            local rc=$(cat "$dir/$precision-$way.rc")
-            [ "$rc" = 0 ] && continue
-            echo "   $way: did not finish (status $rc): $(tail -n 1 "$dir/$precision-$way.log")"
-            unfinished=1 failed=1
-        done
-        ((unfinished)) && continue  # a text cut short proves nothing
-        for other in uncached compiled; do
-            if cmp -s "$dir/$precision-cached.txt" "$dir/$precision-$other.txt"; then
-                echo "   $other: the same text"
-            else
-                echo "   $other: a different text ($(tail -n 1 "$dir/$precision-$other.log"))"
-                [ $precision = fp32 ] && failed=1  # in fp32 the three must agree; lower precisions may drift
-            fi
-        done
-        tail -n 3 "$dir/$precision-cached.txt"; echo
-    done
-    return $failed
-}
-
-# The two models train side by side on the GPU, each reporting into its own file.
-prove learned >"$out/learned.proof" 2>&1 & learned=$!
-prove rope >"$out/rope.proof" 2>&1 & rope=$!
-wait $learned; learned_rc=$?
-wait $rope; rope_rc=$?
-cat "$out/learned.proof" "$out/rope.proof" | tee -a "$out/summary.txt"
-say "## done at $SECONDS s: the cuda tests rc $tests_rc, learned rc $learned_rc, rope rc $rope_rc (0: proved)"
-((tests_rc + learned_rc + rope_rc == 0))
+    if cmp -s "$out/text-cached.txt" "$out/text-uncached.txt" && cmp -s "$out/text-cached.txt" "$out/text-captured.txt"
+    then texts_rc=0; say "## fp32 greedy text: the same cached, uncached and captured (600 tokens)"
+    else say "## fp32 greedy text: NOT the same cached, uncached and captured (see text-*.txt)"; fi
+    grep "tokens in" "$out/texts.log" | sed 's/^/   /' | tee -a "$out/summary.txt" >/dev/null
+fi
+say "## done at $SECONDS s: decode rc $decode_rc, cuda tests rc $tests_rc, train rc $train_rc, texts rc $texts_rc"
+((decode_rc + tests_rc + train_rc + texts_rc == 0))

@@ -59,6 +59,7 @@ def test_a_candidate_may_be_named_with_commas_and_spaces(tmp_path: Path):
     ("decode.py", ["--repeats", "0"], ["--repeats", "must be an integer >= 1, got 0"]),
     ("decode.py", ["--checkpoint", "MISSING"], ["--checkpoint", "no checkpoint at"]),
     ("speculative.py", ["--checkpoint", "MISSING"], ["--checkpoint", "no checkpoint at"]),
+    ("gpu_decode.py", [], ["--device cuda: no CUDA device here"]),  # the suite hides the GPU
     ("speculative.py", ["--ceiling-only", "--new-tokens", "-5"], ["--new-tokens", "got -5"]),
     ("rolling.py", ["--repeats", "many"], ["--repeats", "got 'many'"]),
     ("kv_designs.py", ["speed", "--repeats", "0"], ["--repeats", "got 0"]),
