@@ -11,33 +11,19 @@ a warm-up, which includes compiling and capturing: neither is counted in tokens/
 paths are compared, token for token.
 """
 
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.configs import MODEL_SHAPES, host, model_config, run_tool  # noqa: E402
+from bench.decode import rates, timings  # noqa: E402
 from model import GREEDY, build_model, generate, new_kv_cache  # noqa: E402
 from model.decoding.cuda_graph import CapturedStep  # noqa: E402
 from runtime.errors import OneLineErrorParser, positive_int  # noqa: E402
 
 PROMPT_LEN = 6
-
-
-def seconds(fn, repeats: int, sync) -> list[float]:
-    """Seconds of each of `repeats` runs of fn, after one untimed run."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return times
 
 
 def kvgpt_paths(model, prompt, new_tokens: int, device) -> dict:
@@ -99,13 +85,11 @@ def main():
                 paths.update(hf_paths(config, prompt, args.new_tokens))
             for path, decode in paths.items():
                 try:
-                    times = seconds(decode, args.repeats, sync)
+                    median, low, high = rates(batch * args.new_tokens, timings(decode, args.repeats, sync))
                 except Exception as e:  # noqa: BLE001  one path that fails (an HF version, a compile) leaves the rest
                     print(f"| {path} | {precision} | {batch} | failed: {str(e).splitlines()[0][:120]} |", flush=True)
                     continue
-                rates = sorted(batch * args.new_tokens / t for t in times)
-                print(f"| {path} | {precision} | {batch} | {statistics.median(rates):,.0f} "
-                      f"({rates[0]:,.0f}-{rates[-1]:,.0f}) |", flush=True)
+                print(f"| {path} | {precision} | {batch} | {median:,.0f} ({low:,.0f}-{high:,.0f}) |", flush=True)
                 if precision == "fp32" and path.startswith("kvgpt"):
                     texts[path] = decode()
         same = all(torch.equal(ids, next(iter(texts.values()))) for ids in texts.values())
