@@ -1,4 +1,4 @@
-"""Attention sinks and the sliding window (model/caches/sinks.py): cached decoding against a forward written out
+"""Attention sinks and the sliding window (model/caches/sinks.py, model/caches/window.py): cached decoding against a forward written out
 here, with StreamingLLM's positions within the cache, past many wraps of the ring; the full budget against the
 full cache; the settings that cannot work."""
 
@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from model import GREEDY, generate
 from model.decoding.generate import generate_tokens
 from model.caches.sinks import new_sink_cache
+from model.caches.window import new_window_cache
 from tiny_models import random_model, random_tokens
 from model.caches.factory import new_kv_cache
 
@@ -90,6 +91,9 @@ def test_sinks_and_window_equal_a_forward_with_streaming_positions_written_out(s
     cached = cached_logits(model, seq, prompt_len, new_sink_cache(model, 2, sinks=sinks, window=window))
     reference = streaming_reference(model, seq, sinks, window)[:, prompt_len - 1:-1]
     torch.testing.assert_close(cached, reference, rtol=0, atol=1e-5)
+    if sinks == 0:  # the window cache of its own module keeps the same tokens, at the same positions
+        windowed = cached_logits(model, seq, prompt_len, new_window_cache(model, 2, budget=window))
+        torch.testing.assert_close(windowed, reference, rtol=0, atol=1e-5)
 
 
 @torch.no_grad()
