@@ -53,6 +53,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.sink = None  # a learned sink's logits per head (model/designs/learned_sink.py)
         self.n_head, self.head_dim, self.kv_layer = config.n_head, config.head_dim, kv_layer
+        self.rotary_dim = config.head_dim  # the channels rotary positions turn (fewer in designs/latent.py)
         self.widths = self.qkv_widths(config)
         self.qkv = nn.Linear(config.n_embd, sum(self.widths), bias=config.bias)  # rows: Q, then K, then V
         self.out_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)

@@ -67,13 +67,9 @@ class GPTConfig:
                 and self.kv_latent is None and not self.kv_latent_rope)
 
     @property
-    def rotary_dim(self) -> int:
-        """The channels that rotary positions turn in each head: head_dim, or a latent's rotary key (designs/latent.py)."""
-        return self.head_dim if self.kv_latent is None else self.kv_latent_rope
-
-    @property
     def kv_cache_heads(self) -> tuple[int, int]:
-        """(heads, width) per token of a cache layer's keys, and of its values: a latent's in halves (latent.py)."""
+        """(heads, width) per token of a cache layer's keys, and of its values. A latent's cache holds one head:
+        half of each token's latent and rotary key in the keys, half in the values (model/designs/latent.py)."""
         if self.kv_latent is None:
             return self.n_kv_head, self.head_dim
         return 1, (self.kv_latent + self.kv_latent_rope) // 2
@@ -106,7 +102,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """attention: each block's attention layer, the plain one if None; build_model (model/designs/) gives others."""
+    """attention: each block's attention layer, the plain one if None; build_model (model/designs/) hands GPT
+    the layers of a design."""
 
     def __init__(self, config: GPTConfig, attention: list[nn.Module] | None = None):
         super().__init__()
@@ -138,8 +135,9 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def forward(self, idx, targets=None, *, cache=None):
-        """idx (B, T) token ids -> (logits (B, T, vocab_size), mean cross-entropy or None). cache: a KV cache
-        (model/kv_cache.py), idx the tokens after it; or Uncached (ring_cache.py): ragged rows' positions and mask."""
+        """idx (B, T) token ids -> (logits (B, T, vocab_size), mean cross-entropy or None).
+        cache: a KV cache (model/kv_cache.py: Cache), idx the tokens after those in it; or Uncached
+        (model/decoding/ring_cache.py), which gives ragged rows their positions and mask, with no cache."""
         logits = self.lm_head(self._trunk(idx, cache))
         loss = None
         if targets is not None:
@@ -147,7 +145,8 @@ class GPT(nn.Module):
         return logits, loss
 
     def decode_step(self, idx, cache):
-        """idx (B, T) after the cached tokens (a prefill, or one step when T = 1) -> the last logits (B, vocab_size)."""
+        """Feed idx (B, T) after the cached tokens: a prefill when T > 1, one decoding step when T = 1.
+        Returns the logits of the last position (B, vocab_size)."""
         return self.lm_head(self._trunk(idx, cache)[:, -1])
 
     def _trunk(self, idx, cache=None):
@@ -159,10 +158,14 @@ class GPT(nn.Module):
                              f"feed the last {c.block_size} at most")
         step = cache.begin(T) if cache is not None else None  # positions (T,) or (B, T); mask None: causal
         pos, attn_mask = (step.positions, step.mask) if step else (torch.arange(T, device=idx.device), None)
-        if step is None and T > c.block_size:  # rotary positions past block_size: each token sees block_size back
+        if step is None and T > c.block_size:  # rotary positions past block_size: a token sees block_size back
             attn_mask = causal_mask(T, T, idx.device, reach=c.block_size)
-        x = self.wte(idx) if self.wpe is None else self.wte(idx) + self.wpe(pos)  # (B, T, C)
-        rope = rotary(pos, c.rotary_dim) if self.wpe is None else None  # turns queries and keys in every layer
+        x = self.wte(idx)  # (B, T, C)
+        rope = None
+        if self.wpe is not None:
+            x = x + self.wpe(pos)
+        else:
+            rope = rotary(pos, self.blocks[0].attn.rotary_dim)  # turns queries and keys in every layer
         x = self.drop(x)
         for block in self.blocks:
             x = block(x, attn_mask, rope, step.layer(block.attn.kv_layer) if step else None)
@@ -172,10 +175,3 @@ class GPT(nn.Module):
     def attention_dtype(self) -> torch.dtype:
         """What attention computes in, and a float cache's dtype (see attention_dtype)."""
         return attention_dtype(self.wte.weight.dtype, self.wte.weight.device)
-
-    def kv_cache_shape(self, batch_size: int) -> dict:
-        """The plain KVCache's arguments for batch_size rows of block_size tokens: KVCache(**shape)."""
-        c = self.config
-        n_kv_head, head_dim = c.kv_cache_heads
-        return dict(n_kv_layer=c.n_kv_layer, batch_size=batch_size, n_kv_head=n_kv_head, max_len=c.block_size,
-                    head_dim=head_dim, dtype=self.attention_dtype, device=self.wte.weight.device)

@@ -30,14 +30,15 @@ class CachePass(NamedTuple):
     """What a forward pass of t new tokens needs from a cache; positions and mask stay on the cache's device."""
 
     positions: torch.Tensor  # (t,) or (B, t): each new token's position
-    mask: torch.Tensor | None  # bool, broadcast to (B, nh, t, T_k): True where a query may attend a key; None: causal
+    mask: torch.Tensor | None  # bool, to (B, nh, t, T_k): True where a query may attend a key; None: causal
     layer: Callable[[int], "LayerView | None"]  # cache layer i's view for this pass
 
 
 class LayerView(Protocol):
-    """One cache layer in one pass; optional attend(q, k, v, mask, sink) -> y is the hook of a cache that attends."""
+    """One cache layer during one pass. A view may also define attend(q, k, v, mask, sink) -> y: the one hook
+    for a cache that computes attention itself."""
 
-    def update(self, k_new: torch.Tensor, v_new: torch.Tensor): ...  # writes them; the keys and values to attend
+    def update(self, k_new, v_new): ...  # writes them; returns the keys and values to attend over
     def read(self): ...  # the same keys and values, written by another layer of a shared group
 
 
@@ -142,7 +143,9 @@ def greedy_decode(model, idx: torch.Tensor, max_new_tokens: int) -> torch.Tensor
     attention reading every earlier key and value from the cache. idx (B, T) -> (B, T + max_new_tokens)."""
     if idx.size(1) + max_new_tokens > model.config.block_size:
         raise ValueError("greedy_decode keeps everything in one context of block_size tokens; use generate")
-    cache = KVCache(**model.kv_cache_shape(idx.size(0)))
+    c = model.config
+    heads, width = c.kv_cache_heads
+    cache = KVCache(c.n_kv_layer, idx.size(0), heads, c.block_size, width, model.attention_dtype, idx.device)
     logits = model.decode_step(idx, cache)  # (B, vocab_size): the prompt's keys and values are now cached
     for _ in range(max_new_tokens):
         next_id = logits.argmax(dim=-1, keepdim=True)  # (B, 1)

@@ -18,6 +18,7 @@ from model.serving.speculative import PromptLookup, SpeculativeStats, speculativ
 from test_kv_designs import ATOL, DESIGNS, SHAPE, design_model, prefill, recorded_logits, reference_logits
 from tiny_models import BLOCK_SIZE, random_model, random_tokens
 from model.caches.factory import new_kv_cache
+from model.decoding.ring_cache import cache_shape
 
 WINDOWED = [name for name, fields in DESIGNS.items() if "local_window" in fields]
 HEAD_DIM = SHAPE["n_embd"] // SHAPE["n_head"]
@@ -61,7 +62,7 @@ def test_the_plain_cache_of_greedy_decode_serves_local_layers_by_their_band(desi
     band of them. Every step's logits equal the written-out forward's, and greedy_decode follows their argmax."""
     model = design_model(design, pos_emb)
     seq = random_tokens(2, BLOCK_SIZE, seed=1)
-    cache = KVCache(**model.kv_cache_shape(2))
+    cache = KVCache(**cache_shape(model, 2))
     logits = [model.decode_step(seq[:, :4], cache)] + [model.decode_step(seq[:, t:t + 1], cache)
                                                        for t in range(4, BLOCK_SIZE)]
     torch.testing.assert_close(torch.stack(logits, dim=1), reference_logits(model, seq)[:, 3:], atol=ATOL, rtol=0)

@@ -25,6 +25,7 @@ from ..attention import causal_mask
 from ..decoding.checks import is_integer
 from ..kv_cache import CachePass, KVCache
 from .budget import BudgetRules
+from ..decoding.ring_cache import cache_shape
 
 
 class H2O:
@@ -150,6 +151,6 @@ def evicting_shape(model, batch_size: int, budget: int) -> dict:
                          "pos_emb=rope (positions that count distances), and plain or grouped attention")
     if not (is_integer(budget) and 2 <= budget <= c.block_size):
         raise ValueError(f"budget must be an integer from 2 to block_size={c.block_size}, got {budget!r}")
-    shape = model.kv_cache_shape(batch_size)
+    shape = cache_shape(model, batch_size)
     del shape["max_len"]
     return shape

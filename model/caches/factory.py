@@ -17,7 +17,7 @@ from functools import partial
 import torch
 
 from ..decoding.checks import is_integer
-from ..decoding.ring_cache import RingKVCache
+from ..decoding.ring_cache import RingKVCache, cache_shape
 from ..designs.local_window import local_kv_layers
 from .evicting import EvictingKVCache, new_evicting_cache
 from .int8 import KV_SCALE_DTYPE, Int8KVCache
@@ -44,7 +44,7 @@ def new_kv_cache(model, batch_size: int, max_len: int | None = None, dtype: torc
     for name, value in (("batch_size", batch_size), ("max_len", max_len)):
         if value is not None and not (is_integer(value) and value >= 1):
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    shape = model.kv_cache_shape(batch_size)
+    shape = cache_shape(model, batch_size)
     dtype = kv_cache_dtype(model, dtype)
     int8 = dtype == torch.int8  # an int8 cache's dtype argument is what attention computes in: shape's
     ring = Int8KVCache if int8 else RingKVCache

@@ -20,7 +20,7 @@ decoding): a rolled-back token has overwritten the full-precision copy of an old
 import torch
 
 from ..decoding.checks import is_integer
-from ..decoding.ring_cache import RingKVCache
+from ..decoding.ring_cache import RingKVCache, cache_shape
 from ..kv_cache import Abilities
 
 LOW_BITS = (2, 4)  # 8 bits is the int8 cache (model/caches/int8.py)
@@ -184,7 +184,7 @@ def new_lowbit_cache(model, batch_size: int, bits: int, max_len: int | None = No
     if model.config.local_window is not None:
         raise ValueError("a low-bit KV cache serves layers that attend everything: drop window_pattern, or use "
                          "the float or int8 cache")
-    shape = model.kv_cache_shape(batch_size)
+    shape = cache_shape(model, batch_size)
     shape.update(max_len=max_len or shape["max_len"], reach=model.config.block_size, read_all_slots=read_all_slots)
     return LowBitKVCache(**shape, bits=bits, group=group, residual=residual)
 

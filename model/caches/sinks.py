@@ -24,6 +24,7 @@ from ..attention import rotary, rotate
 from ..decoding.checks import is_integer
 from ..kv_cache import CachePass, KVCache
 from .budget import BudgetRules
+from ..decoding.ring_cache import cache_shape
 
 SINKS = 4  # StreamingLLM's count: the first tokens kept by default
 
@@ -94,7 +95,7 @@ def new_sink_cache(model, batch_size: int, *, sinks: int, window: int) -> SinkKV
     if sinks + window > c.block_size:
         raise ValueError(f"sinks + window = {sinks + window} is more than the block_size={c.block_size} tokens the "
                          f"model sees: the full cache holds them all")
-    shape = model.kv_cache_shape(batch_size)
+    shape = cache_shape(model, batch_size)
     del shape["max_len"]
     return SinkKVCache(**shape, sinks=sinks, window=window, turn_sinks=c.pos_emb == "rope")
 

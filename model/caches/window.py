@@ -10,6 +10,7 @@ the window is full each new token takes the last place in it, budget - 1.
 from ..decoding.checks import is_integer
 from ..kv_cache import CachePass, KVCache
 from .budget import BudgetRules
+from ..decoding.ring_cache import cache_shape
 
 
 class WindowKVCache(BudgetRules, KVCache):
@@ -44,6 +45,6 @@ def new_window_cache(model, batch_size: int, *, budget: int) -> WindowKVCache:
                          "local layers")
     if not (is_integer(budget) and 1 <= budget <= c.block_size):
         raise ValueError(f"budget must be an integer from 1 to block_size={c.block_size}, got {budget!r}")
-    shape = model.kv_cache_shape(batch_size)
+    shape = cache_shape(model, batch_size)
     return WindowKVCache(shape["n_kv_layer"], batch_size, shape["n_kv_head"], budget, shape["head_dim"],
                          shape["dtype"], shape["device"], rotary=c.pos_emb == "rope")

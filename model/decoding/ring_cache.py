@@ -155,3 +155,11 @@ class Uncached:
         not_pad = torch.arange(t, device=device)[None, :] >= self.n_pad[:, None]  # (B, t)
         own = torch.eye(t, dtype=torch.bool, device=device)
         return CachePass(pos, mask & (not_pad[:, None, None, :] | own), lambda i: None)  # (B, 1, t, t)
+
+
+def cache_shape(model, batch_size: int) -> dict:
+    """The plain KVCache's arguments for batch_size rows of block_size tokens of model: KVCache(**shape)."""
+    c = model.config
+    n_kv_head, head_dim = c.kv_cache_heads
+    return dict(n_kv_layer=c.n_kv_layer, batch_size=batch_size, n_kv_head=n_kv_head, max_len=c.block_size,
+                head_dim=head_dim, dtype=model.attention_dtype, device=model.wte.weight.device)

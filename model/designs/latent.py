@@ -60,7 +60,7 @@ class LatentAttention(GroupedQueryAttention):
 
     def __init__(self, config, kv_layer: int):
         super().__init__(config, kv_layer)
-        self.latent, self.rope_width = config.kv_latent, config.kv_latent_rope
+        self.latent, self.rotary_dim = config.kv_latent, config.kv_latent_rope
         self.latent_norm = nn.LayerNorm(config.kv_latent, bias=config.bias)
         self.up = nn.Linear(config.kv_latent, 2 * config.n_embd, bias=config.bias)  # each head's key and value
 
@@ -75,7 +75,7 @@ class LatentAttention(GroupedQueryAttention):
         if kv is None or self.up.bias is not None:
             return super().forward(x, attn_mask, rope, kv if kv is None else FloatView(kv))
         B, T, C = x.shape
-        nh, hs, d_c, d_r = self.n_head, self.head_dim, self.latent, self.rope_width
+        nh, hs, d_c, d_r = self.n_head, self.head_dim, self.latent, self.rotary_dim
         q, z = self.queries_and_latents(x, rope, kv)  # z (B, 1, T_k, d_c + d_r): each token's latent, rotary key
         up_k, up_v = self.up.weight.view(2, nh, hs, d_c)  # each head's rows of the up-projection
         # q · up_k(c) = (up_kᵀ q) · c; SDPA divides by √(d_c + d_r), the score needs √(hs + d_r)
@@ -88,7 +88,7 @@ class LatentAttention(GroupedQueryAttention):
     def project(self, x, rope, kv):
         """The naive expansion: every head's keys and values, projected up from every cached latent."""
         B = x.size(0)
-        nh, hs, d_r = self.n_head, self.head_dim, self.rope_width
+        nh, hs, d_r = self.n_head, self.head_dim, self.rotary_dim
         q, z = self.queries_and_latents(x, rope, kv)
         T_k = z.size(2)
         latent, rotary_key = z.split([self.latent, d_r], dim=-1)  # (B, 1, T_k, d_c), (B, 1, T_k, d_r)
@@ -100,7 +100,7 @@ class LatentAttention(GroupedQueryAttention):
         """Queries (B, nh, T, hs + d_r), turned; and z (B, 1, T_k, d_c + d_r), each token's latent and rotary key:
         the new tokens', written to kv and read back with the cached ones."""
         B, T, _ = x.shape
-        nh, hs, d_r = self.n_head, self.head_dim, self.rope_width
+        nh, hs, d_r = self.n_head, self.head_dim, self.rotary_dim
         q, latent, rotary_key = self.qkv(x).split(self.widths, dim=-1)
         q = q.view(B, T, nh, hs + d_r).transpose(1, 2)  # (B, nh, T, hs + d_r)
         latent, rotary_key = self.latent_norm(latent)[:, None], rotary_key[:, None]  # (B, 1, T, d_c), (B, 1, T, d_r)

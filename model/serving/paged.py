@@ -20,6 +20,7 @@ import torch
 from ..caches.int8 import KV_SCALE_DTYPE, Int8LayerKV, Quantized
 from ..decoding.quantize import quantize_int8
 from ..kv_cache import CachePass
+from ..decoding.ring_cache import cache_shape
 
 
 def chain_hash(parent: bytes, tokens) -> bytes:
@@ -31,7 +32,7 @@ class BlockPool:
     """n_blocks blocks of block_tokens slots, for every layer's keys and values, and their bookkeeping."""
 
     def __init__(self, model, n_blocks: int, block_tokens: int, int8: bool = False):
-        shape = model.kv_cache_shape(1)
+        shape = cache_shape(model, 1)
         # one block more than the pool hands out: its first slot takes the keys of rows' padding (PagedPass)
         slots, heads, width = (n_blocks + 1) * block_tokens, shape["n_kv_head"], shape["head_dim"]
         device = next(model.parameters()).device
