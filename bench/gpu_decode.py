@@ -23,7 +23,7 @@ from model import GREEDY, build_model, generate, new_kv_cache  # noqa: E402
 from model.decoding.cuda_graph import CapturedStep  # noqa: E402
 from runtime.errors import OneLineErrorParser, positive_int  # noqa: E402
 
-PROMPT_LEN = 6
+SHORT_PROMPT = 6  # tokens of prompt: a short one, so that the new tokens decide the speed
 
 
 def kvgpt_paths(model, prompt, new_tokens: int, device) -> dict:
@@ -70,12 +70,12 @@ def main():
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     config = model_config(args.shape)
     name = torch.cuda.get_device_name() if device.type == "cuda" else host()
-    print(f"# GPU decode: {name}, torch {torch.__version__}, {args.shape} shape, prompt {PROMPT_LEN}, "
+    print(f"# GPU decode: {name}, torch {torch.__version__}, {args.shape} shape, prompt {SHORT_PROMPT}, "
           f"{args.new_tokens} new, greedy, median (min-max) of {args.repeats}")
     print("| path | precision | batch | tokens/s |\n|---|---|---|---|", flush=True)
     for batch in args.batches:
         torch.manual_seed(0)
-        prompt = torch.randint(0, config.vocab_size, (batch, PROMPT_LEN), device=device)
+        prompt = torch.randint(0, config.vocab_size, (batch, SHORT_PROMPT), device=device)
         texts = {}
         for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
             torch.manual_seed(0)
