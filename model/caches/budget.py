@@ -23,15 +23,18 @@ class BudgetRules:
         """Tokens up to the full cache in one pass, then one at a time."""
         return max(self.max_len - len(self), 1)
 
-    def check_chunk(self, t: int) -> int:
-        """The tokens fed so far, once t new ones are known to fit in one pass, eagerly."""
+    def take(self, t: int) -> tuple[int, torch.Tensor]:
+        """Count t new tokens as fed, once they are known to fit in one pass, eagerly: the tokens fed before them,
+        and their numbers (t,), which are their positions since reset."""
         if torch.compiler.is_compiling():
             raise ValueError(f"{self.kind} decodes eagerly: drop compile")
         fed = len(self)
         if t > self.longest_chunk():
             raise ValueError(f"{self.kind} of {self.max_len} slots with {fed} tokens fed takes "
                              f"{self.longest_chunk()} tokens in one pass ({self.moves}), not {t}")
-        return fed
+        new = self.pos + self.slot_ids[:t]
+        self.pos += t
+        return fed, new
 
     def rollback(self, n: int) -> None:
         if n:

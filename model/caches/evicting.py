@@ -124,9 +124,7 @@ class EvictingKVCache(BudgetRules, KVCache):
                                     for t in self.layer_buffers(name))
 
     def begin(self, t: int) -> CachePass:
-        fed = self.check_chunk(t)
-        new = self.pos + self.slot_ids[:t]  # (t,) the new tokens' numbers: their positions
-        self.pos += t
+        fed, new = self.take(t)
         return CachePass(new, None, lambda i: self.view(self, i, fed))
 
     def one_row(self) -> "EvictingKVCache":

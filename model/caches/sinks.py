@@ -70,9 +70,7 @@ class SinkKVCache(BudgetRules, KVCache):
                                device)
 
     def begin(self, t: int) -> CachePass:
-        fed = self.check_chunk(t)
-        new = self.pos + self.slot_ids[:t]  # (t,) the new tokens' numbers: their positions
-        self.pos += t
+        fed, new = self.take(t)
         if fed + t <= self.max_len:  # filling up: token n in slot n, the plain cache's rule
             return CachePass(new, None, lambda i: SinkLayerKV(self, i, new, fed + t, fed))
         slot = self.sinks + (new - self.sinks) % self.window  # one token sees every slot

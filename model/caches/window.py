@@ -24,9 +24,7 @@ class WindowKVCache(BudgetRules, KVCache):
         self.rotary = rotary
 
     def begin(self, t: int) -> CachePass:
-        fed = self.check_chunk(t)
-        new = self.pos + self.slot_ids[:t]  # (t,) the new tokens' numbers
-        self.pos += t
+        fed, new = self.take(t)
         if fed + t <= self.max_len:  # filling up: the plain cache's rule
             return CachePass(new, None, lambda i: self.layer(i, new, fed + t))
         positions = new if self.rotary else self.slot_ids[-1:]  # one token, which sees every slot
