@@ -86,6 +86,8 @@ def test_what_a_cache_can_do_is_read_from_its_record():
     factory's names agree with their classes' records."""
     with pytest.raises(ValueError, match="decodes eagerly: drop compile"):
         generate(random_model(), random_tokens(1, 3), 2, cache=ListCache(1), compile=True)
+    with pytest.raises(ValueError, match="cache holds 1 rows; this generation needs 2"):
+        generate(random_model(), random_tokens(2, 3), 2, cache=ListCache(1))
     with pytest.raises(ValueError, match="n_pad: a ListCache takes no left padding"):
         generate(random_model(), random_tokens(2, 3), 2, cache=ListCache(2), n_pad=[0, 1])
     assert {name for name, (cls, _) in CACHES.items() if cls.abilities.budgeted} == {"window", "sinks", "h2o", "tova",

@@ -221,24 +221,25 @@ def check_cache(model: GPT, cache, batch_size: int) -> None:
     if not all(hasattr(cache, name) for name in ("begin", "abilities", "batch_size")):
         raise ValueError(f"cache must be a KV cache (model/kv_cache.py: Cache), got {type(cache).__name__}")
     windowed = isinstance(cache, WindowedKVCache)
-    ring, local = (cache.ring, cache.local) if windowed else (cache, None)
-    reach = None
-    if isinstance(ring, KVCache):
-        layers = ring.n_kv_layer + (local.n_kv_layer if windowed else 0)
-        heads, head_dim = ring.k0.size(1), ring.head_dim
-        reach = None if cache.abilities.budgeted else ring.reach if isinstance(ring, RingKVCache) else ring.max_len
-        window = local.reach if windowed else None
-        expected = (c.n_kv_layer, *c.kv_cache_heads, None if cache.abilities.budgeted else c.block_size,
-                    c.local_window)
-        if (layers, heads, head_dim, reach, window) != expected:
-            raise ValueError(f"cache was made for another model shape ({layers} layers of {heads} key/value heads "
-                             f"of {head_dim}, reach {reach}, local window {window}); use "
-                             f"new_kv_cache(model, {batch_size})")
-        if not (ring.dtype.is_floating_point or isinstance(ring, (Int8KVCache, LowBitKVCache))):
-            raise ValueError(f"cache holds {ring.dtype}: keys and values are floating point, or int8 through "
-                             f"new_kv_cache(model, {batch_size}, dtype=torch.int8)")
-    slots = ring.max_len if isinstance(ring, KVCache) else None
-    if cache.batch_size != batch_size or (reach is not None and slots < c.block_size):
-        raise ValueError(f"cache holds {cache.batch_size} rows of {slots} tokens; this generation needs "
+    ring = cache.ring if windowed else cache
+    if not isinstance(ring, KVCache):  # a cache written from the protocol alone: its rows are what it says
+        if cache.batch_size != batch_size:
+            raise ValueError(f"cache holds {cache.batch_size} rows; this generation needs {batch_size}")
+        return
+    budgeted = cache.abilities.budgeted
+    layers = ring.n_kv_layer + (cache.local.n_kv_layer if windowed else 0)
+    heads, head_dim = ring.k0.size(1), ring.head_dim
+    reach = None if budgeted else ring.reach if isinstance(ring, RingKVCache) else ring.max_len
+    window = cache.local.reach if windowed else None
+    if (layers, heads, head_dim, reach, window) != (c.n_kv_layer, *c.kv_cache_heads,
+                                                    None if budgeted else c.block_size, c.local_window):
+        raise ValueError(f"cache was made for another model shape ({layers} layers of {heads} key/value heads "
+                         f"of {head_dim}, reach {reach}, local window {window}); use "
+                         f"new_kv_cache(model, {batch_size})")
+    if not (ring.dtype.is_floating_point or isinstance(ring, (Int8KVCache, LowBitKVCache))):
+        raise ValueError(f"cache holds {ring.dtype}: keys and values are floating point, or int8 through "
+                         f"new_kv_cache(model, {batch_size}, dtype=torch.int8)")
+    if cache.batch_size != batch_size or (not budgeted and ring.max_len < c.block_size):
+        raise ValueError(f"cache holds {cache.batch_size} rows of {ring.max_len} tokens; this generation needs "
                          f"{batch_size} rows of at least block_size={c.block_size}: use "
                          f"new_kv_cache(model, {batch_size})")
