@@ -1,5 +1,6 @@
-"""What an int8 KV cache adds to the ring (model/decoding/ring_cache.py): keys and values stored as int8, with one float32 scale
-per token and head (the absmax rule of the int8 weights, model/decoding/quantize.py), about a quarter of float32's bytes.
+"""What an int8 KV cache adds to the ring (model/decoding/ring_cache.py): keys and values stored as int8, with one
+float32 scale per token and head (the absmax rule of the int8 weights, model/decoding/quantize.py), about a quarter
+of float32's bytes.
 
 Attention reads them as they are stored and folds the scales into its sums, since q·(s k) = s (q·k) and
 Σ w (s v) = Σ (w s) v: the scales never touch a float copy of the cache. Eagerly on the CPU the int8 keys and

@@ -4,7 +4,6 @@ of any ring class (float or int8), and hands each layer its ring's view; a local
 mask (LocalLayerKV). Spare slots (max_len - block_size) go to both rings, so that both take the same chunks and
 rollbacks."""
 
-import torch
 import torch.nn as nn
 
 from ..attention import causal_mask

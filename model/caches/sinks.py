@@ -1,6 +1,6 @@
-"""What attention sinks add to the ring (model/decoding/ring_cache.py), after StreamingLLM (Xiao et al., 2023): a cache of a fixed
-budget that keeps the first `sinks` tokens of a text and a ring of its last `window` tokens, for generation of any
-length. sinks=0 is the plain sliding window of the same budget.
+"""What attention sinks add to a cache of a fixed budget (budget.py), after StreamingLLM (Xiao et al., 2023): it
+keeps the first `sinks` tokens of a text and a ring of its last `window` tokens, for generation of any length.
+sinks=0 is the sliding window of the same budget (window.py).
 
 Models park attention they do not need on the first tokens. A window that drops them moves that weight onto
 tokens that never had it, and the text falls apart; keeping a few restores it. StreamingLLM gives tokens their

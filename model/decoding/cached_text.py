@@ -34,7 +34,7 @@ class CachedText:
         self.rolling = model.config.pos_emb == "rope"  # the ring rolls on: the context never jumps
         self.span, self.keep = context_limits(model.config, keep)
         self.start = 0  # the context is tokens[start:]
-        self.compiled = None  # a compiled pass for this cache (model/decoding/aot_step.py): it takes every pass that fits it
+        self.compiled = None  # a compiled pass for this cache (aot_step.py): it takes every pass that fits it
 
     @property
     def fed(self) -> int:

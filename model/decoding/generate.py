@@ -62,9 +62,9 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampl
     sampling: how each token is drawn; generator: a torch.Generator, for reproducible sampling. keep: context
     tokens kept when the context passes block_size, for learned positions (see the module's docstring). n_pad:
     left padding per row. use_cache=False recomputes the whole context at every step; cache: a cache to reuse
-    (model/kv_cache.py: Cache; new_kv_cache by default), and compile torch.compiles the one-token step; step: a compiled step to take
-    one-token steps through instead (model/decoding/aot_step.py). Each needs the cache. Arguments that cannot work are a
-    ValueError naming the argument.
+    (model/kv_cache.py: Cache; new_kv_cache by default), and compile torch.compiles the one-token step; step: a
+    compiled step to take one-token steps through instead (aot_step.py, cuda_graph.py). Each needs the cache.
+    Arguments that cannot work are a ValueError naming the argument.
     """
     block_size = model.config.block_size
     start = check_arguments(model, idx, max_new_tokens, keep, n_pad, use_cache, cache, compile, step)

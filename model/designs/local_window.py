@@ -1,14 +1,11 @@
 """What interleaved local and global layers add (Mistral's sliding window, Gemma 2 and 3's local and global layers):
 a local layer attends only its last local_window tokens, and caches only those; a global layer attends block_size.
 
-model.window_pattern is tiled over the layers from the first: "LLG" makes layers 2, 5, 8 ... global and the rest
-local. A local layer's cache is a ring of local_window slots, whose reach is local_window (model/decoding/ring_cache.py),
-beside the global layers' ring of block_size slots. WindowedKVCache keeps both and hands each layer its own view:
-LocalLayerKV, which carries the local ring's mask. Without a cache, or with the plain in-order KVCache, a local
+config.window_pattern is tiled over the layers from the first: "LLG" makes layers 2, 5, 8 ... global and the rest
+local. A local layer's cache is a ring of its own (model/caches/local_ring.py), which hands the layer a
+LocalLayerKV: its view, with the local ring's mask. Without a cache, or with the plain in-order KVCache, a local
 layer narrows the mask it is given to a band of local_window keys (causal_mask's reach).
 """
-
-from typing import NamedTuple
 
 from typing import NamedTuple
 
@@ -16,8 +13,6 @@ import torch
 
 from ..attention import causal_mask
 from ..decoding.checks import is_integer
-from ..caches.int8 import Int8KVCache
-from ..decoding.ring_cache import RingKVCache
 
 LOCAL, GLOBAL = "L", "G"
 

@@ -1,9 +1,7 @@
 """What shared layers add (cross-layer KV sharing, as in Brandon et al. 2024): each group of kv_share adjacent
 layers reads one set of keys and values. The group's first layer projects them, as the plain attention does
-(with grouped queries when n_kv_head < n_head, model/designs/grouped.py); the others project queries only and read the first's.
+(with grouped queries when n_kv_head < n_head, grouped.py); the others project queries only and read the first's.
 The cache holds one layer per group: n_layer / kv_share of them."""
-
-import torch.nn as nn
 
 from ..attention import rotate
 from .grouped import GroupedQueryAttention

@@ -17,7 +17,6 @@ from ..gpt import GPT
 from ..decoding.checks import is_integer
 from ..decoding.generate import check_arguments, default_keep, generate_tokens
 from ..decoding.ring_cache import RingKVCache
-from ..caches.factory import new_kv_cache
 
 
 class TeacherForcing:
