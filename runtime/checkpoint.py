@@ -74,6 +74,8 @@ def save_checkpoint(contents: dict, path) -> Path:
 def resolve_checkpoint(path, prefer: str = "best.pt") -> Path:
     """A checkpoint file as given, or inside a run directory `prefer` (falling back to the other of best/last)."""
     path = Path(path)
+    if is_export(path):
+        return path
     if path.is_dir():
         fallback = "last.pt" if prefer == "best.pt" else "best.pt"
         for name in (prefer, fallback):
@@ -102,6 +104,8 @@ def load_checkpoint(path, prefer: str = "best.pt", map_location="cpu") -> dict:
     """Load a checkpoint file, or a run directory's `prefer`, safely; every failure is a CheckpointError with a
     one-line message."""
     path = resolve_checkpoint(path, prefer)
+    if is_export(path):
+        return load_export(path)
     try:
         with warnings.catch_warnings():  # e.g. about the pickle protocol of a file that is no checkpoint at all
             warnings.simplefilter("ignore")
@@ -129,6 +133,26 @@ def load_checkpoint(path, prefer: str = "best.pt", map_location="cpu") -> dict:
     damage = layout_damage(contents)
     if damage:
         raise CheckpointError(f"{path} is damaged ({damage}); use another checkpoint")
+    return contents
+
+
+def is_export(path: Path) -> bool:
+    """Whether path is a folder that `export.py --format hf` wrote."""
+    return path.is_dir() and (path / "config.json").is_file() and (path / "model.safetensors").is_file()
+
+
+def load_export(path: Path) -> dict:
+    """An exported folder as a checkpoint's contents, its weights mapped back (exporting/hf.py)."""
+    from exporting.hf import read_export  # safetensors, and no transformers: only for an exported folder
+    try:
+        config, state, vocab, recorded = read_export(path)
+    except Exception as e:  # a damaged file can fail anywhere in json, safetensors or the mapping
+        raise CheckpointError(f"{path} is no folder that export.py wrote, or is damaged ({type(e).__name__}: "
+                              f"{one_line(e)[:200]}); export the checkpoint again") from None
+    contents = {"format": FORMAT, "version": VERSION, "model_config": dataclasses.asdict(config),
+                "vocab": vocab.chars, "model": state}
+    if recorded.get("data_sha256"):
+        contents["text"] = {"source": recorded.get("data", ""), "sha256": recorded["data_sha256"]}
     return contents
 
 

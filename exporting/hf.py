@@ -1,0 +1,230 @@
+"""kvgpt's designs as Hugging Face transformers models: the class per design, its config, and each weight's name.
+
+    learned positions, multi-head          GPT2LMHeadModel
+    learned positions, multi-query         GPTBigCodeForCausalLM (multi_query)
+    rotary positions, multi-head           GPTNeoXForCausalLM (sequential residual)
+    rotary positions, grouped queries      Starcoder2ForCausalLM (sliding_window = block_size)
+
+Each is the same function as kvgpt's model, not an approximation: pre-LayerNorm blocks (eps 1e-5), the erf GELU
+("gelu"), a 4x MLP, attention scaled by 1/sqrt(head_dim), rotary positions over the whole head (base 10,000,
+halves rotated) and the head tied to the token embedding. Where kvgpt has no biases, the biases are zeros.
+Reading a folder back (read_export) needs only json and safetensors, never transformers."""
+
+import json
+from pathlib import Path
+
+import torch
+
+from data import CharVocab
+from model import GPT, CausalSelfAttention, GPTConfig
+from model.designs.grouped import GroupedQueryAttention
+
+from .tokenizer import read_vocab
+
+EXPORTABLE = ("learned or rotary positions with multi-head attention, learned positions with multi-query "
+              "attention (n_kv_head=1), rotary positions with grouped queries (n_kv_head < n_head)")
+EPS = 1e-5  # torch's LayerNorm default, which kvgpt's blocks use
+ROPE_BASE = 10_000.0  # model/attention.py: rotary()
+
+# kvgpt's weights per block, except the fused qkv, -> each class's (transformers' name per block suffix)
+BLOCK_NAMES = {
+    "gpt2": {"ln_1": "ln_1", "ln_2": "ln_2", "attn.out_proj": "attn.c_proj", "mlp.fc": "mlp.c_fc",
+             "mlp.proj": "mlp.c_proj"},
+    "gpt_neox": {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm", "attn.out_proj": "attention.dense",
+                 "mlp.fc": "mlp.dense_h_to_4h", "mlp.proj": "mlp.dense_4h_to_h"},
+    "starcoder2": {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm", "attn.out_proj": "self_attn.o_proj",
+                   "mlp.fc": "mlp.c_fc", "mlp.proj": "mlp.c_proj"},
+}
+BLOCK_NAMES["gpt_bigcode"] = BLOCK_NAMES["gpt2"]
+# model_type -> (class, the block prefix, embeddings and final norm: kvgpt's name -> transformers')
+CLASSES = {
+    "gpt2": ("GPT2LMHeadModel", "transformer.h.{}.",
+             {"wte": "transformer.wte", "wpe": "transformer.wpe", "ln_f": "transformer.ln_f"}),
+    "gpt_bigcode": ("GPTBigCodeForCausalLM", "transformer.h.{}.",
+                    {"wte": "transformer.wte", "wpe": "transformer.wpe", "ln_f": "transformer.ln_f"}),
+    "gpt_neox": ("GPTNeoXForCausalLM", "gpt_neox.layers.{}.",
+                 {"wte": "gpt_neox.embed_in", "ln_f": "gpt_neox.final_layer_norm"}),
+    "starcoder2": ("Starcoder2ForCausalLM", "model.layers.{}.", {"wte": "model.embed_tokens", "ln_f": "model.norm"}),
+}
+
+
+def model_type(config: GPTConfig) -> str:
+    """The transformers model_type whose model equals config's, or a ValueError naming the designs that export."""
+    no_equivalent = [name for name, used in (("shared layers (kv_share)", config.kv_share > 1),
+                                             ("local layers (window_pattern, local_window)",
+                                              config.window_pattern != "G" or config.local_window is not None),
+                                             ("a learned sink", config.learned_sink is not False),
+                                             ("latent attention (kv_latent)",
+                                              config.kv_latent is not None or bool(config.kv_latent_rope)))
+                     if used]
+    if config.pos_emb == "learned" and 1 < config.n_kv_head < config.n_head:
+        no_equivalent.append("learned positions with grouped queries")
+    if no_equivalent:
+        raise ValueError(f"{' and '.join(no_equivalent)} have no exact equivalent in transformers; the designs "
+                         f"that export: {EXPORTABLE}")
+    if config.pos_emb == "learned":
+        return "gpt2" if config.n_kv_head == config.n_head else "gpt_bigcode"
+    return "gpt_neox" if config.n_kv_head == config.n_head else "starcoder2"
+
+
+def check_layers(model: GPT) -> None:
+    """A ValueError if a block's attention is not the plain or grouped one its config names (say the textbook
+    MultiHeadAttention), or turns fewer channels than the whole head."""
+    for i, block in enumerate(model.blocks):
+        if type(block.attn) not in (CausalSelfAttention, GroupedQueryAttention) or \
+                block.attn.rotary_dim != model.config.head_dim:
+            raise ValueError(f"block {i}'s attention, {type(block.attn).__name__}, has no exact equivalent in "
+                             f"transformers; the designs that export: {EXPORTABLE}")
+
+
+def hf_config(config: GPTConfig) -> dict:
+    """config.json's fields (less transformers' version) for config's transformers class."""
+    kind = model_type(config)
+    c, common = config, {"vocab_size": config.vocab_size, "tie_word_embeddings": True, "use_cache": True,
+                         "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+    if kind in ("gpt2", "gpt_bigcode"):
+        fields = {"n_positions": c.block_size, "n_embd": c.n_embd, "n_layer": c.n_layer, "n_head": c.n_head,
+                  "n_inner": 4 * c.n_embd, "activation_function": "gelu", "layer_norm_epsilon": EPS,
+                  "resid_pdrop": c.dropout, "embd_pdrop": c.dropout, "attn_pdrop": c.dropout,
+                  "scale_attn_weights": True}
+        fields.update({"multi_query": True} if kind == "gpt_bigcode" else
+                      {"scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False})
+    else:
+        fields = {"hidden_size": c.n_embd, "num_hidden_layers": c.n_layer, "num_attention_heads": c.n_head,
+                  "intermediate_size": 4 * c.n_embd, "hidden_act": "gelu", "max_position_embeddings": c.block_size,
+                  "rope_parameters": {"rope_type": "default", "rope_theta": ROPE_BASE}, "attention_dropout": c.dropout}
+        if kind == "gpt_neox":
+            fields.update(layer_norm_eps=EPS, use_parallel_residual=False, attention_bias=True,
+                          hidden_dropout=c.dropout)
+            fields["rope_parameters"]["partial_rotary_factor"] = 1.0
+        else:  # kvgpt's rotary cache rolls on past block_size: each token sees block_size tokens, itself included
+            fields.update(num_key_value_heads=c.n_kv_head, norm_epsilon=EPS, use_bias=True,
+                          sliding_window=c.block_size, residual_dropout=c.dropout, embedding_dropout=c.dropout)
+    return {"model_type": kind, "architectures": [CLASSES[kind][0]], **common, **fields}
+
+
+def with_zero_biases(model: GPT) -> dict[str, torch.Tensor]:
+    """model's weights in float32, with a zero bias for each Linear and LayerNorm that has none (not the head):
+    every transformers class here has them, and a zero bias changes nothing."""
+    state = {name: w.detach().float().cpu().contiguous() for name, w in model.state_dict().items()}
+    for name, module in model.named_modules():
+        if isinstance(module, (torch.nn.Linear, torch.nn.LayerNorm)) and module.bias is None and name != "lm_head":
+            state[f"{name}.bias"] = torch.zeros(module.weight.size(0), dtype=torch.float32)
+    return state
+
+
+def to_hf(model: GPT) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json's fields, model.safetensors' tensors) of model's transformers equivalent. The head is tied, so
+    its weight is the token embedding's, stored once."""
+    config = model.config
+    check_layers(model)
+    kind, hf = model_type(config), hf_config(config)
+    _, block, top = CLASSES[kind]
+    state, out = with_zero_biases(model), {}
+    for ours, theirs in top.items():
+        out[f"{theirs}.weight"] = state[f"{ours}.weight"]
+        if f"{ours}.bias" in state:
+            out[f"{theirs}.bias"] = state[f"{ours}.bias"]
+    for i in range(config.n_layer):
+        ours, theirs = f"blocks.{i}.", block.format(i)
+        for suffix, name in BLOCK_NAMES[kind].items():
+            for part in ("weight", "bias"):
+                w = state[f"{ours}{suffix}.{part}"]
+                out[f"{theirs}{name}.{part}"] = w.t().contiguous() if kind == "gpt2" and part == "weight" \
+                    and w.dim() == 2 else w  # GPT-2's Conv1D stores (in, out)
+        for part in ("weight", "bias"):
+            out.update(split_qkv(kind, state[f"{ours}attn.qkv.{part}"], config, theirs, part))
+    return hf, out
+
+
+def split_qkv(kind: str, w: torch.Tensor, config: GPTConfig, prefix: str, part: str) -> dict[str, torch.Tensor]:
+    """The fused projection's rows (Q, then K, then V) as each class stores them."""
+    hd, C, kv = config.head_dim, config.n_embd, config.n_kv_head * config.head_dim
+    if kind == "gpt2":
+        return {f"{prefix}attn.c_attn.{part}": w.t().contiguous() if part == "weight" else w}
+    if kind == "gpt_bigcode":
+        return {f"{prefix}attn.c_attn.{part}": w}
+    if kind == "gpt_neox":  # one head's q, k and v rows side by side, head after head
+        heads = w.reshape(3, config.n_head, hd, *w.shape[1:]).transpose(0, 1)
+        return {f"{prefix}attention.query_key_value.{part}": heads.reshape(w.shape).contiguous()}
+    q, k, v = w.split([C, kv, kv])
+    return {f"{prefix}self_attn.{n}_proj.{part}": t.contiguous() for n, t in zip("qkv", (q, k, v))}
+
+
+def join_qkv(kind: str, tensors: dict, config: GPTConfig, prefix: str, part: str) -> torch.Tensor:
+    """split_qkv undone: the fused projection's rows from a class's tensors."""
+    if kind == "gpt2":
+        w = tensors[f"{prefix}attn.c_attn.{part}"]
+        return w.t().contiguous() if part == "weight" else w
+    if kind == "gpt_bigcode":
+        return tensors[f"{prefix}attn.c_attn.{part}"]
+    if kind == "gpt_neox":
+        w = tensors[f"{prefix}attention.query_key_value.{part}"]
+        return w.reshape(config.n_head, 3, config.head_dim, *w.shape[1:]).transpose(0, 1).reshape(w.shape)
+    return torch.cat([tensors[f"{prefix}self_attn.{n}_proj.{part}"] for n in "qkv"])
+
+
+def gpt_config(hf: dict) -> GPTConfig:
+    """The GPTConfig of a config.json that hf_config wrote; a ValueError if it names a model kvgpt's cannot be."""
+    kind = hf.get("model_type")
+    if kind not in CLASSES:
+        raise ValueError(f"model_type {kind!r} is none of {', '.join(CLASSES)}")
+    learned = kind in ("gpt2", "gpt_bigcode")
+    n = ((lambda k: hf[{"block_size": "n_positions"}.get(k, k)]) if learned else
+         (lambda k: hf[{"block_size": "max_position_embeddings", "n_layer": "num_hidden_layers",
+                        "n_head": "num_attention_heads", "n_embd": "hidden_size"}[k]]))
+    n_head = n("n_head")
+    n_kv_head = {"gpt2": n_head, "gpt_bigcode": 1 if hf.get("multi_query") else n_head, "gpt_neox": n_head,
+                 "starcoder2": hf.get("num_key_value_heads", n_head)}[kind]
+    config = GPTConfig(vocab_size=hf["vocab_size"], block_size=n("block_size"), n_layer=n("n_layer"),
+                       n_head=n_head, n_embd=n("n_embd"), pos_emb="learned" if learned else "rope",
+                       n_kv_head=n_kv_head, dropout=hf.get("resid_pdrop", hf.get("attention_dropout", 0.0)))
+    expected, differ = hf_config(config), []
+    for key in ("activation_function", "hidden_act", "n_inner", "intermediate_size", "layer_norm_epsilon",
+                "layer_norm_eps", "norm_epsilon", "use_parallel_residual", "sliding_window", "tie_word_embeddings",
+                "scale_attn_weights", "scale_attn_by_inverse_layer_idx", "multi_query"):
+        if key in expected and hf.get(key, expected[key]) != expected[key]:
+            differ.append(f"{key} {hf.get(key)!r}, not {expected[key]!r}")
+    rope, want = hf.get("rope_parameters") or {}, expected.get("rope_parameters", {})
+    differ += [f"rope {k} {rope.get(k)!r}, not {v!r}" for k, v in want.items() if rope.get(k, v) != v]
+    if differ:
+        raise ValueError(f"its {', '.join(differ)}: kvgpt's model is not that function")
+    return config
+
+
+def from_hf(hf: dict, tensors: dict[str, torch.Tensor]) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
+    """(GPTConfig, kvgpt state_dict) of a transformers config and its tensors: to_hf undone. Biases that are all
+    zeros make a model without biases (bias=False), which is the same function."""
+    config = gpt_config(hf)
+    kind = hf["model_type"]
+    _, block, top = CLASSES[kind]
+    state = {}
+    for ours, theirs in top.items():
+        for part in ("weight", "bias"):
+            if f"{theirs}.{part}" in tensors:
+                state[f"{ours}.{part}"] = tensors[f"{theirs}.{part}"]
+    for i in range(config.n_layer):
+        ours, theirs = f"blocks.{i}.", block.format(i)
+        for suffix, name in BLOCK_NAMES[kind].items():
+            for part in ("weight", "bias"):
+                w = tensors[f"{theirs}{name}.{part}"]
+                state[f"{ours}{suffix}.{part}"] = w.t() if kind == "gpt2" and part == "weight" and w.dim() == 2 else w
+        for part in ("weight", "bias"):
+            state[f"{ours}attn.qkv.{part}"] = join_qkv(kind, tensors, config, theirs, part)
+    state["lm_head.weight"] = state["wte.weight"]
+    biases = [name for name in state if name.endswith(".bias")]
+    if all(not state[name].any() for name in biases):
+        config.bias = False
+        state = {name: w for name, w in state.items() if name not in biases}
+    return config, {name: w.contiguous() for name, w in state.items()}
+
+
+def read_export(folder: Path) -> tuple[GPTConfig, dict[str, torch.Tensor], CharVocab, dict]:
+    """(GPTConfig, kvgpt state_dict, vocabulary, what model.safetensors' metadata records) of an exported folder."""
+    from safetensors import safe_open  # only when a folder is read: sample.py needs it for nothing else
+    hf = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    with safe_open(folder / "model.safetensors", framework="pt") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+        metadata = f.metadata() or {}
+    config, state = from_hf(hf, tensors)
+    return config, state, read_vocab(folder), metadata

@@ -1,0 +1,48 @@
+"""A character tokenizer that transformers' AutoTokenizer loads: one token per character, ids as kvgpt's.
+
+tokenizer.json holds a BPE model with no merges, so a text splits into its characters, each its own token. No
+normaliser, pre-tokeniser or added prefix touches the text, and the Fuse decoder joins the tokens with nothing
+between them: every text of the vocabulary, spaces and newlines included, encodes to kvgpt's ids and decodes back
+exactly. The vocabulary has no unknown token: the tokenizer drops a character outside it, so check a prompt's
+characters first where that matters."""
+
+import json
+from pathlib import Path
+
+from data import CharVocab
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def tokenizer_json(vocab: CharVocab) -> dict:
+    """The tokenizers library's serialisation of the character tokenizer for vocab."""
+    return {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
+        "normalizer": None, "pre_tokenizer": None, "post_processor": None,
+        "decoder": {"type": "Fuse"},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": {c: i for i, c in enumerate(vocab.chars)}, "merges": []},
+    }
+
+
+def tokenizer_config() -> dict:
+    """What AutoTokenizer reads first: the fast tokenizer of tokenizer.json, which leaves spaces as they are."""
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+            "model_input_names": ["input_ids", "attention_mask"]}
+
+
+def write_tokenizer(vocab: CharVocab, folder: Path) -> None:
+    """Write tokenizer.json and tokenizer_config.json into folder."""
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer_json(vocab), ensure_ascii=False, indent=1) + "\n",
+                                           encoding="utf-8")
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=1) + "\n", encoding="utf-8")
+
+
+def read_vocab(folder: Path) -> CharVocab:
+    """The character vocabulary of a tokenizer.json that write_tokenizer wrote, in id order."""
+    model = json.loads((Path(folder) / "tokenizer.json").read_text(encoding="utf-8"))["model"]
+    by_id = sorted((i, c) for c, i in model["vocab"].items())
+    if [i for i, _ in by_id] != list(range(len(by_id))) or any(len(c) != 1 for _, c in by_id) or model["merges"]:
+        raise ValueError("tokenizer.json is not a character tokenizer with ids 0, 1, 2, ...")
+    return CharVocab("".join(c for _, c in by_id))
