@@ -109,6 +109,9 @@ class TrainConfig:
     # see and best.pt and last.pt hold (0.99 averages about the last 100 steps); null: the weights as trained
     ema_decay: float | None = None
     resume: str | None = None  # a run directory (continues from its last.pt) or a checkpoint file
+    # end the run once val loss has not improved for this many evaluations in a row; last.pt then holds best.pt's
+    # weights; null: train to the end
+    patience: int | None = None
     sample_prompt: str = "JULIET:\nO Romeo, Romeo! wherefore art thou Romeo?\n"  # also the attention maps' input
     sample_tokens: int = 200  # characters generated after sample_prompt at each evaluation
 
@@ -127,6 +130,7 @@ class TrainConfig:
         _require(self, lambda v: v is None or 0 < v < 1, "in (0, 1), or null for no average", "ema_decay")
         _require(self, lambda v: v in TRAINING_PRECISIONS, " or ".join(TRAINING_PRECISIONS), "precision")
         _require(self, lambda v: v is None or v >= 1, "a positive integer, or null for the fastest now", "threads")
+        _require(self, lambda v: v is None or v >= 1, "a positive integer, or null to train to the end", "patience")
 
 
 @dataclass
