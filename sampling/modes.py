@@ -54,7 +54,7 @@ def plain(loaded: Loaded) -> None:
     cache = cache_for(args, model, args.num_samples) if use_cache else None
     check_decoding(loaded, idx, cache)
     announce(loaded)
-    step = kept_or_compiled_step(args, model, cache, capture=True)
+    step = kept_or_compiled_step(args, model, cache)
     on, start = decoded_on(loaded, step), time.perf_counter()
     steps = checked(generate_tokens(model, idx, args.max_new_tokens, sampling=loaded.sampling,
                                     generator=loaded.generator, keep=args.keep, use_cache=use_cache, cache=cache,
@@ -77,11 +77,13 @@ def speculative(loaded: Loaded) -> None:
     announce(loaded)
     k = drafts_per_pass(args)
     step = kept_or_compiled_step(args, model, text_cache(model, k), k + 1)  # verifies k drafts and one token more
+    draft = loaded.draft
+    draft_step = kept_or_compiled_step(args, draft, text_cache(draft, k)) if isinstance(draft, GPT) else None
     on, start = decoded_on(loaded, step), time.perf_counter()
     speculation = SpeculativeStats()
     steps = checked(speculative_generate(model, idx, args.max_new_tokens, draft=loaded.draft, k=k,
                                          sampling=loaded.sampling, generator=loaded.generator, keep=args.keep,
-                                         stats=speculation, verify_pass=step))
+                                         stats=speculation, verify_pass=step, draft_step=draft_step))
     if not written(loaded.vocab, lambda: write_out(loaded, steps)):
         return
     seconds = time.perf_counter() - start
@@ -104,7 +106,7 @@ def interactive(loaded: Loaded) -> None:
             raise UsageError(f"--session {args.session} goes on from its own text: drop --prompt")
         take_up(conversation, args.session, loaded.path, model)
     announce(loaded)
-    step = kept_or_compiled_step(args, model, text_cache(model))
+    step = kept_or_compiled_step(args, model, conversation.text.cache)
     if step is not None:
         conversation.decode_through(step)
 

@@ -69,21 +69,21 @@ def new_generator(device: torch.device, seed: int | None) -> torch.Generator:
     return generator
 
 
-def kept_or_compiled_step(args, model: GPT, cache, tokens: int = 1, capture: bool = False):
-    """The compiled pass of `tokens` tokens per row (one: the decoding step; more: speculative decoding's
+def kept_or_compiled_step(args, model: GPT, cache, tokens: int = 1):
+    """The compiled pass of up to `tokens` tokens per row (one: the decoding step; more: speculative decoding's
     verification) that --compile asks for, or by default one kept before, or one worth compiling for a long
-    generation; None: decode eagerly. capture: on CUDA, the one-token step captured over `cache` itself, by
-    default (captured_step). Says on stderr which, and why."""
+    generation; on CUDA, by default, the passes captured over `cache` itself (captured_step); None: decode
+    eagerly. Says on stderr which, and why."""
     if args.compile is False or cache is None or args.kv_cache in EAGER:
         return None
-    if capture and tokens == 1 and cache.device.type == "cuda":
-        return captured_step(model, cache)
+    what = "decoding step" if tokens == 1 else f"verification pass of up to {tokens} tokens"
+    if cache.device.type == "cuda":
+        return captured_step(model, cache, tokens, what)
     if cache.device.type not in STEP_DEVICES:
         return None
     kept = has_compiled_step(model, cache, tokens)
     if not (args.compile or kept or args.max_new_tokens >= COMPILE_PAYS_AFTER):
         return None
-    what = "decoding step" if tokens == 1 else f"verification pass of up to {tokens} tokens"
     if not kept:
         print(f"compiling the {what} for this model's shape, once: a minute or less (--no-compile decodes "
               f"eagerly)", file=sys.stderr)
@@ -94,15 +94,15 @@ def kept_or_compiled_step(args, model: GPT, cache, tokens: int = 1, capture: boo
         return None
 
 
-def captured_step(model: GPT, cache) -> CapturedStep | None:
-    """The one-token step captured as a CUDA graph over cache; None where capture fails,
+def captured_step(model: GPT, cache, tokens: int, what: str) -> CapturedStep | None:
+    """The passes of up to `tokens` tokens per row captured as CUDA graphs over cache; None where capture fails,
     and the eager step decodes. Says on stderr how long capturing took: no token's time includes it."""
     start = time.perf_counter()
     try:
-        step = CapturedStep(model, cache)
+        step = CapturedStep(model, cache, tokens)
     except Exception as e:  # noqa: BLE001  a driver or kernel that cannot be captured: the eager step still decodes
-        print(f"capturing the decoding step failed ({one_line(e)[:200]}); decoding eagerly", file=sys.stderr)
+        print(f"capturing the {what} failed ({one_line(e)[:200]}); decoding eagerly", file=sys.stderr)
         return None
-    print(f"captured the decoding step as a CUDA graph in {time.perf_counter() - start:.2f} s (--no-compile "
-          f"decodes eagerly)", file=sys.stderr)
+    print(f"captured the {what} as a CUDA graph in {time.perf_counter() - start:.2f} s (--no-compile decodes "
+          f"eagerly)", file=sys.stderr)
     return step

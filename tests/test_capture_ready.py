@@ -2,16 +2,21 @@
 - it makes no read back to the host: run on fake tensors, which hold no values, it still runs, while any .item(),
   int() or Python branch on a tensor's value raises;
 - it compiles into one graph with fullgraph=True, and never again over 3 x block_size steps past the ring's wrap;
-- its logits are the eager step's, and its greedy text is full recomputation's."""
+- its logits are the eager step's, and its greedy text is full recomputation's.
+Speculative decoding's passes of up to k + 1 tokens, and a draft model's steps, are held to the same."""
 
 import pytest
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
 from model import GREEDY, Sampling, generate, new_kv_cache
+import model.decoding.ring_cache as ring_cache
 from model.decoding.aot_step import swap_buffers
+from model.decoding.cached_text import text_cache
 from model.decoding.cuda_graph import CapturedStep
 from model.decoding.generate import prefill
+from model.serving.speculative import speculative_generate
+from test_speculative import perturbed
 from test_kv_designs import design_model
 from tiny_models import BLOCK_SIZE, random_model, random_tokens
 
@@ -46,14 +51,15 @@ def test_the_one_token_step_compiles_into_one_graph_and_never_again_past_the_wra
 
 
 @torch.no_grad()
-def step_on_fake_tensors(model, cache, sampling=None):
-    """One step of model through cache, and a draw from its logits, with every tensor fake: shapes, no values."""
+def step_on_fake_tensors(model, cache, sampling=None, tokens=1):
+    """One pass of `tokens` tokens per row of model through cache, and a draw from its last logits, with every
+    tensor fake: shapes, no values."""
     mode = FakeTensorMode()
     weights = {name: mode.from_tensor(t) for name, t in [*model.named_parameters(), *model.named_buffers()]}
     own = swap_buffers(cache, {name: mode.from_tensor(t) for name, t in cache.named_buffers()})
     try:
         with mode:
-            idx = torch.zeros(cache.batch_size, 1, dtype=torch.long)
+            idx = torch.zeros(cache.batch_size, tokens, dtype=torch.long)
             logits = torch.func.functional_call(model, weights, (idx,), {"cache": cache}, strict=False)[0][:, -1]
             return logits if sampling is None else sampling.next_token(logits)
     finally:
@@ -69,6 +75,59 @@ def test_a_step_makes_no_read_back_to_the_host(design, dtype):
     prefill(model, random_tokens(2, 5), cache)  # eagerly: a prefill checks its chunk against the cache
     sampling = Sampling(temperature=0.8, top_k=5, top_p=0.9)
     assert step_on_fake_tensors(model, cache, sampling).shape == (2,)
+
+
+@pytest.mark.parametrize("design", ["plain", "gqa-share2", "mla"])
+def test_a_verification_pass_of_k_plus_1_tokens_makes_no_read_back_to_the_host(design, monkeypatch):
+    """Through the ring speculative decoding keeps (k spare slots), rolled back and wrapped, as a capture sees it:
+    the chunk's fit is checked by its caller before capture, never inside the pass."""
+    model = random_model(pos_emb="rope") if design == "plain" else design_model(design, "rope")
+    k = 3
+    cache = text_cache(model, k)
+    cache.read_all_slots = True
+    prefill(model, random_tokens(1, BLOCK_SIZE + 2), cache)  # past the ring's wrap
+    cache.rollback(k)
+    monkeypatch.setattr(ring_cache, "recording", lambda: True)
+    assert step_on_fake_tensors(model, cache, Sampling(temperature=0.7, top_p=0.8), tokens=k + 1).shape == (1,)
+
+
+class CompiledPasses:
+    """A stand-in for CapturedStep on the CPU: the same passes of 1 to `tokens` tokens through its own cache,
+    compiled with fullgraph=True instead of captured."""
+
+    def __init__(self, model, cache, tokens=1):
+        self.cache, self.tokens = cache, tokens
+        self.run = torch.compile(lambda idx, cache: model(idx, cache=cache)[0], fullgraph=True)
+
+    def fits(self, cache, tokens=1):
+        return cache is self.cache and self.takes(tokens)
+
+    def takes(self, tokens):
+        return 1 <= tokens <= self.tokens
+
+    def __call__(self, idx, cache):
+        return self.run(idx.clone(), cache)
+
+    def decode_step(self, idx, cache):
+        return self(idx, cache)[:, -1]
+
+
+@pytest.mark.parametrize("pos_emb", ["learned", "rope"])
+def test_speculative_passes_compile_once_per_length_and_keep_the_greedy_text(pos_emb):
+    """The verification pass of 1 to k + 1 tokens and the draft's one-token step, each through its own cache
+    in one graph per length, never compiled again over 3 x block_size tokens of accepts and rollbacks."""
+    model = random_model(pos_emb=pos_emb)
+    draft = perturbed(model, 0.05)
+    k, prompt = 3, random_tokens(1, 5)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    verify = CompiledPasses(model, text_cache(model, k), k + 1)
+    draft_step = CompiledPasses(draft, text_cache(draft, k))
+    new = list(speculative_generate(model, prompt, STEPS, draft=draft, k=k, verify_pass=verify,
+                                    draft_step=draft_step))
+    assert torch.equal(torch.cat([prompt[0], *new]), generate(model, prompt, STEPS, sampling=GREEDY)[0])
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs <= k + 2, f"{graphs} graphs for {k + 1} pass lengths and the draft's step: some compiled again"
 
 
 def test_the_fake_run_sees_a_read_back_to_the_host(monkeypatch):

@@ -12,7 +12,11 @@ import torch
 from corpus import REPO
 from data import Batches
 from model import GREEDY, generate
+from model.decoding.cached_text import text_cache
 from model.decoding.cuda_graph import CapturedStep
+from model.serving.conversation import Conversation
+from model.serving.speculative import speculative_generate
+from test_speculative import perturbed
 from test_train import TINY, data_overrides
 from tiny_models import BLOCK_SIZE, random_model, random_tokens
 from model.caches.factory import new_kv_cache
@@ -70,6 +74,28 @@ def test_the_captured_step_gives_the_logits_of_a_full_forward_at_every_step(pos_
     prompt = random_tokens(rows, PROMPT, seed=3).to(DEVICE)
     eager = generate(model, prompt, 3 * BLOCK_SIZE, sampling=GREEDY)
     assert torch.equal(generate(model, prompt, 3 * BLOCK_SIZE, sampling=GREEDY, cache=cache, step=step), eager)
+
+
+@pytest.mark.parametrize("pos_emb", STEPS)
+def test_speculative_decoding_through_captured_passes_keeps_the_greedy_text(pos_emb):
+    """The verification passes of 1 to k + 1 tokens and the draft's steps replay graphs, across rollbacks."""
+    cpu_model = random_model(seed=1, pos_emb=pos_emb)
+    draft, model = perturbed(cpu_model, 0.05).to(DEVICE), cpu_model.to(DEVICE)
+    k, prompt = 3, random_tokens(1, PROMPT, seed=3).to(DEVICE)
+    verify, draft_step = CapturedStep(model, text_cache(model, k), k + 1), CapturedStep(draft, text_cache(draft, k))
+    new = list(speculative_generate(model, prompt, 3 * BLOCK_SIZE, draft=draft, k=k, verify_pass=verify,
+                                    draft_step=draft_step))
+    assert torch.equal(torch.cat([prompt[0], *new]), generate(model, prompt, 3 * BLOCK_SIZE, sampling=GREEDY)[0])
+
+
+@pytest.mark.parametrize("pos_emb", STEPS)
+def test_a_conversation_through_a_captured_step_replies_as_an_eager_one(pos_emb):
+    model = random_model(seed=1, pos_emb=pos_emb).to(DEVICE)
+    eager, captured = Conversation(model), Conversation(model)
+    captured.decode_through(CapturedStep(model, captured.text.cache))
+    for turn in range(4):  # past block_size: learned positions refill, rotary ones roll
+        new = random_tokens(1, 3, seed=turn)[0].tolist()
+        assert list(captured.reply(new, BLOCK_SIZE // 2)) == list(eager.reply(new, BLOCK_SIZE // 2)), f"turn {turn}"
 
 
 def test_train_py_trains_on_the_device_and_sample_py_decodes_there_alike_with_and_without_the_cache(tmp_path):

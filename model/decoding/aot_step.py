@@ -95,6 +95,8 @@ class AotStep:
     idx (B, 1 to tokens) and a cache shaped like the one it was exported with; step.decode_step is
     model.decode_step."""
 
+    cache = None  # the one cache a step serves; None: any cache shaped like the one it was exported with
+
     def __init__(self, runner, model, cache, tokens: int = 1):
         self.runner, self.model, self.tokens, self.signature = runner, model, tokens, step_signature(cache)
         weights = {f"model.{name}": t for name, t in [*model.named_parameters(remove_duplicate=False),

@@ -24,17 +24,20 @@ class CachedText:
     """tokens: the text, token ids, which callers extend; the cache holds tokens[start:fed].
 
     spare: slots beyond block_size, so that a chunk of up to spare + 1 tokens may cross the ring's end, and so
-    many may be rolled back after it has wrapped (see model/decoding/ring_cache.py).
+    many may be rolled back after it has wrapped (see model/decoding/ring_cache.py). cache: a text_cache(model,
+    spare) made before, such as the one a CUDA graph was captured over (model/decoding/cuda_graph.py).
     """
 
-    def __init__(self, model: GPT, *, spare: int = 0, keep: int | None = None):
+    def __init__(self, model: GPT, *, spare: int = 0, keep: int | None = None, cache=None):
         self.model = model
         self.tokens: list[int] = []
-        self.cache = text_cache(model, spare)
+        if cache is not None and (cache.batch_size, cache.max_len) != (1, model.config.block_size + spare):
+            raise ValueError(f"cache must be text_cache(model, spare={spare}): one row of block_size + spare slots")
+        self.cache = cache if cache is not None else text_cache(model, spare)
         self.rolling = model.config.pos_emb == "rope"  # the ring rolls on: the context never jumps
         self.span, self.keep = context_limits(model.config, keep)
         self.start = 0  # the context is tokens[start:]
-        self.compiled = None  # a compiled pass for this cache (aot_step.py): it takes every pass that fits it
+        self.compiled = None  # a compiled pass for this cache (aot_step.py, cuda_graph.py): it takes every pass it fits
 
     @property
     def fed(self) -> int:

@@ -70,7 +70,7 @@ class RingKVCache(KVCache):
         return self.read_all_slots or torch.compiler.is_compiling() or self.pos.device.type != "cpu"
 
     def begin(self, t: int) -> CachePass:
-        if t > 1 and not torch.compiler.is_compiling() and t > self.longest_chunk():
+        if t > 1 and not recording() and t > self.longest_chunk():
             raise ValueError(f"a chunk of {t} tokens must fit in the cache before it first wraps ({self.max_len} "
                              f"slots, {len(self)} fed), or the cache needs reach + {t - 1} = {self.reach + t - 1} "
                              f"slots; feed one token at a time past that")
@@ -131,6 +131,11 @@ class RingKVCache(KVCache):
     def fill_from(self, other: "RingKVCache") -> None:
         super().fill_from(other)
         self.padded = other.padded
+
+
+def recording() -> bool:
+    """Whether this pass is traced by torch.compile or captured as a CUDA graph: no value may be read back then."""
+    return torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 class Uncached:

@@ -105,8 +105,13 @@ class ModelDraft:
     """A draft GPT, its own cache over the text and its proposals: after each round it rolls back what the model
     did not keep."""
 
-    def __init__(self, model: GPT, k: int, sampling: Sampling, generator: torch.Generator | None):
-        self.text = CachedText(model, spare=k)
+    def __init__(self, model: GPT, k: int, sampling: Sampling, generator: torch.Generator | None, step=None):
+        self.text = CachedText(model, spare=k, cache=step.cache if step is not None else None)
+        if step is not None:
+            if not step.fits(self.text.cache):
+                raise ValueError(f"draft_step must be a one-token step compiled for text_cache(draft, {k}) "
+                                 f"(model/decoding/cached_text.py)")
+            self.text.compiled = step
         self.sampling, self.generator = sampling, generator
 
     def propose(self, tokens: list[int], k: int) -> tuple[list[int], torch.Tensor | None]:
@@ -172,13 +177,14 @@ def speculative_generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *,
                          draft: "GPT | NGramTable | PromptLookup",
                          k: int, sampling: Sampling = GREEDY, generator: torch.Generator | None = None,
                          keep: int | None = None, stats: SpeculativeStats | None = None,
-                         verify_pass=None) -> Iterator[torch.Tensor]:
+                         verify_pass=None, draft_step=None) -> Iterator[torch.Tensor]:
     """Yield the next token, (1,), max_new_tokens times, as generate_tokens does for one row, drafting k tokens
     per model pass. draft: a GPT with the model's vocabulary (in eval mode, on its device), an NGramTable of its
     vocabulary, or PromptLookup().
     keep: as in generate, for learned positions (the model's; a draft model keeps its default). stats: a
-    SpeculativeStats to fill. verify_pass: a compiled pass of up to k + 1 tokens (model/decoding/aot_step.py) for caches like
-    text_cache(model, k) (model/decoding/cached_text.py), which takes every pass after the prompt's, shorter drafts' too.
+    SpeculativeStats to fill. verify_pass: a compiled pass of up to k + 1 tokens for caches like text_cache(model, k)
+    (model/decoding/cached_text.py), or captured over one (aot_step.py, cuda_graph.py): it takes every pass after
+    the prompt's, shorter drafts' too. draft_step: a draft model's one-token step, for text_cache(draft, k).
     Arguments that cannot work are a ValueError naming the argument.
     """
     check_arguments(model, idx, max_new_tokens, keep)
@@ -190,7 +196,9 @@ def speculative_generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *,
         raise ValueError(f"k, the tokens drafted per model pass, must be an integer >= 1, got {k!r}")
     if isinstance(draft, GPT):
         _check_draft(model, draft)
-        proposer = ModelDraft(draft, k, sampling, generator)
+        proposer = ModelDraft(draft, k, sampling, generator, draft_step)
+    elif draft_step is not None:
+        raise ValueError("draft_step applies to a draft model: an NGramTable or PromptLookup drafts with no model pass")
     elif isinstance(draft, NGramTable):
         if draft.vocab_size != model.config.vocab_size:
             raise ValueError(f"draft counts {draft.vocab_size} tokens, the model has {model.config.vocab_size}: "
@@ -202,7 +210,7 @@ def speculative_generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *,
         raise ValueError(f"draft must be a GPT with the model's vocabulary, an NGramTable or PromptLookup(), got "
                          f"{type(draft).__name__}")
     stats = stats if stats is not None else SpeculativeStats()
-    target = CachedText(model, spare=k, keep=keep)
+    target = CachedText(model, spare=k, keep=keep, cache=verify_pass.cache if verify_pass is not None else None)
     target.tokens = idx[0].tolist()
     if verify_pass is not None:
         if not verify_pass.fits(target.cache, k + 1):
