@@ -16,7 +16,7 @@ from runtime.errors import OneLineErrorParser, OutputError, check_standard_strea
 
 
 def build_parser() -> OneLineErrorParser:
-    parser = OneLineErrorParser(description="Export a kvgpt checkpoint to transformers or ONNX.")
+    parser = OneLineErrorParser(prog="export.py", description="Export a kvgpt checkpoint to transformers or ONNX.")
     parser.add_argument("out", metavar="OUT", type=Path, help="the new folder to write (absent or empty)")
     parser.add_argument("--checkpoint", metavar="RUN", type=Path, required=True,
                         help="checkpoint file or run directory (its best.pt)")
