@@ -3,7 +3,8 @@
   int() or Python branch on a tensor's value raises;
 - it compiles into one graph with fullgraph=True, and never again over 3 x block_size steps past the ring's wrap;
 - its logits are the eager step's, and its greedy text is full recomputation's.
-Speculative decoding's passes of up to k + 1 tokens, and a draft model's steps, are held to the same."""
+Speculative decoding's passes of up to k + 1 tokens, a draft model's steps and the engine's passes padded to a
+batch bucket are held to the same."""
 
 import pytest
 import torch
@@ -15,6 +16,8 @@ from model.decoding.aot_step import swap_buffers
 from model.decoding.cached_text import text_cache
 from model.decoding.cuda_graph import CapturedStep
 from model.decoding.generate import prefill
+from model.serving.buckets import DecodeBuckets
+from model.serving.engine import Engine
 from model.serving.speculative import speculative_generate
 from test_speculative import perturbed
 from test_kv_designs import design_model
@@ -128,6 +131,62 @@ def test_speculative_passes_compile_once_per_length_and_keep_the_greedy_text(pos
     assert torch.equal(torch.cat([prompt[0], *new]), generate(model, prompt, STEPS, sampling=GREEDY)[0])
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert graphs <= k + 2, f"{graphs} graphs for {k + 1} pass lengths and the draft's step: some compiled again"
+
+
+class Call(torch.nn.Module):
+    """fn(*inputs) as a module that holds the model, so that functional_call can give the model fake weights."""
+
+    def __init__(self, model, fn):
+        super().__init__()
+        self.model, self.fn = model, fn
+
+    def forward(self, *inputs):
+        return self.fn(*inputs)
+
+
+def served_engine(model, int8, compile=False):
+    """An engine of decoding steps padded to batch buckets of up to 4 rows, and the (request, token) pairs it drew
+    for 6 requests that join and leave, so that its running batch takes every size from 1 to 4. compile: its
+    bucket pass compiled with fullgraph=True."""
+    engine = Engine(model, n_blocks=24, block_tokens=4, max_batch=4, int8=int8, buckets=True)
+    if compile:
+        engine.buckets.run = torch.compile(engine.buckets.run, fullgraph=True)
+    for i in range(6):
+        engine.add(i, random_tokens(2, seed=i).tolist(), 3 + 2 * i)
+    return engine, list(engine.run())
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
+@torch.no_grad()
+def test_an_engine_bucket_pass_makes_no_read_back_to_the_host(int8):
+    model = random_model(pos_emb="rope", n_kv_head=1)
+    engine, _ = served_engine(model, int8)
+    mode = FakeTensorMode()
+    weights = {f"model.{name}": mode.from_tensor(t) for name, t in [*model.named_parameters(), *model.named_buffers()]}
+    pool = engine.pool
+    pool.buffers = {name: [mode.from_tensor(t) for t in tensors] for name, tensors in pool.buffers.items()}
+    inputs = [mode.from_tensor(t) for t in engine.buckets.inputs[4]]
+    with mode:
+        logits = torch.func.functional_call(Call(model, engine.buckets.run), weights, tuple(inputs), strict=False)
+    assert logits.shape == (4, model.config.vocab_size)
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
+@torch.no_grad()
+def test_an_engine_bucket_pass_compiles_once_per_bucket_and_draws_the_same_tokens(int8, monkeypatch):
+    model = random_model(pos_emb="rope", n_kv_head=1)
+    _, eager = served_engine(model, int8)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    rows = []  # each decoding step's running batch
+    decode = DecodeBuckets.decode
+    monkeypatch.setattr(DecodeBuckets, "decode", lambda self, ids, *rest: rows.append(len(ids)) or decode(self, ids,
+                                                                                                         *rest))
+    _, compiled = served_engine(model, int8, compile=True)
+    assert compiled == eager
+    assert set(rows) == {1, 2, 3, 4}, "the schedule should run batches of every size up to 4"
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs == 3, f"{graphs} graphs for buckets 1, 2 and 4"
 
 
 def test_the_fake_run_sees_a_read_back_to_the_host(monkeypatch):

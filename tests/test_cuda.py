@@ -15,6 +15,7 @@ from model import GREEDY, generate
 from model.decoding.cached_text import text_cache
 from model.decoding.cuda_graph import CapturedStep
 from model.serving.conversation import Conversation
+from model.serving.engine import Engine
 from model.serving.speculative import speculative_generate
 from test_speculative import perturbed
 from test_train import TINY, data_overrides
@@ -96,6 +97,20 @@ def test_a_conversation_through_a_captured_step_replies_as_an_eager_one(pos_emb)
     for turn in range(4):  # past block_size: learned positions refill, rotary ones roll
         new = random_tokens(1, 3, seed=turn)[0].tolist()
         assert list(captured.reply(new, BLOCK_SIZE // 2)) == list(eager.reply(new, BLOCK_SIZE // 2)), f"turn {turn}"
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
+def test_the_engine_replays_a_graph_per_batch_bucket_and_draws_what_eager_passes_draw(int8):
+    model = random_model(seed=1, pos_emb="rope", n_kv_head=1).to(DEVICE)
+    drawn = {}
+    for buckets in (False, None):  # None: captured, on CUDA
+        engine = Engine(model, n_blocks=24, block_tokens=4, max_batch=4, int8=int8, buckets=buckets,
+                        keep_logits=True)
+        assert (engine.buckets is not None and len(engine.buckets.graphs) == 3) == (buckets is None)
+        for i in range(6):
+            engine.add(i, random_tokens(2, seed=i).tolist(), 3 + 2 * i)
+        drawn[buckets] = list(engine.run())
+    assert drawn[None] == drawn[False]
 
 
 def test_train_py_trains_on_the_device_and_sample_py_decodes_there_alike_with_and_without_the_cache(tmp_path):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from model import GREEDY, Sampling, generate
-from model.serving import engine as engine_module
+from model.serving import buckets as buckets_module, engine as engine_module
 from model.serving.engine import Engine
 from tiny_models import VOCAB, random_model
 from model.caches.factory import new_kv_cache
@@ -19,14 +19,14 @@ BLOCK = 40  # the models' block_size: room for a shared prefix, a request's own 
 class CheckedPass(engine_module.PagedPass):
     """A PagedPass that first checks that no slot it writes belongs to a block another sequence reads."""
 
-    def __init__(self, pool, tables, fed, counts):
-        super().__init__(pool, tables, fed, counts)
+    def __init__(self, pool, *tensors):
+        super().__init__(pool, *tensors)
         written = {int(slot) // pool.block_tokens for slot in self.write if slot != pool.scratch}
         assert all(pool.refs[block] == 1 for block in written), "a shared block was written"
 
 
 def random_schedule(model, seed: int, n_blocks: int, block_tokens: int, chunk: int, max_batch: int, int8=False,
-                    sampling=GREEDY):
+                    sampling=GREEDY, buckets=False):
     """Requests arriving between steps, half of them after one of two common prefixes; returns the engine and
     each request's prompt, draws and max_new_tokens."""
     rng = random.Random(seed)
@@ -37,7 +37,7 @@ def random_schedule(model, seed: int, n_blocks: int, block_tokens: int, chunk: i
         prompt = (rng.choice(prefixes) if rng.random() < 0.6 else []) + own
         arrivals.append((f"r{i}", prompt, rng.randrange(1, BLOCK - len(prompt) + 1)))
     engine = Engine(model, n_blocks=n_blocks, block_tokens=block_tokens, chunk=chunk, max_batch=max_batch,
-                    keep_logits=True, int8=int8, sampling=sampling)
+                    keep_logits=True, int8=int8, sampling=sampling, buckets=buckets)
     requests, drawn = {}, {name: [] for name, _, _ in arrivals}
     pending = list(arrivals)
     while pending or engine.waiting or engine.running:
@@ -75,6 +75,28 @@ def test_random_schedules_decode_every_request_as_if_alone(monkeypatch, override
     assert pool.refs == [0] * n_blocks and pool.available() == n_blocks
     if n_blocks == 10:
         assert engine.stats.preemptions > 0
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
+@pytest.mark.parametrize("overrides", DESIGNS, ids=["plain", "rope-mqa", "shared", "latent", "sink"])
+@torch.no_grad()
+def test_decoding_steps_padded_to_a_batch_bucket_give_each_request_the_logits_it_gets_unpadded(monkeypatch,
+                                                                                              overrides, int8):
+    """The fixed-shape passes that a GPU captures, run eagerly: batches of 3, 5, 7 ... rows padded to 4, 8, 16."""
+    model = random_model(block_size=BLOCK, **overrides)
+    monkeypatch.setattr(engine_module, "PagedPass", CheckedPass)
+    monkeypatch.setattr(buckets_module, "PagedPass", CheckedPass)
+    padded = []
+    decode = buckets_module.DecodeBuckets.decode
+    monkeypatch.setattr(buckets_module.DecodeBuckets, "decode",
+                        lambda self, ids, *rest: padded.append(len(ids)) or decode(self, ids, *rest))
+    _, requests, drawn = random_schedule(model, 3, 24, 2, 7, 16, int8=int8, buckets=True)
+    _, unpadded, unpadded_drawn = random_schedule(model, 3, 24, 2, 7, 16, int8=int8)
+    assert drawn == unpadded_drawn
+    for name, (_, _, request) in requests.items():
+        torch.testing.assert_close(torch.stack(request.logits), torch.stack(unpadded[name][2].logits), rtol=0,
+                                   atol=1e-5)
+    assert set(padded) - set(buckets_module.bucket_sizes(16)), "no batch needed padding"
 
 
 @pytest.mark.parametrize("seed, n_blocks, block_tokens, chunk, max_batch", SCHEDULES[:2])

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..decoding.checks import is_integer
+from .buckets import DecodeBuckets
 from .paged import BlockPool, PagedPass, chain_hash
 from ..decoding.sampling import GREEDY, Sampling
 
@@ -65,11 +66,13 @@ def check_servable(model) -> None:
 
 
 class Engine:
-    """Requests decoded over a pool of n_blocks blocks of block_tokens tokens; at most max_batch run at once."""
+    """Requests decoded over a pool of n_blocks blocks of block_tokens tokens; at most max_batch run at once.
+    buckets: pad each decoding step to a fixed batch size (model/serving/buckets.py), each captured as a CUDA
+    graph on CUDA; None: on CUDA only."""
 
     def __init__(self, model, *, n_blocks: int, block_tokens: int = 16, max_batch: int = 16, chunk: int = 64,
                  sampling: Sampling = GREEDY, generator: torch.Generator | None = None, keep_logits: bool = False,
-                 int8: bool = False):
+                 int8: bool = False, buckets: bool | None = None):
         for name, value in (("n_blocks", n_blocks), ("block_tokens", block_tokens), ("max_batch", max_batch),
                             ("chunk", chunk)):
             if not (is_integer(value) and value >= 1):
@@ -78,6 +81,9 @@ class Engine:
         self.model, self.sampling, self.generator, self.keep_logits = model, sampling, generator, keep_logits
         self.pool = BlockPool(model, n_blocks, block_tokens, int8)  # int8: keys and values in int8 (model/caches/int8.py)
         self.max_batch, self.chunk = max_batch, chunk
+        on_cuda = self.pool.k[0].device.type == "cuda"
+        padded = buckets if buckets is not None else on_cuda
+        self.buckets = DecodeBuckets(model, self.pool, max_batch, capture=on_cuda) if padded else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in the order they joined
         self.stats = EngineStats()
@@ -195,11 +201,15 @@ class Engine:
     def _forward(self, requests: list[Request], counts: list[int]) -> list[tuple[object, int]]:
         """One pass: counts[b] tokens of requests[b] each, right-padded; draw for each request fed to its end."""
         requests, t = list(requests), max(counts)  # those that finish leave self.running below
-        ids = torch.tensor([r.tokens[r.fed:r.fed + n] + [0] * (t - n) for r, n in zip(requests, counts)],
-                           device=self.pool.k[0].device)
-        batch = PagedPass(self.pool, [r.blocks for r in requests], [r.fed for r in requests], counts)
-        hidden = self.model(ids, cache=batch)[0]  # (B, t, vocab_size)
-        logits = hidden[torch.arange(len(requests)), torch.tensor(counts) - 1]  # each row's last real token
+        tables, fed = [r.blocks for r in requests], [r.fed for r in requests]
+        if t == 1 and self.buckets is not None:  # one token per row: a fixed-shape pass
+            logits = self.buckets.decode([r.tokens[r.fed] for r in requests], tables, fed)
+        else:
+            ids = torch.tensor([r.tokens[r.fed:r.fed + n] + [0] * (t - n) for r, n in zip(requests, counts)],
+                               device=self.pool.k[0].device)
+            batch = PagedPass.of(self.pool, tables, fed, counts)
+            hidden = self.model(ids, cache=batch)[0]  # (B, t, vocab_size)
+            logits = hidden[torch.arange(len(requests)), torch.tensor(counts) - 1]  # each row's last real token
         self.stats.passes += 1
         self.stats.peak_blocks = max(self.stats.peak_blocks, self.pool.n_blocks - self.pool.available())
         for request, n in zip(requests, counts):

@@ -133,23 +133,28 @@ class Int8PagedLayer(PagedLayer):
 
 
 class PagedPass:
-    """The cache a forward pass sees: rows are sequences (tables, fed: tokens already in the pool), row b feeding
-    counts[b] new tokens, right-padded to the longest; each row's keys its own, up to its own length. A padding
-    token repeats its row's last position and writes its keys and values to the pool's scratch slot."""
+    """The cache a forward pass sees: rows are sequences, row b feeding counts[b] new tokens after the fed[b]
+    already in the pool, right-padded to t; each row's keys its own, read through its block table (B, n), up to
+    its own length. A padding token repeats its row's last position and writes its keys and values to the pool's
+    scratch slot. Built from tensors alone, with no read back to the host: model/serving/buckets.py captures it."""
 
-    def __init__(self, pool: BlockPool, tables: list[list[int]], fed: list[int], counts: list[int]):
-        self.pool = pool
-        device = pool.k[0].device
-        bt, t = pool.block_tokens, max(counts)
-        table = torch.tensor([row + [0] * (max(map(len, tables)) - len(row)) for row in tables], device=device)
-        fed_, counts_ = torch.tensor(fed, device=device)[:, None], torch.tensor(counts, device=device)[:, None]
+    def __init__(self, pool: BlockPool, table: torch.Tensor, fed: torch.Tensor, counts: torch.Tensor, t: int):
+        self.pool, self.table = pool, table  # (B, n): the blocks attention reads
+        bt, device = pool.block_tokens, table.device
         new = torch.arange(t, device=device)  # (t,)
-        self.positions = fed_ + new.minimum(counts_ - 1)  # (B, t): padding repeats the last position
-        self.write = torch.where(new < counts_, table.gather(1, self.positions // bt) * bt + self.positions % bt,
-                                 pool.scratch).flatten()  # (B * t,)
-        self.table = table[:, :-(-int((fed_ + counts_).max()) // bt)]  # (B, n): the blocks attention reads
-        keys = torch.arange(self.table.size(1) * bt, device=device)  # (L,): past a row's length, masked
+        self.positions = fed[:, None] + new.minimum(counts[:, None] - 1)  # (B, t): padding repeats the last one
+        self.write = torch.where(new < counts[:, None], table.gather(1, self.positions // bt) * bt
+                                 + self.positions % bt, pool.scratch).flatten()  # (B * t,)
+        keys = torch.arange(table.size(1) * bt, device=device)  # (L,): past a row's length, masked
         self.mask = (keys <= self.positions[..., None])[:, None]  # (B, 1, t, L): causal, within its own length
+
+    @classmethod
+    def of(cls, pool: BlockPool, tables: list[list[int]], fed: list[int], counts: list[int]) -> "PagedPass":
+        """A pass over the engine's block tables, reading only as many blocks as the longest row needs."""
+        n = -(-max(f + c for f, c in zip(fed, counts)) // pool.block_tokens)
+        device = pool.k[0].device
+        table = torch.tensor([row[:n] + [0] * (n - len(row[:n])) for row in tables], device=device)
+        return cls(pool, table, torch.tensor(fed, device=device), torch.tensor(counts, device=device), max(counts))
 
     def begin(self, t: int) -> CachePass:
         """The pass itself: the engine counts what each sequence has fed."""
