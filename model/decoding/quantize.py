@@ -11,7 +11,8 @@ retraining.
 
 Per token at batch 1 the blocks' matmuls read every weight once, so decoding on a CPU is bound by memory
 bandwidth: bf16 halves the bytes read and int8 quarters them. A converted model is for decoding only:
-an int8 model refuses train() and state_dict(), so that it is never trained or saved as if it were fp32.
+an int8 model refuses train() and state_dict(), so that it is never trained or saved as if it were fp32,
+and to_precision refuses any converted model, so that it is never converted twice.
 The int8 KV cache, which works with a model of any precision, is model/caches/int8.py.
 """
 
@@ -83,11 +84,23 @@ class Int8Linear(nn.Module):
                 f"cpu_kernel={self.cpu_kernel}")
 
 
+def converted_to(model: nn.Module) -> str | None:
+    """What a model's weights were converted to (int8, or the floating dtypes besides float32); None: all fp32."""
+    if any(isinstance(module, Int8Linear) for module in model.modules()):
+        return "int8"
+    dtypes = {t.dtype for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()} - {torch.float32}
+    return ", ".join(sorted(str(dtype).removeprefix("torch.") for dtype in dtypes)) or None
+
+
 def to_precision(model: nn.Module, precision: str) -> nn.Module:
     """Convert a GPT in place for decoding at `precision` (one of DECODING_PRECISIONS) and return it, in eval mode.
-    fp32 leaves it as it is; bf16 and int8 expect fp32 weights, as every checkpoint holds."""
+    fp32 leaves it as it is; bf16 and int8 take fp32 weights, as every checkpoint holds. A model converted
+    already is refused, and left as it is: converting again would quantize its rounded weights a second time."""
     if precision not in DECODING_PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(DECODING_PRECISIONS)}, got {precision!r}")
+    if (converted := converted_to(model)) is not None:
+        raise ValueError(f"model holds {converted} weights, converted for decoding already; to_precision takes a "
+                         f"model with fp32 weights: convert the fp32 model (load its checkpoint again)")
     model.eval()
     if precision == "fp32":
         return model
