@@ -23,21 +23,24 @@ from tiny_models import BLOCK_SIZE, random_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = CharVocab("\n !abcdefghij")  # 13 characters, spaces and newlines among them: tiny_models' VOCAB
-DESIGNS = {  # design -> (GPTConfig fields, transformers class)
-    "learned multi-head": ({}, "GPT2LMHeadModel"),
-    "learned multi-head, no biases": ({"bias": False}, "GPT2LMHeadModel"),
-    "learned multi-query": ({"n_kv_head": 1}, "GPTBigCodeForCausalLM"),
-    "rotary multi-head": ({"pos_emb": "rope"}, "GPTNeoXForCausalLM"),
-    "rotary grouped-query": ({"pos_emb": "rope", "n_head": 4, "n_kv_head": 2}, "Starcoder2ForCausalLM"),
-    "rotary multi-query": ({"pos_emb": "rope", "n_head": 4, "n_kv_head": 1}, "Starcoder2ForCausalLM"),
+# design -> (GPTConfig fields, transformers class, seed). The rotary models' seeds are ones whose greedy text past
+# block_size differs with and without kvgpt's window, so that a window lost on the way would show.
+DESIGNS = {
+    "learned multi-head": ({}, "GPT2LMHeadModel", 1),
+    "learned multi-head, no biases": ({"bias": False}, "GPT2LMHeadModel", 1),
+    "learned multi-query": ({"n_kv_head": 1}, "GPTBigCodeForCausalLM", 1),
+    "rotary multi-head": ({"pos_emb": "rope"}, "GPTNeoXForCausalLM", 4),
+    "rotary grouped-query": ({"pos_emb": "rope", "n_head": 4, "n_kv_head": 2}, "Starcoder2ForCausalLM", 4),
+    "rotary multi-query": ({"pos_emb": "rope", "n_head": 4, "n_kv_head": 1}, "Starcoder2ForCausalLM", 5),
 }
 ROLLS = {"rotary grouped-query", "rotary multi-query"}  # transformers slides a window of block_size, as kvgpt does
-PROMPT = "ab ba\n"
+PROMPT, ROTARY_PROMPT = "ab ba\n", "a\nbcdefghij  !\n"  # the second one token short of block_size
 
 
-def kvgpt_model(design: str, seed: int = 1):
+def kvgpt_model(design: str):
     """A tiny random model of the design, its biases random too, so that a bias dropped on the way would show."""
-    model = random_model(seed, **DESIGNS[design][0])
+    fields, _, seed = DESIGNS[design]
+    model = random_model(seed, **fields)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):
@@ -93,21 +96,21 @@ def test_transformers_gives_kvgpt_logits_whole_and_step_by_step_with_its_own_cac
 @pytest.mark.parametrize("design", DESIGNS)
 def test_generate_gives_kvgpt_greedy_text_past_block_size_where_the_design_rolls(exported, design):
     model, folder, _ = exported[design]
-    n = 3 * BLOCK_SIZE if design in ROLLS else BLOCK_SIZE - len(PROMPT)
+    prompt, n = (ROTARY_PROMPT, 3 * BLOCK_SIZE) if design in ROLLS else (PROMPT, BLOCK_SIZE - len(PROMPT))
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
-    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
-    assert ids[0].tolist() == VOCAB.encode(PROMPT)
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    assert ids[0].tolist() == VOCAB.encode(prompt)
     text = tokenizer.decode(hf_model(folder).generate(ids, do_sample=False, max_new_tokens=n)[0])
-    assert text == kvgpt_greedy(model, PROMPT, n)
+    assert text == kvgpt_greedy(model, prompt, n)
 
 
 def test_rotary_multi_head_past_block_size_attends_every_token_in_transformers(exported):
     """GPT-NeoX has no sliding window: past block_size, generate is kvgpt's model over a cache that keeps every
     token (no window), which is not what kvgpt's own decoding does there."""
     model, folder, _ = exported["rotary multi-head"]
-    prompt, n = torch.tensor([VOCAB.encode(PROMPT)]), 2 * BLOCK_SIZE
+    prompt, n = torch.tensor([VOCAB.encode(ROTARY_PROMPT)]), 2 * BLOCK_SIZE
     c = model.config
-    cache = KVCache(c.n_layer, 1, c.n_kv_head, len(PROMPT) + n, c.head_dim)
+    cache = KVCache(c.n_layer, 1, c.n_kv_head, prompt.size(1) + n, c.head_dim)
     ids, logits = prompt, model.decode_step(prompt, cache)
     for _ in range(n):
         ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=1)
@@ -119,9 +122,9 @@ def test_the_pipeline_and_sample_py_give_the_greedy_text_of_the_folder(exported)
     model, folder, _ = exported["rotary grouped-query"]
     n = 2 * BLOCK_SIZE
     pipe = transformers.pipeline("text-generation", model=str(folder))
-    text = pipe(PROMPT, do_sample=False, max_new_tokens=n)[0]["generated_text"]
-    assert text == kvgpt_greedy(model, PROMPT, n)
-    sampled = subprocess.run([sys.executable, "sample.py", "--checkpoint", str(folder), "--prompt", PROMPT,
+    text = pipe(ROTARY_PROMPT, do_sample=False, max_new_tokens=n)[0]["generated_text"]
+    assert text == kvgpt_greedy(model, ROTARY_PROMPT, n)
+    sampled = subprocess.run([sys.executable, "sample.py", "--checkpoint", str(folder), "--prompt", ROTARY_PROMPT,
                               "--temperature", "0", "--max-new-tokens", str(n)],
                              cwd=REPO, capture_output=True, text=True, timeout=300)
     assert sampled.returncode == 0, sampled.stderr
@@ -157,9 +160,9 @@ def onnx_greedy(folder, prompt: str, n: int, block_size: int) -> tuple[str, list
 def test_onnxruntime_with_its_cache_fed_back_gives_kvgpt_logits_and_greedy_text(exported, design):
     model, _, folder = exported[design]
     rolls = model.config.pos_emb == "rope"  # kvgpt's own graph: with rotary positions it rolls like kvgpt
-    n = 2 * BLOCK_SIZE if rolls else BLOCK_SIZE - len(PROMPT)
-    text, logits = onnx_greedy(folder, PROMPT, n, BLOCK_SIZE)
-    assert text == kvgpt_greedy(model, PROMPT, n)
+    prompt, n = (ROTARY_PROMPT, 3 * BLOCK_SIZE) if rolls else (PROMPT, BLOCK_SIZE - len(PROMPT))
+    text, logits = onnx_greedy(folder, prompt, n, BLOCK_SIZE)
+    assert text == kvgpt_greedy(model, prompt, n)
     with torch.no_grad():
         want, _ = model(torch.tensor([VOCAB.encode(text[:-1])]))  # past block_size: the window, as the loop's
     np.testing.assert_allclose(np.concatenate(logits), want[0].numpy(), atol=1e-4, rtol=0)
