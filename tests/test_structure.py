@@ -6,10 +6,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-ENTRY_POINTS = {"train", "sample"}
+ENTRY_POINTS = {"train", "sample", "export"}
 # what each layer may import from the project: model/ and data/ nothing above them, runtime/ both, training/ all three
 ALLOWED = {"model": {"model"}, "data": {"data"}, "runtime": {"model", "data", "runtime"},
            "training": {"model", "data", "runtime", "training"}, "sampling": {"model", "data", "runtime", "sampling"},
+           "exporting": {"model", "data", "runtime", "exporting"},
            "bench": {"model", "data", "runtime", "training", "sampling", "bench"}}
 
 
