@@ -60,6 +60,7 @@ def export(checkpoint, out, fmt: str = "hf", precision: str = "fp32") -> Path:
     temporary = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=parent))
     try:
         write_folder(model, vocab, contents, kind, fmt, temporary)
+        readable(temporary)
         if out.is_dir():
             out.rmdir()  # empty, as check_out found it: rename puts the new folder in its place
         os.rename(temporary, out)
@@ -68,6 +69,15 @@ def export(checkpoint, out, fmt: str = "hf", precision: str = "fp32") -> Path:
     finally:
         shutil.rmtree(temporary, ignore_errors=True)
     return out
+
+
+def readable(folder: Path) -> None:
+    """Give the folder and its files the permissions the umask gives new ones (mkdtemp's folder is the owner's)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for path in folder.iterdir():
+        path.chmod(0o666 & ~umask)
 
 
 def write_folder(model, vocab, contents: dict, kind: str, fmt: str, folder: Path) -> None:
