@@ -37,8 +37,8 @@ def model_card(config, kind: str, fmt: str, contents: dict) -> str:
     f = facts(contents)
     c, sha = config, f" (sha256 {f['data_sha256'][:12]})" if f["data_sha256"] else ""
     past = ("Learned positions stop at block_size." if c.pos_emb == "learned" else
-            "Past block_size it keeps a sliding window of block_size tokens, as kvgpt does." if rolls(c) or fmt == "onnx"
-            else "Past block_size transformers attends every earlier token, where kvgpt sees the last block_size.")
+            "Past block_size it keeps a sliding window of block_size tokens, as kvgpt does."
+            if rolls(c) or fmt == "onnx" else "Past block_size transformers attends every earlier token, where kvgpt sees the last block_size.")
     if fmt == "hf":
         use = (f"```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
                f"tokenizer = AutoTokenizer.from_pretrained(\"PATH\")\n"

@@ -87,7 +87,7 @@ def write_onnx(model: GPT, path: Path) -> None:
     # an example with a past and several new tokens, so that no length is taken for a constant
     example = (torch.zeros(1, 2, dtype=torch.long), torch.tensor([[3, 4]]),
                *[torch.zeros(1, heads, 3, width) for _ in range(2 * c.n_kv_layer)])
-    axes = {"input_ids": {0: "batch", 1: "new"}, "position_ids": {0: "batch", 1: "new"}, "logits": {0: "batch", 1: "new"}}
+    axes = {name: {0: "batch", 1: "new"} for name in ("input_ids", "position_ids", "logits")}
     axes.update({name: {0: "batch", 2: "past"} for name in inputs[2:]})
     axes.update({name: {0: "batch", 2: "past_and_new"} for name in outputs[1:]})
     with warnings.catch_warnings(), torch.no_grad():  # the tracer's warnings are about shapes that stay symbolic
