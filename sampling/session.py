@@ -2,8 +2,9 @@
 FILE), so that the next turn reads only the new line, or an engine's prefix blocks (Engine.export_prefix).
 
 The file records which model wrote it: the checkpoint's path, a fingerprint of its weights as decoded (the
-precision included) and the cache's design. A file from another model, another design or a damaged one is
-refused, never continued wrongly. It is written atomically and read with weights_only=True.
+precision included) and the cache's design, and a sha256 of all it holds. A file from another model, another design
+or a damaged one (a byte changed, the checksum no longer matching) is refused, never continued wrongly. It is
+written atomically and read with weights_only=True.
 """
 
 import hashlib
@@ -13,7 +14,7 @@ import torch
 
 from runtime.files import write_atomically
 
-FORMAT = "kvgpt-session-1"
+FORMAT = "kvgpt-session-2"  # -2: with a checksum
 
 
 class SessionError(Exception):
@@ -29,14 +30,37 @@ def fingerprint(model) -> str:
     return digest.hexdigest()
 
 
+def checksum(contents: dict) -> str:
+    """sha256 of a session's contents, its checksum aside: strings, ints and tensors (dtype, shape and bytes), in
+    order of their names. TypeError for anything else, which no session holds."""
+    digest = hashlib.sha256()
+
+    def add(name, value):
+        if isinstance(value, dict):
+            for key in sorted(value):
+                add(f"{name}.{key}", value[key])
+        elif isinstance(value, torch.Tensor):
+            digest.update(f"{name}:{value.dtype}:{tuple(value.shape)}".encode())
+            digest.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(value, (str, int)):
+            digest.update(f"{name}:{type(value).__name__}:{value}".encode())
+        else:
+            raise TypeError(f"{name} is a {type(value).__name__}")
+
+    add("", {key: value for key, value in contents.items() if key != "checksum"})
+    return digest.hexdigest()
+
+
 def save_session(path, state: dict, checkpoint, model) -> Path:
-    """Write a Conversation.state() atomically, with what identifies the model that made it."""
+    """Write a Conversation.state() atomically, with what identifies the model that made it and a checksum."""
     contents = {"format": FORMAT, "checkpoint": str(checkpoint), "weights": fingerprint(model), **state}
+    contents["checksum"] = checksum(contents)
     return write_atomically(path, lambda file: torch.save(contents, file))
 
 
 def load_session(path, checkpoint, model) -> dict:
-    """The Conversation state saved in path, for this model; SessionError if it is not one, or another model's."""
+    """The Conversation state saved in path, for this model; SessionError if it is not one, a damaged one (its
+    checksum does not match), or another model's."""
     try:
         file = open(path, "rb")
     except OSError as e:
@@ -49,6 +73,13 @@ def load_session(path, checkpoint, model) -> dict:
                                f"name") from None
     if not isinstance(contents, dict) or contents.get("format") != FORMAT:
         raise SessionError(f"{path} is not a session file of this version: start a new one under another name")
+    try:
+        intact = contents.get("checksum") == checksum(contents)
+    except TypeError:
+        intact = False
+    if not intact:
+        raise SessionError(f"{path} is damaged: what it holds no longer matches its checksum; start a new one under "
+                           f"another name")
     if contents.get("weights") != fingerprint(model):
         raise SessionError(f"{path} was saved with another model ({contents.get('checkpoint')}, or another "
                            f"--precision), not {checkpoint}: give that checkpoint, or start a new session")

@@ -52,19 +52,35 @@ class Conversation:
                 "cache": {name: t.cpu() for name, t in text.cache.named_buffers()}}
 
     def restore(self, state: dict) -> "Conversation":
-        """Take up a state() of a conversation with the same model: its text, and its cache as it was."""
+        """Take up a state() of a conversation with the same model: its text, and its cache as it was. A state
+        that cannot be one (another design's cache, ids outside the vocabulary, ...) is a ValueError naming what is
+        wrong, and leaves the conversation as it was."""
         text, cache = self.text, self.text.cache
         buffers = dict(cache.named_buffers())
-        saved = state["cache"]
-        if saved.keys() != buffers.keys() or any(saved[n].shape != t.shape or saved[n].dtype != t.dtype
-                                                 for n, t in buffers.items()):
+        tokens, start, saved = state.get("tokens"), state.get("start"), state.get("cache")
+        if not isinstance(tokens, torch.Tensor) or tokens.dtype != torch.long or tokens.dim() != 1:
+            got = f"{tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+            raise ValueError(f"state['tokens'] must be a 1-D tensor of token ids (int64), got {got}")
+        vocab_size = text.model.config.vocab_size
+        if len(tokens) and not 0 <= int(tokens.min()) <= int(tokens.max()) < vocab_size:
+            outside = sorted({t for t in tokens.tolist() if not 0 <= t < vocab_size})
+            raise ValueError(f"state['tokens'] holds ids outside the vocabulary (0..{vocab_size - 1}): "
+                             f"{', '.join(map(str, outside[:5]))}")
+        if not isinstance(saved, dict) or saved.keys() != buffers.keys() or any(
+                not isinstance(saved[n], torch.Tensor) or saved[n].shape != t.shape or saved[n].dtype != t.dtype
+                for n, t in buffers.items()):
             raise ValueError("the saved cache does not fit this model's cache: another design, size or dtype")
+        if not is_integer(start):
+            raise ValueError(f"state['start'] must be an int, got {type(start).__name__}")
+        before = {name: t.clone() for name, t in buffers.items()}
         for name, t in buffers.items():
             t.copy_(saved[name])
-        text.tokens, text.start = state["tokens"].tolist(), int(state["start"])
-        if not text.start <= text.fed <= len(text.tokens):
-            raise ValueError(f"the saved cache holds tokens {text.start} to {text.fed} of a text of "
-                             f"{len(text.tokens)}: it is damaged")
+        if not 0 <= start <= start + len(cache) <= len(tokens):
+            fed = start + len(cache)
+            for name, t in buffers.items():
+                t.copy_(before[name])
+            raise ValueError(f"the saved cache holds tokens {start} to {fed} of a text of {len(tokens)}")
+        text.tokens, text.start = tokens.tolist(), start
         return self
 
     @torch.no_grad()
