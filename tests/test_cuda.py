@@ -11,7 +11,7 @@ import torch
 
 from corpus import REPO
 from data import Batches
-from model import GREEDY, generate
+from model import GREEDY, Sampling, generate
 from model.decoding.cached_text import text_cache
 from model.decoding.cuda_graph import CapturedStep
 from model.serving.conversation import Conversation
@@ -75,6 +75,22 @@ def test_the_captured_step_gives_the_logits_of_a_full_forward_at_every_step(pos_
     prompt = random_tokens(rows, PROMPT, seed=3).to(DEVICE)
     eager = generate(model, prompt, 3 * BLOCK_SIZE, sampling=GREEDY)
     assert torch.equal(generate(model, prompt, 3 * BLOCK_SIZE, sampling=GREEDY, cache=cache, step=step), eager)
+
+
+@pytest.mark.parametrize("captured", [True, False], ids=["captured", "eager"])
+def test_sampled_steps_never_make_the_host_wait(captured):
+    """Top-k and top-p sampling and the step, past the ring's wrap, under torch's sync check set to error."""
+    model = random_model(seed=1, pos_emb="rope").to(DEVICE)
+    cache = new_kv_cache(model, 2)
+    step = CapturedStep(model, cache).decode_step if captured else model.decode_step
+    sampling, generator = Sampling(temperature=0.8, top_k=5, top_p=0.9), torch.Generator(DEVICE).manual_seed(0)
+    ids = sampling.next_token(model.decode_step(random_tokens(2, PROMPT).to(DEVICE), cache), generator)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3 * BLOCK_SIZE):
+            ids = sampling.next_token(step(ids[:, None], cache), generator)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 @pytest.mark.parametrize("pos_emb", STEPS)

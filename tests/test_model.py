@@ -150,6 +150,34 @@ def test_temperature_sharpens_and_flattens_the_distribution():
     torch.testing.assert_close(hot, flattened, atol=0.03, rtol=0)
 
 
+LOGITS = torch.tensor([1.2, -0.3, 0.4, 2.0, 0.0, 1.5, -1.0, 0.9])
+
+
+def kept_distribution(temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """The distribution after temperature, top-k and top-p, written out token by token, likeliest first."""
+    weights = [math.exp(x / temperature) for x in LOGITS.tolist()]
+    order = sorted(range(len(weights)), key=lambda i: -weights[i])[:top_k]
+    total, kept, mass = sum(weights[i] for i in order), [], 0.0
+    for i in order:  # the fewest likeliest tokens whose probabilities, among the top k, reach top_p
+        kept.append(i)
+        mass += weights[i] / total
+        if mass >= top_p:
+            break
+    probs = torch.zeros(len(weights), dtype=torch.double)
+    probs[kept] = torch.tensor([weights[i] for i in kept], dtype=torch.double)
+    return probs / probs.sum()
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 8, 1.0), (0.8, 6, 0.9), (1.5, 4, 0.7)])
+def test_the_sampler_draws_each_token_with_its_probability(temperature, top_k, top_p):
+    """Pearson's chi-square over 40,000 draws against the distribution written out (p > 0.001)."""
+    from test_speculative import SIGNIFICANCE, chi_square_p_value
+    ids = Sampling(temperature=temperature, top_k=top_k, top_p=top_p).next_token(
+        LOGITS.expand(40_000, -1), generator=torch.Generator().manual_seed(5))
+    counts = torch.bincount(ids, minlength=len(LOGITS))
+    assert chi_square_p_value(counts, kept_distribution(temperature, top_k, top_p)) > SIGNIFICANCE
+
+
 def test_a_seeded_generator_makes_sampling_reproducible():
     first = sampled_set(seed=3)[1]
     assert torch.equal(sampled_set(seed=3)[1], first)

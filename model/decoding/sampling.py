@@ -46,7 +46,7 @@ class Sampling:
         """logits (B, vocab_size) -> next token ids (B,)."""
         if self.greedy:
             return logits.argmax(dim=-1)
-        return torch.multinomial(self.probs(logits), num_samples=1, generator=generator).squeeze(-1)
+        return draw(self.probs(logits), generator)
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """logits (..., vocab_size) -> the distribution a token is drawn from, after temperature, top-k and top-p
@@ -65,6 +65,14 @@ class Sampling:
 
 
 GREEDY = Sampling(temperature=0)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of probs (B, vocab_size), drawn with those probabilities: the first of independent
+    exponential clocks, one per token, each running at its token's rate. torch.multinomial draws the same way,
+    but first checks the probabilities on the host, which makes a GPU wait at every token."""
+    clocks = torch.empty_like(probs).exponential_(generator=generator)
+    return (probs / clocks).argmax(dim=-1)
 
 
 def check_sampling(sampling) -> None:
