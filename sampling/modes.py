@@ -100,11 +100,12 @@ def interactive(loaded: Loaded) -> None:
         conversation = Conversation(model, sampling=loaded.sampling, generator=loaded.generator, keep=args.keep)
     except ValueError as e:  # its messages name the argument, as the options do
         raise UsageError(e) from None
-    resumed = args.session is not None and args.session.exists()
-    if resumed:
+    if args.session is not None and args.session.exists():
         if args.prompt is not None or args.prompt_file is not None:
             raise UsageError(f"--session {args.session} goes on from its own text: drop --prompt")
         take_up(conversation, args.session, loaded.path, model)
+    else:  # the prompt is the text from the start: a session ended before any line keeps it
+        list(conversation.reply(loaded.prompt_ids, 0))
     announce(loaded)
     step = kept_or_compiled_step(args, model, conversation.text.cache)
     if step is not None:
@@ -112,8 +113,7 @@ def interactive(loaded: Loaded) -> None:
 
     def converse():
         sys.stdin.reconfigure(errors="surrogateescape")  # bytes that are not UTF-8 cost their line, no more
-        interact(conversation, vocab, vocab.decode(conversation.tokens) if resumed else loaded.prompt,
-                 args.max_new_tokens, sys.stdout, resumed)
+        interact(conversation, vocab, args.max_new_tokens, sys.stdout)
 
     if written(vocab, converse) and args.session is not None:
         keep_session(args.session, conversation, loaded.path, model)

@@ -93,19 +93,17 @@ def ctrl_c_sets_flag():
         signal.signal(signal.SIGINT, previous)
 
 
-def interact(conversation: Conversation, vocab: CharVocab, prompt: str, max_new_tokens: int, out,
-             resumed: bool = False) -> None:
-    """Read lines from standard input to its end (Ctrl-D). Each line, with its newline (and, first, the prompt), is
-    added to the text and the model continues it, written as it is drawn, up to max_new_tokens characters or
-    through REPLY_STOP. Ctrl-C ends a reply (while typing: the line). A line with characters outside the
-    vocabulary is one line on stderr, and the loop goes on. resumed: the prompt is the text so far, shown only."""
+def interact(conversation: Conversation, vocab: CharVocab, max_new_tokens: int, out) -> None:
+    """Show the conversation's text so far (the prompt, or a session's text), then read lines from standard input
+    to its end (Ctrl-D). Each line, with its newline, is added to the text and the model continues it, written as
+    it is drawn, up to max_new_tokens characters or through REPLY_STOP. Ctrl-C ends a reply (while typing: the
+    line). A line with characters outside the vocabulary is one line on stderr, and the loop goes on."""
     newline = "\n" if "\n" in vocab.chars else ""
     stop = vocab.encode(REPLY_STOP) if set(REPLY_STOP) <= set(vocab.chars) else ()
     print(f"type a line and press Enter: the model continues the text for up to {max_new_tokens} characters"
           f"{' or to a blank line' if stop else ''}. Ctrl-C ends a reply, Ctrl-D the session.", file=sys.stderr)
-    out.write(prompt)
+    out.write(vocab.decode(conversation.tokens))
     out.flush()
-    before = "" if resumed else prompt  # the prompt goes in with the first line
     while True:
         try:
             line = input()
@@ -121,11 +119,10 @@ def interact(conversation: Conversation, vocab: CharVocab, prompt: str, max_new_
             print(file=sys.stderr)
             continue
         try:
-            new = encode_prompt(vocab, before + line + newline, "the line")
+            new = encode_prompt(vocab, line + newline, "the line")
         except UsageError as e:
             print(f"{e}; type another", file=sys.stderr)
             continue
-        before = ""
         with ctrl_c_sets_flag() as stopped:
             for token in conversation.reply(new, max_new_tokens, stop):
                 out.write(vocab.decode([token]))

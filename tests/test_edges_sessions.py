@@ -85,3 +85,25 @@ def test_restore_refuses_a_state_that_cannot_be_one_and_leaves_the_conversation_
         after = other.state()
         assert torch.equal(after["tokens"], before["tokens"]) and after["start"] == before["start"]
         assert all(torch.equal(after["cache"][n], t) for n, t in before["cache"].items())
+
+
+@pytest.mark.parametrize("first_run", ["no line", "a line refused", "from a file"])
+def test_a_new_session_keeps_its_prompt_from_the_start(models, tmp_path, first_run):
+    """Input that ends before any line is used still saves the prompt: taken up, the session goes on from it,
+    as one session given the prompt and the line goes on. Its own prompt is then never needed again."""
+    prompt, line = "First Citizen:\n", "All:\n"
+    whole = chat(models["model"], line, "--session", tmp_path / "whole.pt", "--prompt", prompt)
+    assert whole.returncode == 0, whole.stderr
+    session = tmp_path / "chat.pt"
+    typed = "Speak\u00e9\n" if first_run == "a line refused" else ""  # é: not in the vocabulary
+    if first_run == "from a file":
+        (tmp_path / "prompt.txt").write_text(prompt)
+        first = chat(models["model"], typed, "--session", session, "--prompt-file", tmp_path / "prompt.txt")
+    else:
+        first = chat(models["model"], typed, "--session", session, "--prompt", prompt)
+    assert first.returncode == 0 and first.stdout == prompt, first.stderr
+    assert torch.load(session, weights_only=True)["tokens"].tolist() == \
+        torch.load(tmp_path / "whole.pt", weights_only=True)["tokens"][:len(prompt)].tolist()
+    later = chat(models["model"], line, "--session", session)
+    assert later.returncode == 0, later.stderr
+    assert later.stdout == whole.stdout

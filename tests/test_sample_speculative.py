@@ -182,7 +182,8 @@ def test_ctrl_c_ends_a_reply_between_two_tokens_and_the_session_goes_on(checkpoi
 
     monkeypatch.setattr("builtins.input", fake_input)
     out = Terminal()
-    interact(conversation, vocab, "a", 30, out)
+    list(conversation.reply(vocab.encode("a"), 0))  # the prompt, as sample.py starts a conversation
+    interact(conversation, vocab, 30, out)
     first = generate(model, torch.tensor([vocab.encode("aabc")]), 9, sampling=GREEDY)[0, 4:].tolist()
     text = "aabc" + vocab.decode(first) + "de"
     second = generate(model, torch.tensor([vocab.encode(text)]), 30, sampling=GREEDY)[0, len(text):].tolist()
