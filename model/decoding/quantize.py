@@ -32,6 +32,8 @@ class QuantizedModelError(RuntimeError):
 # bytes, AVX-512; 8 with AVX2) and checks nothing: a row of any other length is read past its end, which gives
 # garbage or a crash. With in_features a multiple of 16, every row the model feeds it starts 32-byte aligned.
 INT8_KERNEL_WIDTH = 16
+# Whether this torch build has the fused int8 matmul on CUDA: newer builds add a kernel, older ones have none
+CUDA_INT8_KERNEL = torch._C._dispatch_has_kernel_for_dispatch_key("aten::_weight_int8pack_mm", "CUDA")
 
 
 def quantize_int8(x: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,9 +48,9 @@ def quantize_int8(x: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tens
 class Int8Linear(nn.Module):
     """y = x Wᵀ + b with W stored as int8 (out_features, in_features) and a bf16 scale per output row.
 
-    On the CPU, when in_features is a multiple of INT8_KERNEL_WIDTH, one fused kernel (aten._weight_int8pack_mm,
-    bf16 activations) reads the int8 weights directly; otherwise, and off the CPU, the weights are dequantized
-    to the activations' dtype for each matmul.
+    One fused kernel (aten._weight_int8pack_mm) reads the int8 weights directly: on the CPU when in_features is a
+    multiple of INT8_KERNEL_WIDTH, and on CUDA where the build has one (CUDA_INT8_KERNEL). Otherwise the weights
+    are converted to the activations' dtype for each matmul, and the scales applied to its output.
     """
 
     def __init__(self, linear: nn.Linear, dtype: torch.dtype = torch.bfloat16):
@@ -63,11 +65,12 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().to(dtype))
 
     def forward(self, x):
-        if self.cpu_kernel and x.device.type == "cpu":
+        if self.cpu_kernel and x.device.type == "cpu" or CUDA_INT8_KERNEL and x.device.type == "cuda":
             y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight, self.scales)
             y = y.view(*x.shape[:-1], self.out_features)
-            return y if self.bias is None else y + self.bias
-        return F.linear(x, self.weight.to(x.dtype) * self.scales[:, None].to(x.dtype), self.bias)
+        else:  # scaled after the matmul: one (B, T, out) product, not a scaled copy of the weights
+            y = F.linear(x, self.weight.to(x.dtype)) * self.scales.to(x.dtype)
+        return y if self.bias is None else y + self.bias
 
     def train(self, mode: bool = True):
         if mode:
