@@ -37,7 +37,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from model import build_model
-from runtime.devices import choose_device, keep_freed_memory
+from runtime.devices import choose_device, keep_freed_memory, thread_counts
 from runtime.errors import (ConfigError, OutputError, UsageError, check_standard_streams, exit_status, fail,
                             one_line, silence, write_line)
 from training.budget import process_started
@@ -47,7 +47,7 @@ from training.loop import Stopped, Trainer
 from training.resume import resumed_settings
 from training.runs import take_run_dir
 from training.signals import StopSignals, interrupt_on_signals
-from training.sizing import size_to_host
+from training.sizing import size_to_host, threads_fixed
 from training.summaries import Summaries, report_thread_error
 from training.text import check_training_fits_memory, fit_sample_prompt, prepare_data
 
@@ -71,6 +71,7 @@ def main(cfg: DictConfig, run_dir, preset: str | None = None, named: set[str] | 
         data = prepare_data(settings, resumed)
         settings, prompt_changed = fit_sample_prompt(settings, data)
         check_training_fits_memory(settings, len(data.vocab), device)
+        counts = thread_counts() if world_size == 1 and threads_fixed(settings, device) is None else None
         settings, chosen, why = size_to_host(settings, named, data, device, world_size, started_at)
         model_config = dataclasses.replace(settings.model, vocab_size=len(data.vocab))
         torch.manual_seed(settings.train.seed + rank)  # dropout differs between processes, like their batches
@@ -78,7 +79,7 @@ def main(cfg: DictConfig, run_dir, preset: str | None = None, named: set[str] | 
         used = {**settings.config, "model": dataclasses.asdict(model_config)}  # vocab_size filled in from the data
         with events(run_dir, OmegaConf.to_yaml(used), resumed, rank) as (summaries, begin):
             trainer = Trainer(settings, model, data, device, run_dir, summaries, resumed, rank, world_size,
-                              started_at, run_id=run_id)
+                              started_at, run_id=run_id, thread_counts=counts)
             if rank == 0:
                 announce(trainer, chosen, why, preset, world_size)
                 if prompt_changed:
@@ -86,8 +87,9 @@ def main(cfg: DictConfig, run_dir, preset: str | None = None, named: set[str] | 
             begin()
             last_val_loss = trainer.fit()
         if rank == 0:
-            write_line(f"done: val loss {last_val_loss:.4f} (best {trainer.best_val_loss:.4f}); "
-                       f"checkpoints in {run_dir}")
+            ended = f", ended early by {trainer.ended_by}" if trainer.ended_by else ""
+            write_line(f"done: val loss {last_val_loss:.4f} (best {trainer.best_val_loss:.4f}) at step "
+                       f"{trainer.step}{ended}; checkpoints in {run_dir}")
         return last_val_loss
     finally:
         if world_size > 1:
@@ -97,13 +99,16 @@ def main(cfg: DictConfig, run_dir, preset: str | None = None, named: set[str] | 
 @contextlib.contextmanager
 def events(run_dir: Path, config_yaml: str, resumed: dict | None, rank: int):
     """Rank 0's TensorBoard events (None elsewhere), closed at the end, and begin(): a run that fails before it is
-    called leaves no events behind."""
+    called, or ends on a mistake of its settings (a ConfigError: a budget too short), leaves no events behind."""
     earlier = set(run_dir.glob("events.out.tfevents.*"))
     summaries = Summaries(run_dir, config_yaml, first_step=resumed["training"]["step"] if resumed else 0) \
         if rank == 0 else None
     begun = []
     try:
         yield summaries, lambda: begun.append(True)
+    except ConfigError:
+        begun.clear()
+        raise
     finally:
         if summaries is not None:
             summaries.close()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from training.config import OptimConfig
-from training.optim import decay_begins, make_scheduler
+from training.optim import Schedule, decay_begins, make_scheduler
 
 PEAK, FLOOR = 1e-2, 1e-3
 
@@ -29,7 +29,7 @@ def rate(step: int, oc: OptimConfig, max_iters: int) -> float:
 
 def rates(oc: OptimConfig, max_iters: int | None, steps: int) -> list[float]:
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=oc.lr)
-    scheduler = make_scheduler(optimizer, oc, max_iters)
+    scheduler = make_scheduler(optimizer, Schedule(oc, max_iters))
     seen = []
     for _ in range(steps):
         seen.append(scheduler.get_last_lr()[0])

@@ -3,11 +3,12 @@
 The run measures what its steps, evaluations and checkpoint saves cost here as it trains, and fixes its length
 when the learning rate must begin to decay (the rate before then does not depend on the length): to the most
 steps that end, with their evaluations, within planned_seconds() of the budget, counted from the start of the
-process.
-The longer the rate holds at its peak (optim.decay_frac below 1), the more of the run is measured before the
-length is fixed, and the closer the run ends to its budget. Should the machine slow down after that, so that one
-more step and the final evaluation would pass the budget, the run ends there, evaluated and saved: the first
-steps of its plan, which train.resume trains on to the end (Budget.late)."""
+process. The machine's speed may change after that (other programs start or end). So before every step the run
+checks its plan against the steps measured since its latest evaluation (Budget.replanned): a plan that would
+end past the budget less half of EXIT_S, or at an evaluation, one that would end MARGIN short of its aim, is
+planned again, and the rest of the decay refitted to the new end (optim.Schedule.replan). Between the two the
+plan stands, so that the speed's noise changes nothing. Should even one more step not fit (Budget.late), the
+run ends there, evaluated and saved."""
 
 import math
 import os
@@ -15,13 +16,15 @@ import time
 from collections import deque
 
 # The run aims this far below its budget: the speed of the steps left after the length is fixed still varies
-# (other processes, the processor's clock). A run that slows down past the margin ends at its budget
-# (Budget.late); one that speeds up ends early, so the margin is small.
+# (other processes, the processor's clock). At an evaluation, a plan that would end this share of the budget short
+# of its aim is planned again; one that would end past the budget less half of EXIT_S, at any step.
 MARGIN = 0.03
 BUDGET_WINDOW = 100  # the latest steps that measure a step's cost (their evaluations left out)
 # Seconds kept free at the budget's end for the process to exit after its final save (the event file closed, the
 # interpreter torn down): a run that slows down ends early enough to leave them (Budget.late).
 EXIT_S = 2.0
+REPLAN_STEPS = 20  # the fewest steps since the latest evaluation that measure a plan (half an interval if fewer)
+clock = time.perf_counter  # what a budget reads the time from (a test's stand-in clock replaces it)
 
 
 def planned_seconds(budget_s: float) -> float:
@@ -43,42 +46,62 @@ def process_started() -> float:
         return time.perf_counter()
 
 
-def steps_within(seconds: float, step_s: float, evaluation_s: float, eval_interval: int, step: int = 0) -> int:
-    """The most steps n after `step` that fit in seconds with their evaluations: one after every step that is a
-    multiple of eval_interval, and one after the last; 0 if none fit."""
-    def cost(n: int) -> float:  # grows with n: a step past a multiple of eval_interval adds the last evaluation
-        evaluations = (step + n) // eval_interval - step // eval_interval + ((step + n) % eval_interval != 0)
-        return n * step_s + evaluations * evaluation_s if n else 0.0
+def seconds_for(n: int, step_s: float, evaluation_s: float, eval_interval: int, step: int = 0) -> float:
+    """What n steps after `step` cost with their evaluations: one after every step that is a multiple of
+    eval_interval, and one after the last."""
+    if n <= 0:
+        return 0.0
+    evaluations = (step + n) // eval_interval - step // eval_interval + ((step + n) % eval_interval != 0)
+    return n * step_s + evaluations * evaluation_s
 
+
+def steps_within(seconds: float, step_s: float, evaluation_s: float, eval_interval: int, step: int = 0) -> int:
+    """The most steps n after `step` that fit in seconds with their evaluations (seconds_for); 0 if none fit."""
     fits, too_many = 0, max(1, math.floor(seconds / step_s) + 1)  # each step costs at least step_s
-    while too_many - fits > 1:  # bisect: cost(fits) fits, cost(too_many) does not
+    while too_many - fits > 1:  # bisect: cost(fits) fits, cost(too_many) does not; the cost grows with n
         middle = (fits + too_many) // 2
-        fits, too_many = (middle, too_many) if cost(middle) <= seconds else (fits, middle)
+        fitting = seconds_for(middle, step_s, evaluation_s, eval_interval, step) <= seconds
+        fits, too_many = (middle, too_many) if fitting else (fits, middle)
     return fits
 
 
 class Budget:
-    """A run's budget of train.max_minutes as it trains, counted from started_at (time.perf_counter()): what a step
-    and an evaluation with its saves cost here now, how many steps fit, and whether the run must end early."""
+    """A run's budget of train.max_minutes as it trains, counted from started_at (on clock()): what a step and an
+    evaluation with its saves cost here now, how many steps fit, and whether the run must end early."""
 
     def __init__(self, minutes: float | None, started_at: float):
         self.minutes, self.started_at = minutes, started_at
         self.evaluations = []  # (when it ended, seconds) of each evaluation with its saves
-        self.clock = deque(maxlen=BUDGET_WINDOW + 1)  # (step, when) of the latest steps
+        self.recent = deque(maxlen=BUDGET_WINDOW + 1)  # (step, when) of the latest steps
+        self.since = None  # (step, when): the steps since then measure a plan (Budget.replanned)
+        self.pace = None  # seconds a step, as the steps before the latest evaluation or plan measured it
         self.planned_step_s = None  # a step's cost when the length was fixed, in this life of the run
 
-    def evaluated(self, started: float) -> None:
-        """An evaluation with its saves, begun at `started`, has just ended."""
-        now = time.perf_counter()
+    def spent(self) -> float:
+        """The seconds of the budget spent so far, earlier lives of the run included."""
+        return clock() - self.started_at
+
+    def start(self, step: int) -> None:
+        """The run trains from `step` now."""
+        now = clock()
+        self.recent.append((step, now))
+        self.since = (step, now)
+
+    def evaluated(self, step: int, started: float) -> None:
+        """An evaluation with its saves at `step`, begun at `started` (on clock()), has just ended."""
+        now = clock()
         self.evaluations.append((now, now - started))
+        if self.since is not None and step > self.since[0]:
+            self.pace = (started - self.since[1]) / (step - self.since[0])
+        self.since = (step, now)
 
     def costs(self, step: int) -> tuple[float, float]:
         """(seconds a step, seconds an evaluation with its saves) now: the latest steps, less the evaluations among
         them (the first steps of a run are slower than the rest), and the latest evaluation (step 0's has no saves;
         a run resumed between evaluations has none yet)."""
-        now = time.perf_counter()
-        self.clock.append((step, now))
-        first_step, first_time = self.clock[0]
+        now = clock()
+        self.recent.append((step, now))
+        first_step, first_time = self.recent[0]
         evaluating_s = sum(seconds for ended, seconds in self.evaluations if ended > first_time)
         step_s = (now - first_time - evaluating_s) / (step - first_step)
         return step_s, self.evaluations[-1][1] if self.evaluations else 0.0
@@ -87,19 +110,56 @@ class Budget:
         """The last step that ends, with its evaluations, within planned_seconds() of the budget at the costs
         measured now; a step's cost; and what was measured, in words."""
         step_s, evaluation_s = self.costs(step)
-        spent_s = time.perf_counter() - self.started_at
-        fits = step + steps_within(planned_seconds(self.minutes * 60) - spent_s, step_s, evaluation_s, eval_interval,
-                                   step)
-        return fits, step_s, (f"{spent_s:.1f} s since the start, {step_s:.3g} s a step and {evaluation_s:.3g} s "
-                              f"an evaluation with its saves")
+        return self.fit(step, step_s, evaluation_s, eval_interval, self.spent()), step_s, \
+            self.measured(step_s, evaluation_s)
 
-    def late(self, step: int, due: bool) -> str | None:
+    def fit(self, step: int, step_s: float, evaluation_s: float, eval_interval: int, spent_s: float) -> int:
+        return step + steps_within(planned_seconds(self.minutes * 60) - spent_s, step_s, evaluation_s,
+                                   eval_interval, step)
+
+    def measured(self, step_s: float, evaluation_s: float) -> str:
+        return (f"{self.spent():.1f} s since the start, {step_s:.3g} s a step and {evaluation_s:.3g} s an "
+                f"evaluation with its saves")
+
+    def replanned(self, step: int, end: int, due: bool, eval_interval: int) -> tuple[int | None, str]:
+        """Once the length is fixed, at `step` of a plan that ends at `end`: the new end if the plan must change,
+        else None; and what was measured, in words. It must when the steps since the latest evaluation (at least
+        REPLAN_STEPS of them, or half an interval) say that it would end past the budget less half of EXIT_S, or,
+        at an evaluation (due: this step evaluates, and that evaluation comes first), MARGIN short of its aim."""
+        measured = self.since_costs(step, eval_interval)
+        if measured is None:
+            return None, ""
+        (step_s, evaluation_s), now = measured, clock()
+        spent_s = now - self.started_at + (evaluation_s if due else 0.0)
+        budget_s = self.minutes * 60
+        ends = spent_s + seconds_for(end - step, step_s, evaluation_s, eval_interval, step)
+        if ends <= budget_s - EXIT_S / 2 and not (due and ends < planned_seconds(budget_s) - MARGIN * budget_s):
+            return None, ""
+        fits = self.fit(step, step_s, evaluation_s, eval_interval, spent_s)
+        if fits == end:
+            return None, ""
+        self.since, self.pace = (step, now), step_s  # the next plan measures the steps after this one
+        return fits, self.measured(step_s, evaluation_s)
+
+    def since_costs(self, step: int, eval_interval: int, paced: bool = False) -> tuple[float, float] | None:
+        """(seconds a step, seconds an evaluation with its saves) measured by the steps since the latest evaluation
+        or plan, if there are enough of them (REPLAN_STEPS, or half an interval); else with paced, by the steps
+        before them (pace); else None."""
+        since_step, since = self.since
+        evaluation_s = self.evaluations[-1][1] if self.evaluations else 0.0
+        if step - since_step >= min(REPLAN_STEPS, max(1, eval_interval // 2)):
+            return (clock() - since) / (step - since_step), evaluation_s
+        return (self.pace, evaluation_s) if paced and self.pace is not None else None
+
+    def late(self, step: int, due: bool, eval_interval: int) -> str | None:
         """Once the length is fixed: why the run must end at `step`, or None. It must when one more step and the
         final evaluation would end past the budget less EXIT_S (the process's exit), the machine having slowed down
-        since the plan; due: this step evaluates anyway, and that evaluation comes first."""
-        step_s, evaluation_s = self.costs(step)
+        beyond what a new plan can fit; due: this step evaluates anyway, and that evaluation comes first. The
+        steps that measure a plan measure this too, where there are enough of them."""
+        step_s, evaluation_s = self.since_costs(step, eval_interval, paced=True) or self.costs(step)
         ahead = (2 if due else 1) * evaluation_s + step_s + EXIT_S
-        if time.perf_counter() + ahead <= self.started_at + self.minutes * 60:
+        if clock() + ahead <= self.started_at + self.minutes * 60:
             return None
-        return (f"one more step ({step_s:.3g} s now, {self.planned_step_s:.3g} s when planned) and the final "
-                f"evaluation ({evaluation_s:.3g} s) would pass the budget")
+        planned = f", {self.planned_step_s:.3g} s when planned" if self.planned_step_s is not None else ""
+        return (f"one more step ({step_s:.3g} s now{planned}) and the final evaluation ({evaluation_s:.3g} s) would "
+                f"pass the budget")

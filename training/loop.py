@@ -14,18 +14,21 @@ from tqdm import tqdm
 
 from data import Batches, PreparedData
 from model import GPT
-from runtime.checkpoint import build_checkpoint, save_checkpoint
+from runtime.checkpoint import build_checkpoint, load_checkpoint, save_checkpoint
 from runtime.devices import RESOLVED_PRECISIONS, training_dtype
 from runtime.errors import ConfigError, write_line
 
+from . import budget as clock
 from .budget import Budget
+from .planning import BudgetPlan
 from .config import Settings
 from .distributed import gather
 from .evaluation import evaluate
-from .optim import advance, decay_begins, make_optimizers, make_scheduler
+from .optim import Schedule, make_optimizers, make_scheduler, set_step
 from .rng import restore_rng, rng_state
 from .signals import StopSignals
 from .summaries import Summaries
+from .threads import ThreadChoice
 
 
 class Diverged(Exception):
@@ -36,17 +39,18 @@ class Stopped(Exception):
     """A stop signal (SIGINT, SIGTERM, SIGHUP) stopped the run after last.pt was saved."""
 
 
-class Trainer:
+class Trainer(BudgetPlan):
     """Trains one model on one process (of world_size), from step 0 or from a checkpoint's training state.
     Rank 0 alone writes checkpoints, events and progress."""
 
     def __init__(self, settings: Settings, model: GPT, data: PreparedData, device: torch.device, run_dir: Path,
                  summaries: Summaries | None, resumed: dict | None = None, rank: int = 0, world_size: int = 1,
-                 started_at: float | None = None, run_id: str | None = None):
+                 started_at: float | None = None, run_id: str | None = None, thread_counts: list[int] | None = None):
         """summaries: rank 0's TensorBoard events. A sample_prompt outside the data's vocabulary is an
         UnknownCharacterError, raised before any step. started_at: when train.max_minutes began to count, on
-        time.perf_counter()'s clock (default: now). run_id: the run directory's identity, which the checkpoints
-        record (a new one when None)."""
+        training/budget.py's clock (default: now). run_id: the run directory's identity, which the checkpoints
+        record (a new one when None). thread_counts: the counts to choose among again when the steps slow down
+        (training/threads.py); None: the count stays."""
         tc = self.tc = settings.train
         try:
             self.dtype = training_dtype(tc.precision, device)  # bfloat16: the steps and evaluations run under autocast
@@ -60,10 +64,12 @@ class Trainer:
         self.vocab = data.vocab
         self.prompt = torch.tensor([self.vocab.encode(tc.sample_prompt)], device=device)
         self.batches = Batches(data.train, model.config.block_size, tc.batch_size, device, seed=tc.seed + rank)
-        self.budget = Budget(tc.max_minutes, time.perf_counter() if started_at is None else started_at)
+        self.budget = Budget(tc.max_minutes, clock.clock() if started_at is None else started_at)
         self.optimizers = make_optimizers(model, settings.optim, fused=device.type == "cuda")
-        # With a budget, fit() fixes the length as it trains; until then the schedule is open (see make_scheduler).
-        self.schedulers = [make_scheduler(o, settings.optim, tc.max_iters) for o in self.optimizers]
+        # With a budget, fit() fixes the length as it trains, and plans it again as the speed changes; until
+        # then the schedule is open (see Schedule)
+        self.schedule = Schedule(settings.optim, tc.max_iters)
+        self.schedulers = [make_scheduler(o, self.schedule) for o in self.optimizers]
         compile_if_asked = torch.compile if tc.compile else lambda module: module
         compiled = compile_if_asked(model)
         self.model = DDP(compiled, device_ids=[device.index] if device.type == "cuda" else None) \
@@ -74,6 +80,8 @@ class Trainer:
             self.ema.update_parameters(model)  # the first update copies: the average starts at the initial weights
         self.eval_model = model if self.ema is None else self.ema.module  # evaluated, sampled and saved as `model`
         self.step, self.best_val_loss, self.last_val_loss = 0, math.inf, None  # step: optimiser steps taken
+        self.best_step, self.since_best = None, 0  # best.pt's step; evaluations since it (train.patience)
+        self.ended_by = None  # why the run ends before its max_iters, in words (train.patience)
         if resumed is not None:
             self.restore(resumed)
         self.start_step = self.step
@@ -81,6 +89,7 @@ class Trainer:
         self.autocast = torch.autocast(device.type, dtype=self.dtype) if self.dtype != torch.float32 else nullcontext()
         self.tokens_per_step = tc.batch_size * model.config.block_size * tc.grad_accum_steps * world_size
         self.signals = StopSignals()  # what fit() does on SIGINT and SIGTERM
+        self.threads = ThreadChoice(torch.get_num_threads(), thread_counts) if thread_counts else None
         self.pending = []  # (loss, grad norm, lrs, wall time) of the steps since the last log; read back in one sync
         self.summaries = summaries
 
@@ -91,13 +100,14 @@ class Trainer:
             self.raw_model.load_state_dict(state["raw_model"])
         for optimizer, optimizer_state in zip(self.optimizers, state["optimizers"], strict=True):
             optimizer.load_state_dict(optimizer_state)
-        for scheduler, scheduler_state in zip(self.schedulers, state["schedulers"], strict=True):
-            if state["config"]["train"]["max_iters"] == self.tc.max_iters:
-                scheduler.load_state_dict(scheduler_state)
-            else:  # extended (or shortened): from here on the rates of a run planned for max_iters from the start
-                advance(scheduler, state["step"])
+        # the plan it recorded; extended (or shortened): the rates of a run planned for max_iters from the start
+        same = state["config"]["train"]["max_iters"] == self.tc.max_iters
+        self.schedule.set(state.get("plan") if same and "plan" in state else self.tc.max_iters)
+        for scheduler in self.schedulers:
+            set_step(scheduler, state["step"])
         self.step, self.best_val_loss = state["step"], state["best_val_loss"]
-        if self.tc.max_iters is None:  # a budget still open: it counts the run's earlier lives too
+        self.best_step, self.since_best = state.get("best_step"), state.get("since_best", 0)
+        if self.tc.max_minutes is not None:  # a budget counts the run's earlier lives too
             self.budget.started_at -= state.get("seconds", 0.0)
         if not restore_rng(state["rng"], self.batches, self.rank, self.world_size, self.device) and self.is_master:
             print(f"resuming {len(state['rng'])} process(es) as {self.world_size}: batches and dropout draw "
@@ -112,26 +122,28 @@ class Trainer:
                 self.evaluate_and_save()
             if self.tc.max_iters is not None:  # else once the budget has fixed it
                 self.start_session()
-            self.budget.clock.append((self.step, time.perf_counter()))
+            self.budget.start(self.step)
             with tqdm(total=self.tc.max_iters, initial=self.step, unit="step", dynamic_ncols=True,
                       disable=None if self.is_master else True) as bar:  # None: no bar unless stderr is a terminal
                 while self.tc.max_iters is None or self.step < self.tc.max_iters:
                     if stop.agreed():
                         self.stop(stop.signal_name)
-                    self.train_step()
+                    self.timed_step()
                     bar.update()
-                    if self.tc.max_iters is None and self.plan_to_budget():
+                    due = self.step % self.tc.eval_interval == 0  # an evaluation this step takes anyway
+                    if self.tc.max_iters is None:
+                        self.plan_to_budget()
+                    elif self.tc.max_minutes is not None and self.step < self.tc.max_iters:
+                        self.keep_to_budget(due)
+                    if bar.total != self.tc.max_iters:
                         bar.total = self.tc.max_iters
                         bar.refresh()
-                    due = self.step % self.tc.eval_interval == 0  # an evaluation this step takes anyway
-                    ends_early = self.budget.planned_step_s is not None and self.step < self.tc.max_iters and \
-                        self.out_of_time(due)
-                    evaluating = due or self.step == self.tc.max_iters or ends_early
+                    evaluating = due or self.step == self.tc.max_iters
                     if evaluating or self.step % self.tc.log_interval == 0:
                         self.log_pending(bar)
                     if evaluating:
-                        self.evaluate_and_save(last=ends_early)
-                    if ends_early:
+                        self.evaluate_and_save()
+                    if self.ended_by:
                         break
         if self.is_master:
             self.summaries.end_session(STATUS_SUCCESS)
@@ -142,48 +154,19 @@ class Trainer:
         if self.is_master:
             self.summaries.start_session(self.settings.config, self.device.type, self.precision)
 
-    def plan_to_budget(self) -> bool:
-        """With a budget (train.max_minutes) whose length is still open: once the decay must begin, fix max_iters,
-        and the schedule with it, to the most steps that end within the budget at the speed measured so far (the
-        steps, the evaluations with their saves, the start-up). Until then the rate follows the warm-up and holds
-        at its peak, as in a run planned for those steps from the start: train.max_iters=N repeats this run
-        exactly. Whether it fixed them now."""
-        tc, oc = self.tc, self.settings.optim
-        fits, step_s, measured = self.budget.steps_that_fit(self.step, tc.eval_interval)
-        fits = gather(fits, self.world_size)[0]  # rank 0's plan
-        if decay_begins(oc, fits) > self.step:
-            return False  # the rate holds until then whatever the length: measure on
-        if fits <= oc.warmup_iters:
-            raise ConfigError(f"train.max_minutes={tc.max_minutes:g} leaves time for {fits} step{'s' * (fits != 1)} "
-                              f"here ({measured}), no more than optim.warmup_iters={oc.warmup_iters}; give a longer "
-                              f"budget")
-        steps = fits
-        while decay_begins(oc, steps) < self.step:  # the steps taken at the peak rate stay so in the plan
-            steps += 1
-        self.settings = self.settings.planned(steps, tc.max_minutes)
-        self.tc = self.settings.train
-        self.budget.planned_step_s = step_s
-        self.schedulers = [make_scheduler(o, oc, steps) for o in self.optimizers]
-        for scheduler in self.schedulers:
-            advance(scheduler, self.step)
-        if self.is_master:
-            write_line(f"train.max_minutes={tc.max_minutes:g} fits {steps} steps ({measured}); "
-                       f"train.max_iters={steps} repeats this run")
-        self.start_session()
-        return True
+    def say(self, line: str) -> None:
+        write_line(line)
 
-    def out_of_time(self, due: bool) -> bool:
-        """Once the budget has fixed the length: whether the run ends at this step, the machine having slowed down
-        since the plan (Budget.late). It ends evaluated and saved: the first steps of the plan it printed, which
-        train.resume trains on to its end. Rank 0's clock decides."""
-        why = self.budget.late(self.step, due)
-        if not gather(why is not None, self.world_size)[0]:
-            return False
-        if self.is_master:
-            write_line(f"train.max_minutes={self.tc.max_minutes:g} ends the run at step {self.step} of the "
-                       f"{self.tc.max_iters} planned: {why}; train.resume={self.run_dir} trains it on to step "
-                       f"{self.tc.max_iters}")
-        return True
+    def timed_step(self) -> None:
+        """train_step(), at the thread count that is fastest now (training/threads.py)."""
+        if self.threads is None:
+            return self.train_step()
+        self.threads.before_step()
+        self.train_step()
+        changed = self.threads.after_step()
+        if changed and self.is_master:
+            self.say(changed)
+            self.summaries.threads(self.step, self.threads.threads)
 
     def train_step(self) -> None:
         """One optimiser step over grad_accum_steps micro-batches; its values stay on the device until logged."""
@@ -229,9 +212,10 @@ class Trainer:
                                 tok_s=f"{tokens_per_sec:,.0f}", refresh=False)
         self.pending, self.timer = [], time.perf_counter()
 
-    def evaluate_and_save(self, last: bool = False) -> None:
-        """last: the run ends here before its max_iters (its budget ran out)."""
-        tc, started = self.tc, time.perf_counter()
+    def evaluate_and_save(self) -> None:
+        """Evaluate; save best.pt where val improved, and last.pt; end the run where train.patience runs out (last.pt
+        then holds best.pt's weights)."""
+        tc, started = self.tc, clock.clock()
         losses = evaluate(self.evaluated, self.data, self.raw_model.config.block_size, tc.batch_size, tc.eval_iters,
                           tc.seed + self.rank, self.device, self.autocast, self.world_size)
         if not all(math.isfinite(v) for v in losses.values()):
@@ -240,10 +224,20 @@ class Trainer:
         trained = self.step > self.start_step  # the weights as they started are saved already, or not worth it
         improved = self.last_val_loss < self.best_val_loss and trained
         if improved:  # best_val_loss is always the val loss of the model best.pt holds
-            self.best_val_loss = self.last_val_loss
-        if trained:  # best.pt first: last.pt never records a best that no checkpoint holds
-            self.save(*(["best.pt"] if improved else []), "last.pt")
-            if self.step == tc.max_iters or last:  # the run is done and saved: a signal can no longer make it fail
+            self.best_val_loss, self.best_step = self.last_val_loss, self.step
+        if trained:
+            self.since_best = 0 if improved else self.since_best + 1
+            if tc.patience is not None and self.since_best >= tc.patience and self.step < tc.max_iters:
+                self.ended_by = (f"train.patience={tc.patience}: val loss has not improved for {self.since_best} "
+                                 f"evaluations, since step {self.best_step}")
+            best = self.run_dir / "best.pt" if self.is_master else None
+            if self.ended_by and gather(best is not None and best.exists(), self.world_size)[0]:
+                self.ended_by += "; last.pt holds best.pt's weights"  # the run ends on its best weights
+                if self.is_master:
+                    save_checkpoint(load_checkpoint(best), self.run_dir / "last.pt")
+            else:  # best.pt first: last.pt never records a best that no checkpoint holds
+                self.save(*(["best.pt"] if improved else []), "last.pt")
+            if self.step == tc.max_iters or self.ended_by:  # done and saved: a signal can no longer make it fail
                 self.signals.finished()
         if self.is_master:
             self.summaries.evaluation(self.step, losses, self.best_val_loss)
@@ -252,17 +246,18 @@ class Trainer:
             write_line(f"step {self.step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
                        f"{' (best)' if improved else ''}, lr {self.schedulers[0].get_last_lr()[0]:.2e}")
         self.timer = time.perf_counter()  # tokens/s counts training only
-        self.budget.evaluated(started)
+        self.budget.evaluated(self.step, started)
 
     def save(self, *names: str) -> None:
         """Write the checkpoint to each of names in the run directory (rank 0; every process takes part)."""
         training = {"optimizers": [o.state_dict() for o in self.optimizers],
                     "schedulers": [s.state_dict() for s in self.schedulers],
-                    "step": self.step, "best_val_loss": self.best_val_loss,
+                    "step": self.step, "best_val_loss": self.best_val_loss, "plan": self.schedule.record(),
+                    "best_step": self.best_step, "since_best": self.since_best,  # (train.patience)
                     # every process's generators, so that a resumed DDP run draws what this one would
                     "rng": gather(rng_state(self.batches, self.device), self.world_size),
                     "config": self.settings.config, "run_id": self.run_id,
-                    "seconds": time.perf_counter() - self.budget.started_at}  # the run's wall-clock time so far
+                    "seconds": self.budget.spent()}  # the run's wall-clock time so far
         if self.ema is not None:
             training["raw_model"] = self.raw_model.state_dict()
         if self.is_master:

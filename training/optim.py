@@ -6,10 +6,9 @@ own peak learning rate and the same schedule.
 """
 
 import math
-import warnings
 
 import torch
-from torch.optim.lr_scheduler import ConstantLR, CosineAnnealingLR, LinearLR, SequentialLR
+from torch.optim.lr_scheduler import LambdaLR
 
 from model import GPT
 
@@ -69,30 +68,10 @@ def orthogonalize(g: torch.Tensor, coefficients: tuple[float, float, float], ste
     return wide.T if x.size(0) > x.size(1) else wide
 
 
-def make_scheduler(optimizer: torch.optim.Optimizer, oc: OptimConfig, max_iters: int | None):
-    """Linear warmup from peak / warmup_iters to the optimiser's peak lr, held there until the decay's last
-    decay_steps() steps, a cosine or linear decay to peak * min_lr / lr at max_iters: every optimiser follows the
-    same curve, scaled to its own peak. max_iters None: the length is still open (a budget fixes it as the run
-    goes), and the rate holds at its peak after the warm-up."""
-    peak = optimizer.param_groups[0]["lr"]
-    hold_iters = OPEN if max_iters is None else decay_begins(oc, max_iters) - oc.warmup_iters
-    phases, milestones = [], []
-    if oc.warmup_iters:
-        phases.append(LinearLR(optimizer, start_factor=1 / oc.warmup_iters, total_iters=oc.warmup_iters))
-        milestones.append(oc.warmup_iters)
-    if hold_iters:
-        phases.append(ConstantLR(optimizer, factor=1.0, total_iters=hold_iters))
-        milestones.append(oc.warmup_iters + hold_iters)
-    if max_iters is not None:
-        decay_iters = decay_steps(oc, max_iters)
-        phases.append(CosineAnnealingLR(optimizer, T_max=decay_iters, eta_min=peak * oc.min_lr / oc.lr)
-                      if oc.decay == "cosine" else
-                      LinearLR(optimizer, start_factor=1.0, end_factor=oc.min_lr / oc.lr, total_iters=decay_iters))
-    # a milestone where each phase but the last ends (an open schedule's hold is its last)
-    return SequentialLR(optimizer, phases, milestones[:len(phases) - 1]) if len(phases) > 1 else phases[0]
-
-
-OPEN = 10**9  # steps an open schedule holds its peak: more than any budget buys
+def make_scheduler(optimizer: torch.optim.Optimizer, schedule: "Schedule") -> LambdaLR:
+    """The optimiser's learning rate at each step: its peak times schedule.factor(step), in closed form, so that a
+    plan changed mid-run (Schedule.replan) takes effect from the next step."""
+    return LambdaLR(optimizer, lambda step: schedule.factor(step))
 
 
 def decay_steps(oc: OptimConfig, max_iters: int) -> int:
@@ -105,12 +84,68 @@ def decay_begins(oc: OptimConfig, max_iters: int) -> int:
     return max_iters - decay_steps(oc, max_iters)
 
 
-def advance(scheduler, steps: int) -> None:
-    """Take a scheduler just made to `steps` steps into its plan, as a run planned so from the start would have
-    stepped it, leaving its optimiser's learning rates there (a resumed run taking a plan of another length)."""
-    for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr(), strict=True):
-        group["lr"] = lr  # the plan's first rate: each step's rate follows from the one before
-    with warnings.catch_warnings():  # about stepping it before the optimiser, as this does on purpose
-        warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler.step\(\)` before")
-        for _ in range(steps):
-            scheduler.step()
+class Schedule:
+    """One curve for every optimiser, scaled to its own peak: a linear warm-up (warmup_iters), the peak held, a
+    cosine or linear decay to min_lr / lr at the plan's end. The plan is a list of (from step, end step): the
+    first from step 0, as planned from the start; each later one refits what is left of the decay to a new end
+    (a budget run whose speed changed), from the share of the decay done when it was made. No plan: the length
+    is still open, and the rate holds at its peak after the warm-up."""
+
+    def __init__(self, oc: OptimConfig, plan: list | int | None = None):
+        self.oc = oc
+        self.set(plan)
+
+    def set(self, plan: list | int | None) -> None:
+        """Follow `plan`: a record's [[from step, end step], ...], max_iters steps planned from the start, or None
+        (open)."""
+        self.plan = []  # (from step, end step, share of the decay done at from step, step the decay runs from)
+        for start, end in ([(0, plan)] if isinstance(plan, int) else plan or []):
+            self.replan(start, end)
+
+    @property
+    def end(self) -> int | None:
+        return self.plan[-1][1] if self.plan else None
+
+    def record(self) -> list[list[int]]:
+        """The plan as a checkpoint keeps it: [[from step, end step], ...]."""
+        return [[start, end] for start, end, _, _ in self.plan]
+
+    def replan(self, step: int, end: int) -> None:
+        """From `step` on, end at `end` (at least step): the decay's share done so far is kept, and the rest of it
+        spread over the steps left; a decay not yet begun begins where a plan of `end` steps begins it."""
+        if self.plan and not self.plan[-1][0] <= step <= end:
+            raise ValueError(f"a plan changed at step {step} must end at or after it, and after the plan's last "
+                             f"change (step {self.plan[-1][0]}); got end {end}")
+        done = self.progress(step) if self.plan else 0.0
+        begins = step if done > 0 else max(step, decay_begins(self.oc, end))
+        self.plan.append((step, end, done, begins))
+
+    def progress(self, step: int) -> float:
+        """The share of the decay done after `step` steps: 0 until it begins, 1 at the plan's end."""
+        segment = next((s for s in reversed(self.plan) if s[0] <= step), None)
+        if segment is None:
+            return 0.0
+        _, end, done, begins = segment
+        if step <= begins:
+            return done
+        return 1.0 if step >= end else done + (1 - done) * (step - begins) / (end - begins)
+
+    def factor(self, step: int) -> float:
+        """The rate after `step` steps, as a share of the peak."""
+        oc = self.oc
+        if step < oc.warmup_iters:
+            start = 1 / oc.warmup_iters
+            return start + (1 - start) * step / oc.warmup_iters
+        done = self.progress(step)
+        left = (1 + math.cos(math.pi * done)) / 2 if oc.decay == "cosine" else 1 - done  # of the way down
+        floor = oc.min_lr / oc.lr
+        return floor + (1 - floor) * left
+
+
+def set_step(scheduler: LambdaLR, step: int) -> None:
+    """Put a scheduler at `step` of its plan, its optimiser's rates with it (a resumed run)."""
+    scheduler.last_epoch = step
+    for group, base, lr_lambda in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas,
+                                      strict=True):
+        group["lr"] = base * lr_lambda(step)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]

@@ -13,7 +13,7 @@ from runtime.files import remove_stale_temporaries
 
 from .config import OptimConfig, flatten
 from .distributed import is_rank_zero
-from .optim import make_optimizers, make_scheduler
+from .optim import Schedule, make_optimizers
 from .runs import continues_in_place
 from .sizing import kept_on_resume
 
@@ -104,8 +104,7 @@ def check_restorable(contents: dict, optim: OptimConfig, max_iters: int | None) 
     if state["config"]["train"].get("ema_decay") is not None:  # model holds the average, raw_model what it averages
         model.load_state_dict(state["raw_model"])
     optimizers = make_optimizers(model, optim, fused=False)
-    for optimizer, optimizer_state, scheduler_state in zip(optimizers, state["optimizers"], state["schedulers"],
-                                                            strict=True):
+    for optimizer, optimizer_state in zip(optimizers, state["optimizers"], strict=True):
         optimizer.load_state_dict(optimizer_state)
         for group in optimizer.param_groups:
             for param in group["params"]:
@@ -113,7 +112,12 @@ def check_restorable(contents: dict, optim: OptimConfig, max_iters: int | None) 
                     if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
                         raise ValueError(f"the optimizer's {name} does not fit a weight of shape "
                                          f"{tuple(param.shape)}")
-        make_scheduler(optimizer, optim, max_iters).load_state_dict(scheduler_state)
+    if len(state["schedulers"]) != len(optimizers) or not all(isinstance(s, dict) for s in state["schedulers"]):
+        raise ValueError(f"its schedulers {state['schedulers']!r:.60} are not one state for each optimiser")
+    plan = Schedule(optim, state.get("plan") or max_iters)  # the plan the run recorded (none before plans were)
+    if plan.end != max_iters or plan.plan and plan.plan[-1][0] > state["step"]:
+        raise ValueError(f"its plan {state.get('plan')!r:.60} is not one of {max_iters} steps made by step "
+                         f"{state['step']}")
 
 
 def as_override(value) -> str:

@@ -99,17 +99,22 @@ def steps_affordable(settings: Settings, step_s: float, spent_s: float) -> int:
                         tc.eval_interval)
 
 
+def threads_fixed(settings: Settings, device: torch.device) -> str | None:
+    """Why the thread count is not timed, or None if it is (before sizing sets train.threads)."""
+    tc = settings.train
+    return ("as train.threads names" if tc.threads else "as OMP_NUM_THREADS names" if environment_threads() else
+            "a compiled step is not timed" if tc.compile and device.type == "cpu" else
+            "torch's default" if device.type != "cpu" or tc.compile or len(thread_counts()) == 1 else None)
+
+
 def choose_threads(settings: Settings, data: PreparedData, device: torch.device) -> tuple[int, str]:
     """Set torch's thread count to train.threads, or to the count whose step of these settings is fastest now;
     return the count and why it was chosen."""
-    tc = settings.train
-    fixed = tc.threads or environment_threads()
-    if fixed or device.type != "cpu" or tc.compile or len(thread_counts()) == 1:
-        torch.set_num_threads(fixed or DEFAULT_THREADS)
-        return fixed or DEFAULT_THREADS, ("as train.threads names" if tc.threads else
-                                          "as OMP_NUM_THREADS names" if fixed else
-                                          "a compiled step is not timed" if tc.compile and device.type == "cpu"
-                                          else "torch's default")
+    why = threads_fixed(settings, device)
+    if why is not None:
+        threads = settings.train.threads or environment_threads() or DEFAULT_THREADS
+        torch.set_num_threads(threads)
+        return threads, why
     threads, seconds = fastest_threads(trainer_step(settings, data, device), TIMED_STEPS)
     return threads, "the fastest now: " + ", ".join(f"{n} took {s:.3g} s a step" for n, s in seconds.items())
 

@@ -52,6 +52,7 @@ VAL_LOSS = "loss/val"
 VAL_BEST = "loss/val_best"
 LR = "optim/lr"  # AdamW's: every parameter's under optim=adamw, the embeddings' and gains' under optim=muon
 MUON_LR = "optim/lr_muon"  # Muon's, on the blocks' matrices (optim=muon only)
+PLANNED_STEPS = "optim/planned_steps"  # a budget's plan: where it was fixed and each change after
 METRICS = ((VAL_BEST, "val loss (best)"), (VAL_LOSS, "val loss (last)"))
 LOSS_CHART = "val loss: the line; train loss: the band's other edge (at each evaluation, unsmoothed)"
 ATTENTION = ("Attention of layer {layer}'s {n_head} heads (head 0 top left, then left to right and top to bottom, "
@@ -172,6 +173,14 @@ class Summaries:
             for tag, lr in zip((LR, MUON_LR), step_lrs):
                 self.writer.add_scalar(tag, lr, first_step + i, walltime)
         self.writer.add_scalar("perf/tokens_per_sec", tokens_per_sec, first_step + len(losses), walltimes[-1])
+
+    def plan(self, step: int, steps: int):
+        """A budget's plan at `step`: the run now ends at step `steps`."""
+        self.writer.add_scalar(PLANNED_STEPS, steps, step)
+
+    def threads(self, step: int, threads: int):
+        """The thread count the steps from `step` on take, chosen again (training/threads.py)."""
+        self.writer.add_scalar("perf/threads", threads, step)
 
     def evaluation(self, step: int, losses: dict[str, float], best_val_loss: float):
         self.writer.add_scalar(VAL_LOSS, losses["val"], step)

@@ -1,0 +1,63 @@
+"""A budget run's plan (train.max_minutes), as the Trainer keeps it: fixed when the learning rate must begin to
+decay, then planned again where the machine's speed changes (training/budget.py measures; this decides and says)."""
+
+from runtime.errors import ConfigError
+
+from .distributed import gather
+from .optim import decay_begins
+
+
+class BudgetPlan:
+    """The Trainer's methods that fix and change its length. They use its settings, schedule, budget, step and
+    summaries."""
+
+    def plan_to_budget(self) -> None:
+        """With a budget (train.max_minutes) whose length is still open: once the decay must begin, fix max_iters,
+        and the schedule with it, to the most steps that end within the budget at the speed measured so far (the
+        steps, the evaluations with their saves, the start-up). Until then the rate follows the warm-up and holds
+        at its peak, as in a run planned for those steps from the start: train.max_iters=N repeats this run
+        exactly, unless the speed changes later (keep_to_budget)."""
+        tc, oc = self.tc, self.settings.optim
+        fits, step_s, measured = self.budget.steps_that_fit(self.step, tc.eval_interval)
+        fits = gather(fits, self.world_size)[0]  # rank 0's plan
+        if decay_begins(oc, fits) > self.step:
+            return  # the rate holds until then whatever the length: measure on
+        if fits <= oc.warmup_iters:
+            raise ConfigError(f"train.max_minutes={tc.max_minutes:g} leaves time for {fits} step{'s' * (fits != 1)} "
+                              f"here ({measured}), no more than optim.warmup_iters={oc.warmup_iters}; give a longer "
+                              f"budget")
+        steps = fits
+        while decay_begins(oc, steps) < self.step:  # the steps taken at the peak rate stay so in the plan
+            steps += 1
+        self.budget.planned_step_s = step_s
+        self.schedule.set(steps)  # this step's rate is the open schedule's: the plan's decay begins here or later
+        self.change_plan(steps, f"train.max_minutes={tc.max_minutes:g} fits {steps} steps ({measured}); "
+                                f"train.max_iters={steps} repeats this run")
+        self.start_session()
+
+    def keep_to_budget(self, due: bool) -> None:
+        """Once the budget has fixed the length: plan it again where the machine's speed has changed (Budget.replanned),
+        the rest of the decay refitted to the new end; or end the run at this step where even one more step would
+        pass the budget (Budget.late). Rank 0's clock decides. due: this step evaluates anyway."""
+        tc = self.tc
+        why = self.budget.late(self.step, due, tc.eval_interval)
+        end, measured = self.budget.replanned(self.step, tc.max_iters, due, tc.eval_interval)
+        end, why = gather((end, why), self.world_size)[0]
+        if why is not None:
+            self.schedule.replan(self.step, self.step)
+            self.change_plan(self.step, f"train.max_minutes={tc.max_minutes:g} ends the run at step {self.step}, "
+                                        f"not {tc.max_iters} as planned: {why}")
+        elif end is not None:
+            end = max(end, self.step + 1)  # the step that fits before the budget's end, if none fits before the aim
+            self.schedule.replan(self.step, end)
+            self.change_plan(end, f"train.max_minutes={tc.max_minutes:g} plans the run again at step {self.step}: "
+                                  f"{end} steps, not {tc.max_iters} ({measured}); the learning rate reaches "
+                                  f"optim.min_lr={self.settings.optim.min_lr:g} at step {end}")
+
+    def change_plan(self, steps: int, line: str) -> None:
+        """The run's length is now `steps` (the schedule has changed with it): record it, say so (rank 0)."""
+        self.settings = self.settings.planned(steps, self.tc.max_minutes)
+        self.tc = self.settings.train
+        if self.is_master:
+            self.say(line)
+            self.summaries.plan(self.step, steps)
