@@ -481,6 +481,8 @@ def stopped_at(tmp_path: Path, data_root: Path, step: int, overrides: list[str],
 
 
 def test_a_resumed_budget_run_keeps_its_steps(tmp_path, data_root, monkeypatch):
+    """Aimed at half its budget, the plan leaves the resumed life's start-up room: it is not planned again."""
+    monkeypatch.setattr(training.budget, "MARGIN", AIM_AT_HALF)
     run_dir = tmp_path / "runs/stopped"
     stopped_at(tmp_path, data_root, 14, [*BUDGET, "optim.decay_frac=1"], run_dir)  # fixed at the warm-up's end
     planned = torch.load(run_dir / "last.pt", weights_only=True)["training"]["config"]["train"]["max_iters"]
