@@ -1,6 +1,8 @@
 """The configs the benchmarks measure, composed from conf/ exactly as train.py composes them."""
 
+import argparse
 import dataclasses
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -12,8 +14,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from data import SHAKESPEARE, PreparedData, prepare_shakespeare  # noqa: E402
 from model import GPTConfig  # noqa: E402
-from runtime.errors import fail, mistakes  # noqa: E402
-from training.config import Settings, register, validate  # noqa: E402
+from runtime.devices import choose_device  # noqa: E402
+from runtime.errors import USAGE, UsageError, fail, mistakes, one_line  # noqa: E402
+from training.config import MAX_TRAINING_SEED, Settings, register, validate  # noqa: E402
 
 TINY_SHAKESPEARE_VOCAB_SIZE = 65  # its distinct characters; the data itself is not needed to time a model
 MODEL_SHAPES = sorted(path.stem for path in (REPO / "conf" / "model").glob("*.yaml"))  # model=<shape> choices
@@ -51,6 +54,64 @@ def host() -> str:
         return fields["Model name"] + family + (f" ({vector})" if vector else "")
     except (OSError, KeyError):
         return "unknown host"
+
+
+def present_device(text: str) -> str:
+    """An argparse type: a device present on this machine (cpu, cuda, mps or auto)."""
+    try:
+        return str(choose_device(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def training_seed(text: str) -> int:
+    """An argparse type: a seed train.py takes, an integer in [0, MAX_TRAINING_SEED]."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= MAX_TRAINING_SEED:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, {MAX_TRAINING_SEED}], got {text!r}")
+    return value
+
+
+def count(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number above 0, got {text!r}")
+    return value
+
+
+def check_training(option: str, *overrides: str) -> None:
+    """Refuse, before any run starts, train.py overrides that train.py would refuse: a UsageError naming option."""
+    try:
+        settings("preset=cpu", *overrides)
+    except mistakes() as e:
+        raise UsageError(f"{option}: {one_line(e)}") from None
+
+
+def training_failed(what: str, result: subprocess.CompletedProcess) -> BaseException:
+    """A train.py run that failed, as the error to raise: status 2 where train.py found a mistake, else 1."""
+    lines = result.stderr.strip().splitlines()
+    message = f"{what} failed: {lines[-1] if lines else f'exit status {result.returncode}'}"
+    if result.returncode == USAGE:
+        return UsageError(message)
+    return SystemExit(f"{Path(sys.argv[0]).name}: error: {message}")
 
 
 def run_tool(main) -> None:

@@ -35,13 +35,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.configs import REPO, host, model_config, run_tool, shakespeare  # noqa: E402
+from bench.configs import (REPO, check_training, host, model_config, run_tool, shakespeare, training_seed,  # noqa: E402
+                           training_failed)
 from bench.curve import read_curve  # noqa: E402
 from model import GPT, build_model, kv_cache_bytes_per_token  # noqa: E402
 from model.measuring.decoder_loss import decoder_loss, teacher_forced_loss  # noqa: E402
 from model.decoding.generate import prefill  # noqa: E402
 from runtime.checkpoint import load_model  # noqa: E402
-from runtime.errors import OneLineErrorParser, positive_int  # noqa: E402
+from runtime.errors import OneLineErrorParser, UsageError, positive_int  # noqa: E402
 from model.caches.factory import new_kv_cache
 
 STEPS = 16  # one-token steps timed after the prefill, the context growing from block_size - STEPS to block_size
@@ -155,11 +156,15 @@ def train_run(overrides: list[str], seed: int, runs_dir: Path, extra: list[str])
     result = subprocess.run([sys.executable, str(REPO / "train.py"), "preset=cpu", *overrides, *extra,
                              f"train.seed={seed}", f"hydra.run.dir={run_dir}"], cwd=REPO, capture_output=True, text=True)
     if result.returncode != 0:
-        raise SystemExit(f"kv_designs.py: training {overrides} failed: {result.stderr.strip().splitlines()[-1]}")
+        raise training_failed(f"training {overrides}", result)
     return run_dir, time.time() - start
 
 
 def train(args) -> None:
+    if args.runs_dir is not None and args.runs_dir.exists() and not args.runs_dir.is_dir():
+        raise UsageError(f"--runs-dir {args.runs_dir} is a file; give a folder")
+    for key in args.designs:  # what train.py would refuse, refused before any run and any output
+        check_training(f"--train-overrides, for design {key}", *TRAINED[key][1], *args.train_overrides)
     runs_dir = args.runs_dir or Path(tempfile.mkdtemp(prefix="kv_designs-"))
     val = shakespeare().val
     n = len(val) // STREAMS * STREAMS
@@ -203,7 +208,7 @@ def main() -> None:
     s.add_argument("--designs", nargs="+", choices=list(CLASSIC), default=list(CLASSIC),
                    help="the designs to time (default: all; MHA always, for the ratios)")
     t = sub.add_parser("train", help="each design trained with the cpu preset")
-    t.add_argument("--seeds", type=int, nargs="+", default=[1337])
+    t.add_argument("--seeds", type=training_seed, nargs="+", default=[1337])
     t.add_argument("--runs-dir", type=Path, help="keep the runs here; reuse those already trained")
     t.add_argument("--repeats", type=positive_int, default=5)
     t.add_argument("--designs", nargs="+", choices=list(TRAINED), default=list(TRAINED),

@@ -24,9 +24,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.configs import REPO, host, run_tool  # noqa: E402
+from bench.configs import (REPO, check_training, host, positive_float, run_tool, training_failed,  # noqa: E402
+                           training_seed)
 from bench.curve import read_curve  # noqa: E402
-from runtime.errors import OneLineErrorParser  # noqa: E402
+from runtime.errors import OneLineErrorParser, UsageError, positive_int  # noqa: E402
 
 # The cpu preset as it was before Muon, as overrides of it: AdamW on every parameter, 900 steps, a floor under
 # the decay over all of them (README: val 1.699 in 3 min 40 s).
@@ -48,7 +49,7 @@ def run(name: str, overrides: list[str], seed: int, eval_interval: int | None, w
         log.mkdir(parents=True, exist_ok=True)
         (log / f"{plain_name}-{seed}.log").write_text(result.stdout + result.stderr)
     if result.returncode != 0:
-        raise SystemExit(f"train_quality.py: {name} failed: {result.stderr.strip().splitlines()[-1]}")
+        raise training_failed(name, result)
     curve = read_curve(run_dir)
     recorded = torch.load(run_dir / "last.pt", weights_only=True)["training"]["config"]
     trained = f"{recorded['model']['n_layer']}L, batch {recorded['train']['batch_size']}, " \
@@ -76,15 +77,22 @@ def main() -> None:
     parser = OneLineErrorParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--candidate", nargs="+", action="append", metavar=("NAME", "OVERRIDE"),
                         help="a name and train.py overrides (repeatable); default: the cpu preset and the AdamW recipe")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[1337])
-    parser.add_argument("--target", type=float, default=1.70)
-    parser.add_argument("--eval-interval", type=int, help="override every candidate's train.eval_interval")
+    parser.add_argument("--seeds", type=training_seed, nargs="+", default=[1337])
+    parser.add_argument("--target", type=positive_float, default=1.70)
+    parser.add_argument("--eval-interval", type=positive_int, help="override every candidate's train.eval_interval")
     parser.add_argument("--curves", action="store_true", help="also print each run's val loss against seconds")
     parser.add_argument("--log", type=Path, help="keep each run's output in this folder, as NAME-SEED.log")
-    parser.add_argument("--threads", type=int, help="torch's threads in each run (OMP_NUM_THREADS); 1 stands in "
-                                                     "for a machine half as fast as a 2-core one")
+    parser.add_argument("--threads", type=positive_int, help="torch's threads in each run (OMP_NUM_THREADS); 1 "
+                                                             "stands in for a machine half as fast as a 2-core one")
     args = parser.parse_args()
     candidates = {c[0]: c[1:] for c in args.candidate} if args.candidate else CANDIDATES
+    if args.log is not None and args.log.exists() and not args.log.is_dir():
+        raise UsageError(f"--log {args.log} is a file; give a folder")
+    if args.candidate and len(candidates) < len(args.candidate):
+        raise UsageError("two --candidate share a name; give each its own")
+    interval = [f"train.eval_interval={args.eval_interval}"] if args.eval_interval else []
+    for name, overrides in candidates.items():  # what train.py would refuse, refused before any run and any output
+        check_training(f"--candidate {name}", *overrides, *interval)
 
     print(f"# train.py quality: {host()}, {os.cpu_count()} cores, {args.threads or 'all'} thread(s) a run, seeds "
           f"{args.seeds}, time to val loss {args.target}")
