@@ -109,6 +109,19 @@ def fraction_of_block(text: str) -> float:
     return value
 
 
+def check_lengths(val_len: int, block: int, prompt_len: int, stream_len: int) -> None:
+    """Refuse a prompt that leaves nothing to decode, and a text or context too short for the recall task."""
+    streamed = min(val_len // STREAMS, stream_len)
+    if prompt_len >= streamed:
+        raise UsageError(f"--prompt-len {prompt_len} leaves nothing to decode in streams of {streamed} tokens "
+                         f"(--stream-len {stream_len}, the val split's {val_len} tokens in {STREAMS} streams); "
+                         f"give a --prompt-len below {streamed}")
+    if block < RECALL_AT + 2 * RECALL_LEN or val_len < STREAMS * block:
+        raise UsageError(f"the recall task needs block_size >= {RECALL_AT + 2 * RECALL_LEN} and a val split of "
+                         f"{STREAMS} x block_size tokens; this checkpoint has block_size {block} and {val_len} "
+                         "val tokens")
+
+
 def main() -> None:
     parser = OneLineErrorParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", type=existing_checkpoint, required=True, help="a run directory or .pt file")
@@ -144,6 +157,7 @@ def main() -> None:
                     from None
     policies = usable
     val = training_text(contents).val
+    check_lengths(len(val), block, args.prompt_len, args.stream_len)
     n = len(val) // STREAMS * STREAMS
     tokens = torch.from_numpy(val[:n].astype("int64")).view(STREAMS, -1)[:, :args.stream_len]
     targets = tokens[:, args.prompt_len:]
