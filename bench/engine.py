@@ -12,7 +12,6 @@ request's first token, the prefix cache's hit rate and the peak cache bytes; and
 one-by-one text.
 """
 
-import argparse
 import statistics
 import sys
 import time
@@ -23,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.configs import host, model_config, run_tool, shakespeare  # noqa: E402
 from model import GREEDY, build_model, generate_tokens, kv_cache_bytes  # noqa: E402
-from model.serving.engine import Engine  # noqa: E402
+from model.serving.engine import Engine, check_servable  # noqa: E402
 from runtime.checkpoint import existing_checkpoint, load_model, training_text  # noqa: E402
 from runtime.errors import OneLineErrorParser, UsageError, positive_int  # noqa: E402
 
@@ -95,6 +94,10 @@ def main() -> None:
     else:
         data = shakespeare()
         model, vocab, val = build_model(model_config("classic")).eval(), data.vocab, data.vocab.decode(data.val.tolist())
+    try:
+        check_servable(model)
+    except ValueError as e:
+        raise UsageError(f"--checkpoint {args.checkpoint}: {e}; give a checkpoint without them") from None
     block = model.config.block_size
     if args.new >= block:
         raise UsageError(f"--new {args.new} leaves no room for a prompt in block_size={block}")
