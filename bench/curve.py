@@ -6,6 +6,7 @@ One row per evaluation: step, seconds since the run's first logged event, the ev
 val losses, and the learning rate at that step.
 """
 
+import argparse
 import math
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.configs import run_tool  # noqa: E402
 from training.summaries import LR, TRAIN_EVAL_LOSS, VAL_LOSS  # noqa: E402
-from runtime.errors import OneLineErrorParser  # noqa: E402
+from runtime.errors import OneLineErrorParser, UsageError  # noqa: E402
 
 
 def read_curve(run_dir) -> list[dict]:
@@ -30,15 +31,21 @@ def read_curve(run_dir) -> list[dict]:
              "lr": lr.get(e.step - 1, float("nan"))} for e in events.Scalars(VAL_LOSS)]
 
 
+def run_directory(text: str) -> Path:
+    """An argparse type: a folder that exists (the event reader would take any other path for an empty run)."""
+    if not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"no folder at {text}; give a run directory of train.py")
+    return Path(text)
+
+
 def main() -> None:
     parser = OneLineErrorParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_dir", help="a run directory of train.py")
+    parser.add_argument("run_dir", type=run_directory, help="a run directory of train.py")
     args = parser.parse_args()
     try:
         curve = read_curve(args.run_dir)
     except ValueError as e:
-        print(f"curve.py: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        raise UsageError(str(e)) from None
     start = curve[0]["wall_time"]
     print("| step | seconds | train loss | val loss | lr |")
     print("|---|---|---|---|---|")

@@ -10,8 +10,8 @@ Greedy generation from a random-weight model of the classic shape (conf/model/cl
 every row (16-token prompt, 240 new). The bound times only the matmuls of every Linear, as that precision
 computes them (model/decoding/quantize.py), for one token per row, back to back: what a step would cost with no
 attention, norms, activations or Python at all. Each figure is the median of --repeats runs, with their
-spread (min-max); every ratio is taken within this run. --checkpoint: the mean loss on tiny_shakespeare's
-val split of the checkpoint's model at each precision, in float32 from logits.
+spread (min-max); every ratio is taken within this run. --checkpoint: the mean loss on the val split of
+the text the checkpoint's model was trained on, at each precision, in float32 from logits.
 """
 
 import statistics
@@ -23,11 +23,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.configs import MODEL_SHAPES, host, model_config, run_tool, shakespeare  # noqa: E402
+from bench.configs import MODEL_SHAPES, host, model_config, present_device, run_tool  # noqa: E402
 from data import Batches  # noqa: E402
 from model import GREEDY, build_model, generate  # noqa: E402
 from model.decoding.quantize import DECODING_PRECISIONS, Int8Linear, to_precision  # noqa: E402
-from runtime.checkpoint import existing_checkpoint, load_model  # noqa: E402
+from runtime.checkpoint import existing_checkpoint, load_model, training_text  # noqa: E402
 from runtime.errors import OneLineErrorParser, positive_int  # noqa: E402
 
 PROMPT_LEN = 16
@@ -106,7 +106,7 @@ def fmt(r) -> str:
 
 def main() -> None:
     parser = OneLineErrorParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", type=present_device, default="cpu")
     parser.add_argument("--shape", choices=MODEL_SHAPES, default="classic",
                         help="the model's shape, from conf/model/ (default: %(default)s)")
     parser.add_argument("--repeats", type=positive_int, default=5)
@@ -117,6 +117,8 @@ def main() -> None:
     args = parser.parse_args()
 
     device = torch.device(args.device)
+    if args.checkpoint:  # loaded, and refused, before any output
+        val = training_text(load_model(args.checkpoint, device)[2]).val
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     torch.manual_seed(0)
     fp32_state = build_model(model_config(args.shape)).state_dict()
@@ -145,9 +147,8 @@ def main() -> None:
         print_profile(model, sync)
 
     if args.checkpoint:
-        data = shakespeare()
-        losses = {p: val_loss(load_model(args.checkpoint, device, precision=p)[0], data.val) for p in DECODING_PRECISIONS}
-        print(f"\nval loss of {args.checkpoint} (tiny_shakespeare val split, 20 fixed batches of 16):")
+        losses = {p: val_loss(load_model(args.checkpoint, device, precision=p)[0], val) for p in DECODING_PRECISIONS}
+        print(f"\nval loss of {args.checkpoint} (its text's val split, 20 fixed batches of 16):")
         print("| precision | val loss | change from fp32 |")
         print("|---|---|---|")
         for p, loss in losses.items():

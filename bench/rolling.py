@@ -11,8 +11,8 @@ the learned model with keep = block_size (a refill at every token: the classic c
 Ratios are taken within each repeat; the table gives the median (min-max) over --repeats.
 
 Quality (--checkpoint, a rope checkpoint): training sees windows of block_size tokens, while the rolling cache
-sees every token's last block_size tokens through keys that themselves saw further back. On tiny_shakespeare's
-val split, over the same tokens, all past the first block_size of their stretch:
+sees every token's last block_size tokens through keys that themselves saw further back. On the val split
+of the text it was trained on, over the same tokens, all past the first block_size of their stretch:
 the loss through the rolling cache, and the loss of a full forward over exactly the block_size tokens ending at
 each one (the crop). A third figure is the loss as training measures it: every position of block_size windows.
 """
@@ -27,15 +27,16 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.configs import model_config, run_tool, shakespeare  # noqa: E402
+from bench.configs import model_config, run_tool  # noqa: E402
 from bench.decode import PROMPT_LEN  # noqa: E402
 from model import GREEDY, build_model, generate_tokens  # noqa: E402
 from model.decoding.quantize import DECODING_PRECISIONS, to_precision  # noqa: E402
-from runtime.checkpoint import existing_checkpoint, load_model  # noqa: E402
-from runtime.errors import OneLineErrorParser, positive_int  # noqa: E402
+from runtime.checkpoint import existing_checkpoint, load_model, training_text  # noqa: E402
+from runtime.errors import OneLineErrorParser, UsageError, positive_int  # noqa: E402
 from model.caches.factory import new_kv_cache
 
 ROLLING_NEW_TOKENS = 1024  # 240 inside the first block_size, 784 past it
+PAST = 512  # the quality figures: tokens scored past the first block_size of each stretch
 
 
 def token_times(model, prompt, keep=None) -> list[float]:
@@ -91,13 +92,21 @@ def fmt(values: list[float], digits: int = 1) -> str:
     return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
 
 
-@torch.no_grad()
-def rolling_quality(checkpoint: Path, stretches: int = 8, past: int = 512) -> None:
-    model, _, _ = load_model(checkpoint)
+def rope_model(checkpoint: Path) -> tuple:
+    """The checkpoint's model and its text's val split; a UsageError where the rolling cache cannot measure them."""
+    model, _, contents = load_model(checkpoint)
     if model.config.pos_emb != "rope":
-        raise SystemExit(f"rolling.py: {checkpoint} has learned positions; the rolling cache needs model.pos_emb=rope")
+        raise UsageError(f"--checkpoint {checkpoint} has learned positions; the rolling cache needs model.pos_emb=rope")
+    val = torch.from_numpy(training_text(contents).val.astype("int64"))
+    if len(val) <= model.config.block_size + PAST:
+        raise UsageError(f"--checkpoint {checkpoint}: its val split of {len(val)} tokens is too short for block_size "
+                         f"+ {PAST} tokens")
+    return model, val
+
+
+@torch.no_grad()
+def rolling_quality(checkpoint: Path, model, val: torch.Tensor, stretches: int = 8, past: int = PAST) -> None:
     block = model.config.block_size
-    val = torch.from_numpy(shakespeare().val.astype("int64"))
     length = block + past
     starts = torch.linspace(0, len(val) - length - 1, stretches).long()
     seq = torch.stack([val[s:s + length + 1] for s in starts])  # (stretches, length + 1): inputs and targets
@@ -125,15 +134,20 @@ def rolling_quality(checkpoint: Path, stretches: int = 8, past: int = 512) -> No
 def main() -> None:
     parser = OneLineErrorParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=positive_int, default=5)
-    parser.add_argument("--precision", choices=DECODING_PRECISIONS, default="fp32")
+    parser.add_argument("--precision", choices=DECODING_PRECISIONS, help="the speed's weights (default: fp32)")
     parser.add_argument("--checkpoint", type=existing_checkpoint,
                         help="a rope checkpoint: val loss through the rolling cache")
     parser.add_argument("--no-speed", action="store_true", help="only the --checkpoint quality figures")
     args = parser.parse_args()
+    if args.no_speed and not args.checkpoint:
+        parser.error("--no-speed leaves nothing to measure without --checkpoint")
+    if args.no_speed and args.precision:
+        parser.error("--precision sets the speed's weights, and --no-speed measures no speed: drop one")
+    checked = rope_model(args.checkpoint) if args.checkpoint else None  # refused before any output
     if not args.no_speed:
-        speed(args.precision, args.repeats)
-    if args.checkpoint:
-        rolling_quality(args.checkpoint)
+        speed(args.precision or "fp32", args.repeats)
+    if checked:
+        rolling_quality(args.checkpoint, *checked)
 
 
 if __name__ == "__main__":

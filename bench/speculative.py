@@ -157,22 +157,27 @@ def main() -> None:
     args = parser.parse_args()
     if not args.ceiling_only and args.checkpoint is None:
         parser.error("--checkpoint is needed for the decoding table (or --ceiling-only)")
-
+    if args.ceiling_only and (args.draft or args.compiled):
+        parser.error(f"--{'draft' if args.draft else 'compiled'} is for the decoding table: drop it or --ceiling-only")
+    if args.context > (block := model_config("classic").block_size):
+        parser.error(f"--context {args.context} is past the classic shape's block_size {block}")
+    if not args.ceiling_only:  # every checkpoint loaded, and refused, before any output
+        model, vocab, contents = load_model(args.checkpoint, torch.device("cpu"))
+        text = training_text(contents).train
+        draft = load_model(args.draft, torch.device("cpu")) if args.draft else None
+        if draft and draft[1] != vocab:
+            parser.error(f"--draft {args.draft} has another vocabulary than --checkpoint")
     print(f"# speculative decoding benchmark: {host()}, torch {torch.__version__}, {torch.get_num_threads()} "
           f"threads, cpu, batch 1, median (min-max) of {args.repeats}{', compiled' if args.compiled else ''}")
     if not args.ceiling_only:
-        model, vocab, contents = load_model(args.checkpoint, torch.device("cpu"))
         drafts = {"prompt lookup": PromptLookup()}
         start = time.perf_counter()
-        table = NGramTable(torch.from_numpy(training_text(contents).train.astype("int64")), model.config.vocab_size)
+        table = NGramTable(torch.from_numpy(text.astype("int64")), model.config.vocab_size)
         print(f"\nthe n-gram draft's table: order {table.order}, min_count {table.min_count}, "
               f"{table.nbytes / 2**20:.1f} MiB, counted in {time.perf_counter() - start:.2f} s")
         drafts[f"n-gram, order {table.order}"] = table
-        if args.draft:
-            draft, draft_vocab, _ = load_model(args.draft, torch.device("cpu"))
-            if draft_vocab != vocab:
-                parser.error(f"--draft {args.draft} has another vocabulary than --checkpoint")
-            drafts[f"draft {args.draft}"] = draft
+        if draft:
+            drafts[f"draft {args.draft}"] = draft[0]
         print(f"\ndecoding: {args.checkpoint}, {args.new_tokens} new tokens after {BENCH_PROMPT!r}")
         verify_passes = decoding_table(model, vocab, drafts, args.new_tokens, args.repeats, args.compiled)
         if args.compiled:

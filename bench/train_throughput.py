@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.configs import host, run_tool, settings, shakespeare  # noqa: E402
+from bench.configs import count, host, present_device, run_tool, settings, shakespeare  # noqa: E402
 from data import PreparedData  # noqa: E402
 from model import build_model  # noqa: E402
 from training.config import TRAINING_PRECISIONS, Settings  # noqa: E402
@@ -55,11 +55,11 @@ def measure(shape: Settings, data: PreparedData, device: torch.device, warmup: i
 
 def main() -> None:
     parser = OneLineErrorParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", type=present_device, default="cpu")
     parser.add_argument("--steps", type=positive_int, default=20, help="timed steps per shape and mode")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation included)")
-    parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--precisions", nargs="*", default=["auto"], choices=TRAINING_PRECISIONS,
+    parser.add_argument("--warmup", type=count, default=3, help="untimed steps first (compilation included)")
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--precisions", nargs="+", default=["auto"], choices=TRAINING_PRECISIONS,
                         help="train.precision for each shape (auto: what train.py picks on this machine)")
     args = parser.parse_args()
 
