@@ -1,5 +1,8 @@
-"""Atomic file writes: a reader sees the old file or the new one, never half of one."""
+"""Atomic file writes: a reader sees the old file or the new one, never half of one. And a file that one process
+at a time may take up and write (locked)."""
 
+import contextlib
+import fcntl
 import os
 import re
 import socket
@@ -33,6 +36,42 @@ def write_atomically(path, write) -> Path:
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+class Locked(Exception):
+    """The file is locked by another process, whose id is `holder` (None: unknown)."""
+
+    def __init__(self, path: Path, holder: int | None):
+        super().__init__(f"{path} is locked by process {holder}")
+        self.path, self.holder = path, holder
+
+
+@contextlib.contextmanager
+def locked(path):
+    """While inside, this process alone holds `path`: an flock on .<name>.lock beside it, which says the holder's
+    process id and is removed on leaving. Locked if another process holds it. A process that dies lets go of its
+    lock with it: the file it leaves is taken over."""
+    path = Path(path)
+    lock = path.with_name(f".{path.name}.lock")
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 20).decode(errors="replace")
+            os.close(fd)
+            raise Locked(path, int(holder) if holder.isdigit() else None) from None
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(lock).st_ino == os.fstat(fd).st_ino:
+                break  # the file locked is still the one named .<name>.lock: not removed by a holder as it left
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        yield path
+    finally:
+        lock.unlink(missing_ok=True)  # before letting go: whoever waits on this file then takes a new one
+        os.close(fd)
 
 
 def cannot_make_a_file_in(folder) -> OSError | None:

@@ -23,7 +23,7 @@ from model.serving.speculative import SpeculativeStats, speculative_generate
 from runtime.checkpoint import trained_on
 from runtime.errors import UsageError, silence
 from .options import cache_for, drafts_per_pass
-from .output import checked, continue_lines, interact, keep_session, take_up, write_samples
+from .output import checked, continue_lines, held, interact, keep_session, take_up, write_samples
 from .setup import kept_or_compiled_step
 
 CHUNK = 64  # tokens read back from the device at once when the output is no terminal: each read is a sync
@@ -100,23 +100,24 @@ def interactive(loaded: Loaded) -> None:
         conversation = Conversation(model, sampling=loaded.sampling, generator=loaded.generator, keep=args.keep)
     except ValueError as e:  # its messages name the argument, as the options do
         raise UsageError(e) from None
-    if args.session is not None and args.session.exists():
-        if args.prompt is not None or args.prompt_file is not None:
-            raise UsageError(f"--session {args.session} goes on from its own text: drop --prompt")
-        take_up(conversation, args.session, loaded.path, model)
-    else:  # the prompt is the text from the start: a session ended before any line keeps it
-        list(conversation.reply(loaded.prompt_ids, 0))
-    announce(loaded)
-    step = kept_or_compiled_step(args, model, conversation.text.cache)
-    if step is not None:
-        conversation.decode_through(step)
+    with held(args.session):  # one process at a time takes the session up and saves it
+        if args.session is not None and args.session.exists():
+            if args.prompt is not None or args.prompt_file is not None:
+                raise UsageError(f"--session {args.session} goes on from its own text: drop --prompt")
+            take_up(conversation, args.session, loaded.path, model)
+        else:  # the prompt is the text from the start: a session ended before any line keeps it
+            list(conversation.reply(loaded.prompt_ids, 0))
+        announce(loaded)
+        step = kept_or_compiled_step(args, model, conversation.text.cache)
+        if step is not None:
+            conversation.decode_through(step)
 
-    def converse():
-        sys.stdin.reconfigure(errors="surrogateescape")  # bytes that are not UTF-8 cost their line, no more
-        interact(conversation, vocab, args.max_new_tokens, sys.stdout)
+        def converse():
+            sys.stdin.reconfigure(errors="surrogateescape")  # bytes that are not UTF-8 cost their line, no more
+            interact(conversation, vocab, args.max_new_tokens, sys.stdout)
 
-    if written(vocab, converse) and args.session is not None:
-        keep_session(args.session, conversation, loaded.path, model)
+        if written(vocab, converse) and args.session is not None:
+            keep_session(args.session, conversation, loaded.path, model)
 
 
 def each_line(loaded: Loaded) -> None:

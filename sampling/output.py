@@ -15,6 +15,7 @@ from model import GPT, Sampling
 from model.serving.conversation import Conversation
 from model.serving.engine import Engine
 from runtime.errors import UsageError
+from runtime.files import Locked, locked
 from .options import encode_prompt
 from .session import SessionError, load_session, save_session
 
@@ -129,6 +130,24 @@ def interact(conversation: Conversation, vocab: CharVocab, max_new_tokens: int, 
                 out.flush()
                 if stopped.is_set():
                     break
+
+
+@contextlib.contextmanager
+def held(session: Path | None):
+    """While inside, this process alone takes up and saves session (runtime/files.py: locked), whatever name
+    (a link, another spelling of its path) another process gives it; another holding it is refused in one line."""
+    with contextlib.ExitStack() as stack:
+        if session is not None:
+            try:
+                stack.enter_context(locked(session.resolve()))
+            except Locked as e:
+                holder = f"process {e.holder}" if e.holder else "another process"
+                raise UsageError(f"--session {session} is in use by {holder}: end that session first, or choose "
+                                 f"another file") from None
+            except OSError as e:
+                raise UsageError(f"--session {session}: cannot lock it ({e.strerror or e}); choose another "
+                                 f"folder") from None
+        yield
 
 
 def take_up(conversation: Conversation, session: Path, checkpoint: Path, model: GPT) -> None:

@@ -55,7 +55,8 @@ def save_session(path, state: dict, checkpoint, model) -> Path:
     """Write a Conversation.state() atomically, with what identifies the model that made it and a checksum."""
     contents = {"format": FORMAT, "checkpoint": str(checkpoint), "weights": fingerprint(model), **state}
     contents["checksum"] = checksum(contents)
-    return write_atomically(path, lambda file: torch.save(contents, file))
+    # through a link, the file it names is written: the link stays, and names the new file
+    return write_atomically(Path(path).resolve(), lambda file: torch.save(contents, file))
 
 
 def load_session(path, checkpoint, model) -> dict:

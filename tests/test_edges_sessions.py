@@ -10,7 +10,7 @@ import torch
 
 from model.serving.conversation import Conversation
 from sampling.session import checksum
-from test_sample import ENV, SAMPLE, assert_usage_error
+from test_sample import ENV, SAMPLE, VOCAB, assert_usage_error
 from test_sample_sessions_and_lines import chat, models  # noqa: F401  models: a fixture
 from tiny_models import random_model, random_tokens
 
@@ -107,3 +107,60 @@ def test_a_new_session_keeps_its_prompt_from_the_start(models, tmp_path, first_r
     later = chat(models["model"], line, "--session", session)
     assert later.returncode == 0, later.stderr
     assert later.stdout == whole.stdout
+
+
+def started_chat(checkpoint, session, *args) -> subprocess.Popen:
+    """A --interactive session that has taken up (or started) session and waits for its first line."""
+    process = subprocess.Popen([sys.executable, str(SAMPLE), "--checkpoint", str(checkpoint), "--interactive",
+                                "--temperature", "0", "--max-new-tokens", "20", "--session", str(session), *args],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV,
+                               text=True)
+    for line in process.stderr:
+        if line.startswith("type a line"):
+            return process
+    process.kill()
+    raise AssertionError(f"the session did not start: {process.communicate()}")
+
+
+def test_one_process_at_a_time_takes_up_and_saves_a_session_under_any_of_its_names(models, tmp_path):
+    """A second process on the same session, named by the same path, another spelling of it or a link to it, is
+    refused in one line before any output; the first saves its turn, and the second can then take it up. A session
+    started by no one yet (no file) is held as well."""
+    session = tmp_path / "chat.pt"
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "link.pt").symlink_to(session)
+    text = "\n"  # the default prompt
+    for existing in (False, True):
+        first = started_chat(models["model"], session)
+        try:
+            for name in (session, tmp_path / "sub/../chat.pt", tmp_path / "link.pt"):
+                second = chat(models["model"], "All:\n", "--session", name)
+                assert_usage_error(second, f"--session {name} is in use by process {first.pid}: end that session "
+                                           f"first, or choose another file")
+                assert second.stdout == "" and session.exists() == existing
+            first.communicate("All:\n", timeout=300)
+        finally:
+            first.kill()
+        assert first.returncode == 0
+        saved = VOCAB.decode(torch.load(session, weights_only=True)["tokens"].tolist())
+        assert saved.startswith(text + "All:\n") and len(saved) > len(text + "All:\n")  # its turn, and all before
+        text = saved
+    later = chat(models["model"], "Speak.\n", "--session", tmp_path / "link.pt")
+    assert later.returncode == 0, later.stderr
+    assert (tmp_path / "link.pt").is_symlink()  # saving through the link wrote the file it names
+    assert VOCAB.decode(torch.load(session, weights_only=True)["tokens"].tolist()).startswith(text + "Speak.\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.pt", "link.pt", "sub"]  # no lock file left
+
+
+def test_a_session_whose_process_was_killed_is_taken_up_by_the_next(models, tmp_path):
+    """The lock goes with the process that held it: kill -9 leaves its file, which the next process takes over."""
+    session = tmp_path / "chat.pt"
+    assert chat(models["model"], "First Citizen:\n", "--session", session).returncode == 0
+    saved = session.read_bytes()
+    first = started_chat(models["model"], session)
+    first.kill()
+    first.communicate()
+    assert (tmp_path / ".chat.pt.lock").exists() and session.read_bytes() == saved
+    later = chat(models["model"], "All:\n", "--session", session)
+    assert later.returncode == 0, later.stderr
+    assert not (tmp_path / ".chat.pt.lock").exists()
