@@ -47,7 +47,8 @@ def sample(args) -> None:
     # without --checkpoint: the newest under the working directory, where train.py writes
     path = resolve_checkpoint(args.checkpoint) if args.checkpoint else find_latest_checkpoint("runs")
     model, vocab, contents = load_model(path, device, precision=args.precision)
-    prompt_ids = encode_prompt(vocab, prompt)
+    prompt_ids = encode_prompt(vocab, prompt, "the prompt" if args.prompt or args.prompt_file else
+                               "the default prompt (give --prompt)")
     if args.max_new_tokens is None:
         args.max_new_tokens = model.config.block_size // 2 if args.each_line else MAX_NEW_TOKENS
     if args.each_line:

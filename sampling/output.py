@@ -63,11 +63,12 @@ def write_samples(steps, prompt: str, vocab: CharVocab, num_samples: int, out, e
 
 def continue_lines(model: GPT, vocab: CharVocab, text: str, max_new_tokens: int, sampling: Sampling,
                    generator: torch.Generator, out) -> tuple[Engine, int]:
-    """--each-line: each line of text with characters in it, with its newline, continued by max_new_tokens tokens
-    (its last block_size - max_new_tokens are read), the lines decoded together. Each is written as soon as it and
-    those before it are done."""
+    """--each-line: each line of text with characters in it, with its newline (where the vocabulary has one),
+    continued by max_new_tokens tokens (its last block_size - max_new_tokens are read), the lines decoded together.
+    Each is written as soon as it and those before it are done."""
     block = model.config.block_size
-    lines = [line + "\n" for line in text.splitlines() if line.strip()]
+    newline = "\n" if "\n" in vocab.chars else ""  # a text with no newline is continued on the line
+    lines = [line + newline for line in text.splitlines() if line.strip()]
     engine = Engine(model, n_blocks=EACH_LINE_BATCH * -(-block // BLOCK_TOKENS), block_tokens=BLOCK_TOKENS,
                     max_batch=EACH_LINE_BATCH, sampling=sampling, generator=generator)
     requests = [engine.add(i, vocab.encode(line)[-(block - max_new_tokens):], max_new_tokens)
