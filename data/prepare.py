@@ -44,7 +44,7 @@ FORMAT = "kvgpt-chars-uint16-v2"  # bump when the layout of the prepared files c
 TOKEN_DTYPE = np.uint16
 DOWNLOAD_TIMEOUT_S = 60
 STALE_STAGING_S = 3600
-MACHINE_FAILURES = (errno.ENOSPC, errno.EDQUOT, errno.EIO)  # errors of the disk, not of the folder chosen
+MACHINE_FAILURES = (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG)  # the disk's or the system's, not the folder's
 
 
 @dataclass(frozen=True)
@@ -230,7 +230,7 @@ def _encode(text: str, source: Path, root: Path, sha256: str, val_fraction: floa
     (root / "meta.json").unlink(missing_ok=True)
     with _staging(root) as staging:
         for split, split_tokens in splits.items():
-            split_tokens.tofile(staging / f"{split}.bin")
+            (staging / f"{split}.bin").write_bytes(split_tokens.tobytes())  # tofile's short write has no errno
             meta[f"{split}_tokens"] = len(split_tokens)
             meta[f"{split}_sha256"] = _file_sha256(staging / f"{split}.bin")
         (staging / "meta.json").write_text(json.dumps(meta, indent=1))
