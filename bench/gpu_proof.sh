@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU proof, in one short run on a fresh CUDA machine: bash bench/gpu_proof.sh [minutes, 8 unless given]
-# 1. Decoding speed, every path in one process (bench/gpu_decode.py): kvgpt eager, captured as a CUDA graph and
-#    uncached, and Hugging Face's GPT-2 eager and with a static cache compiled, at batches 1 and 64.
+# 1. Decoding speed, every path in one process (bench/gpu_decode.py), at batches 1 and 64: kvgpt eager, captured
+#    by hand as a CUDA graph, compiled with reduce-overhead, the engine's bucket graphs and uncached, in fp32, bf16
+#    and int8; Hugging Face's GPT-2 eager and with a static cache compiled; a profile of the uncached step.
 # 2. The cuda tests (python -m pytest -m cuda).
 # 3. The main job, python train.py: its wall time, best val loss and last val loss.
 # 4. Its checkpoint's fp32 greedy text cached, uncached and through the captured step, compared.
@@ -31,8 +32,8 @@ rm -rf "$run"
 deadline=$((SECONDS + minutes * 60))
 
 say() { echo "$*" | tee -a "$out/summary.txt"; }
-bounded() {  # runs a command within the time left; timeout stops the command's whole process group
-    local left=$((deadline - SECONDS))
+bounded() {  # bounded SECONDS COMMAND...: within those seconds and the time left; timeout stops its process group
+    local left=$((deadline - SECONDS)); (($1 < left)) && left=$1; shift
     ((left > 5)) || { echo "gpu_proof.sh: no time left for: $*" >&2; return 124; }
     timeout -k 5 "$left" "$@" & wait $!  # waited for in the background, so that a signal is handled at once
 }
@@ -41,21 +42,21 @@ trap 'say "## stopped by a signal at $SECONDS s"; kill $(descendants $$) 2>/dev/
 
 say "# $("$python" -c "import torch; print(torch.cuda.get_device_name(), 'torch', torch.__version__)"), within $minutes minutes"
 
-bounded "$python" bench/gpu_decode.py >"$out/decode.md" 2>&1; decode_rc=$?
+bounded 200 "$python" bench/gpu_decode.py >"$out/decode.md" 2>&1; decode_rc=$?
 say "## decoding speed (rc $decode_rc, at $SECONDS s)"; cat "$out/decode.md" >>"$out/summary.txt"
 
-bounded "$python" -m pytest -q -m cuda -p no:cacheprovider >"$out/cuda-tests.log" 2>&1; tests_rc=$?
+bounded 80 "$python" -m pytest -q -m cuda -p no:cacheprovider >"$out/cuda-tests.log" 2>&1; tests_rc=$?
 say "## the cuda tests (rc $tests_rc, at $SECONDS s): $(tail -n 1 "$out/cuda-tests.log")"
 
 start=$SECONDS
-bounded "$python" train.py hydra.run.dir="$run" >"$out/train.log" 2>&1; train_rc=$?
+bounded 170 "$python" train.py hydra.run.dir="$run" >"$out/train.log" 2>&1; train_rc=$?
 say "## python train.py (rc $train_rc), $((SECONDS - start)) s start to end: $(tr '\r' '\n' <"$out/train.log" | grep "^done:" | tail -n 1)"
 
 texts_rc=1
 if [ "$train_rc" = 0 ]; then
     for way in cached uncached captured; do
         flags=(); [ $way = uncached ] && flags=(--no-kv-cache); [ $way = cached ] && flags=(--no-compile)
-        bounded "$python" sample.py --checkpoint "$run" --device cuda --seed 1 --temperature 0 --max-new-tokens 600 \
+        bounded 20 "$python" sample.py --checkpoint "$run" --device cuda --seed 1 --temperature 0 --max-new-tokens 600 \
             --prompt "ROMEO:" "${flags[@]}" >"$out/text-$way.txt" 2>>"$out/texts.log"
     done
     if cmp -s "$out/text-cached.txt" "$out/text-uncached.txt" && cmp -s "$out/text-cached.txt" "$out/text-captured.txt"
