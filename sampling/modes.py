@@ -125,12 +125,18 @@ def each_line(loaded: Loaded) -> None:
     (sampling/output.py: continue_lines)."""
     args = loaded.args
     announce(loaded)
-    on, start = decoded_on(loaded, None), time.perf_counter()  # the engine decodes eagerly
+    on, start = decoded_on(loaded, None), time.perf_counter()
 
     def continue_them():  # the summary too is said within the writing's guard
         engine, n_lines = continue_lines(loaded.model, loaded.vocab, loaded.prompt, args.max_new_tokens,
-                                         loaded.sampling, loaded.generator, sys.stdout)
+                                         loaded.sampling, loaded.generator, sys.stdout,
+                                         buckets=False if args.compile is False else None)
         seconds, pool, stats = time.perf_counter() - start, engine.pool, engine.stats
+        graphs = engine.buckets.graphs if engine.buckets is not None else ()
+        if graphs:  # captured when the engine started: no token's time
+            seconds -= engine.buckets.capture_seconds
+            print(f"captured the decoding step as {len(graphs)} CUDA graphs, one per batch bucket, in "
+                  f"{engine.buckets.capture_seconds:.2f} s (--no-compile decodes eagerly)", file=sys.stderr)
         tokens = n_lines * args.max_new_tokens
         print(f"{tokens} tokens for {n_lines} lines {timed(tokens, seconds, args.precision)}, a pool of "
               f"{pool.n_blocks} blocks of {pool.block_tokens} tokens ({pool.nbytes / 2**20:.2f} MiB, at most "

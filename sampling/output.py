@@ -62,15 +62,16 @@ def write_samples(steps, prompt: str, vocab: CharVocab, num_samples: int, out, e
 
 
 def continue_lines(model: GPT, vocab: CharVocab, text: str, max_new_tokens: int, sampling: Sampling,
-                   generator: torch.Generator, out) -> tuple[Engine, int]:
+                   generator: torch.Generator, out, buckets: bool | None = None) -> tuple[Engine, int]:
     """--each-line: each line of text with characters in it, with its newline (where the vocabulary has one),
     continued by max_new_tokens tokens (its last block_size - max_new_tokens are read), the lines decoded together.
-    Each is written as soon as it and those before it are done."""
+    Each is written as soon as it and those before it are done. buckets: as Engine takes it (on CUDA by default,
+    each bucket's step captured)."""
     block = model.config.block_size
     newline = "\n" if "\n" in vocab.chars else ""  # a text with no newline is continued on the line
     lines = [line + newline for line in text.splitlines() if line.strip()]
     engine = Engine(model, n_blocks=EACH_LINE_BATCH * -(-block // BLOCK_TOKENS), block_tokens=BLOCK_TOKENS,
-                    max_batch=EACH_LINE_BATCH, sampling=sampling, generator=generator)
+                    max_batch=EACH_LINE_BATCH, sampling=sampling, generator=generator, buckets=buckets)
     requests = [engine.add(i, vocab.encode(line)[-(block - max_new_tokens):], max_new_tokens)
                 for i, line in enumerate(lines)]
     written = 0

@@ -10,6 +10,8 @@ On CUDA each bucket's pass is captured once (model/decoding/cuda_graph.py); else
 pass, which is how the CPU tests prove it.
 """
 
+import time
+
 import torch
 
 from ..decoding.cuda_graph import record
@@ -34,11 +36,12 @@ class DecodeBuckets:
                            torch.full((n, width), self.scratch_block, device=device),  # block tables (n, width)
                            torch.zeros(n, dtype=torch.long, device=device))  # tokens fed before (n,)
                        for n in bucket_sizes(max_batch)}
-        self.graphs = {}
+        self.graphs, start = {}, time.perf_counter()
         if capture:
             shared = torch.cuda.graph_pool_handle()  # one step at a time reads its logits
             for n, inputs in self.inputs.items():  # every table points at scratch: warm-ups write nothing else
                 self.graphs[n] = record(self.run, list(inputs), [], shared)
+        self.capture_seconds = time.perf_counter() - start  # not decoding time: callers leave it out of tokens/s
 
     def run(self, ids, table, fed):
         """ids (n, 1), table (n, width), fed (n,) -> the logits of each row's next token (n, vocab_size)."""
