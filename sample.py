@@ -21,6 +21,8 @@ inputs is one line on stderr with exit status 2 (sampling/options.py checks them
 be written (a full disk) is one line with status 1; a reader that stops early (`| head`) ends sampling quietly.
 """
 
+import signal
+
 from model import Sampling
 from runtime.checkpoint import find_latest_checkpoint, load_model, resolve_checkpoint
 from runtime.devices import choose_device
@@ -72,4 +74,7 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:  # only the exit is left: a Ctrl-C now would interrupt its atexit callbacks, with a traceback
+        signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -116,7 +116,13 @@ def interactive(loaded: Loaded) -> None:
             sys.stdin.reconfigure(errors="surrogateescape")  # bytes that are not UTF-8 cost their line, no more
             interact(conversation, vocab, args.max_new_tokens, sys.stdout)
 
-        if written(vocab, converse) and args.session is not None:
+        try:
+            ended = written(vocab, converse)
+        except KeyboardInterrupt:  # between two replies: the turns so far are saved all the same
+            if args.session is not None:
+                keep_session(args.session, conversation, loaded.path, model)
+            raise
+        if ended and args.session is not None:
             keep_session(args.session, conversation, loaded.path, model)
 
 

@@ -37,7 +37,8 @@ def checked(steps):
 def write_samples(steps, prompt: str, vocab: CharVocab, num_samples: int, out, every: int) -> None:
     """Write the samples as they are generated: a lone one as it grows, its tokens read back from the device
     every `every` steps; samples generated side by side, one after another at the end. Ctrl-C stops the
-    generation; what it had generated is written before the KeyboardInterrupt goes on."""
+    generation between two steps; what it had generated is written (a second Ctrl-C cannot stop that), then
+    KeyboardInterrupt is raised."""
     texts, pending = [prompt] * num_samples, []  # text not yet written; the newest tokens, still on the device
 
     def read_back():
@@ -45,19 +46,18 @@ def write_samples(steps, prompt: str, vocab: CharVocab, num_samples: int, out, e
         pending.clear()
         return [text + vocab.decode(row) for text, row in zip(texts, rows)]
 
-    interrupted = False
-    try:
+    with ctrl_c_sets_flag() as stopped:
         for next_ids in steps:
             pending.append(next_ids)
             if num_samples == 1 and len(pending) == every:
                 out.write(read_back()[0])
                 out.flush()
                 texts = [""]
-    except KeyboardInterrupt:
-        interrupted = True
-    out.write(SAMPLE_SEPARATOR.join(text + "\n" for text in read_back()))
-    out.flush()
-    if interrupted:
+            if stopped.is_set():
+                break
+        out.write(SAMPLE_SEPARATOR.join(text + "\n" for text in read_back()))
+        out.flush()
+    if stopped.is_set():
         raise KeyboardInterrupt
 
 
@@ -75,19 +75,29 @@ def continue_lines(model: GPT, vocab: CharVocab, text: str, max_new_tokens: int,
     requests = [engine.add(i, vocab.encode(line)[-(block - max_new_tokens):], max_new_tokens)
                 for i, line in enumerate(lines)]
     written = 0
-    for _ in engine.run():
-        while written < len(lines) and requests[written].drawn == max_new_tokens:
-            continuation = vocab.decode(requests[written].tokens[requests[written].prompt_len:])
-            out.write((SAMPLE_SEPARATOR if written else "") + lines[written] + continuation + "\n")
-            out.flush()
-            written += 1
+
+    def write_next():  # the next line in the file's order, with what it has drawn
+        nonlocal written
+        continuation = vocab.decode(requests[written].tokens[requests[written].prompt_len:])
+        out.write((SAMPLE_SEPARATOR if written else "") + lines[written] + continuation + "\n")
+        out.flush()
+        written += 1
+
+    with ctrl_c_sets_flag() as stopped:  # Ctrl-C: the lines begun are written as far as they got
+        for _ in engine.run():
+            while written < len(lines) and requests[written].drawn == max_new_tokens:
+                write_next()
+            if stopped.is_set():
+                while written < len(lines) and requests[written].drawn:
+                    write_next()
+                raise KeyboardInterrupt
     return engine, len(lines)
 
 
 @contextlib.contextmanager
 def ctrl_c_sets_flag():
-    """While inside, Ctrl-C sets the flag yielded instead of raising KeyboardInterrupt: a reply then ends between
-    two tokens, with the conversation whole."""
+    """While inside, Ctrl-C sets the flag yielded instead of raising KeyboardInterrupt: sampling or a reply then
+    ends between two tokens, with the text whole, and a second Ctrl-C cannot stop what the first keeps."""
     flag = threading.Event()
     previous = signal.signal(signal.SIGINT, lambda signum, frame: flag.set())
     try:
@@ -167,9 +177,11 @@ def take_up(conversation: Conversation, session: Path, checkpoint: Path, model: 
 
 
 def keep_session(session: Path, conversation: Conversation, checkpoint: Path, model: GPT) -> None:
-    """Save the conversation to session; a failed save leaves the file there as it was, and says so."""
+    """Save the conversation to session; a failed save leaves the file there as it was, and says so. A Ctrl-C
+    cannot stop the save: only the exit is left after it."""
     try:
-        save_session(session, conversation.state(), checkpoint, model)
+        with ctrl_c_sets_flag():
+            save_session(session, conversation.state(), checkpoint, model)
     except OSError as e:  # a full disk, ...
         raise OSError(f"cannot save the session to {session} ({e.strerror or e}); the file there is as it "
                       f"was") from None

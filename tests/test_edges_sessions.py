@@ -31,7 +31,8 @@ def flipped(cache: dict) -> dict:
 
 @pytest.mark.parametrize("change, fragment", [
     ("keys flipped", "is damaged: what it holds no longer matches its checksum"),
-    ("float tokens", "is damaged (state['tokens'] must be a 1-D tensor of token ids (int64), got ({n},) torch.float32)"),
+    ("float tokens", "is damaged (state['tokens'] must be a 1-D tensor of token ids (int64), got ({n},) "
+                     "torch.float32)"),
     ("an id outside", "is damaged (state['tokens'] holds ids outside the vocabulary (0..34): 999)"),
     ("2-D tokens", "is damaged (state['tokens'] must be a 1-D tensor of token ids (int64), got (1, {n})"),
     ("start past the text", "is damaged (the saved cache holds tokens 100 to {fed} of a text of {n})"),

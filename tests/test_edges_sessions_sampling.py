@@ -1,6 +1,9 @@
 """Edges of sampling: a model converted for decoding is never converted again, --each-line on a vocabulary
 without a newline, and Ctrl-C keeping what was generated in every mode."""
 
+import io
+import os
+import signal
 import subprocess
 import sys
 
@@ -10,8 +13,11 @@ import torch
 from data import CharVocab
 from model import GREEDY, GPTConfig, build_model, generate
 from model.decoding.quantize import to_precision
-from runtime.checkpoint import build_checkpoint, save_checkpoint
+from model.serving.engine import Engine
+from runtime.checkpoint import build_checkpoint, load_model, save_checkpoint
+from sampling.output import SAMPLE_SEPARATOR, continue_lines, write_samples
 from test_sample import ENV, SAMPLE, assert_usage_error
+from test_sample_sessions_and_lines import chat, models  # noqa: F401  models: a fixture
 from tiny_models import random_model, random_tokens
 
 
@@ -63,3 +69,95 @@ def test_the_default_prompt_that_the_vocabulary_lacks_asks_for_a_prompt(no_newli
     assert_usage_error(result, "the default prompt (give --prompt) has characters not in the checkpoint's "
                                "vocabulary: '\\n'")
     assert result.stdout == ""
+
+
+def ctrl_c():
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+@pytest.mark.parametrize("num_samples", [1, 4])
+def test_ctrl_c_writes_what_sampling_generated_even_if_pressed_again_as_it_is_written(num_samples):
+    """In-process, so that Ctrl-C comes at a known step: sampling stops between two steps, and a second Ctrl-C as
+    the samples are written does not lose them (side by side, they are all written at the end)."""
+    vocab = CharVocab("abcdefgh")
+
+    def steps():
+        for i in range(10**6):
+            if i == 5:
+                ctrl_c()
+            yield torch.full((num_samples,), i % len(vocab))
+
+    class Terminal(io.StringIO):
+        def write(self, text):
+            ctrl_c()  # pressed again
+            return super().write(text)
+
+    out = Terminal()
+    with pytest.raises(KeyboardInterrupt):
+        write_samples(steps(), "x", vocab, num_samples, out, every=64)
+    samples = out.getvalue().split(SAMPLE_SEPARATOR)
+    assert len(samples) == num_samples and all(sample == "xabcdef\n" for sample in samples)
+
+
+def test_ctrl_c_writes_each_line_begun_as_far_as_it_got_in_the_files_order(models, monkeypatch):
+    model, vocab, _ = load_model(models["model"])
+    lines = ["First Citizen:", "All:"]
+    run = Engine.run
+
+    def interrupted_run(self):
+        for i, step in enumerate(run(self)):
+            if i == 3:
+                ctrl_c()
+            yield step
+
+    monkeypatch.setattr(Engine, "run", interrupted_run)
+    out = io.StringIO()
+    with pytest.raises(KeyboardInterrupt):
+        continue_lines(model, vocab, "\n".join(lines), 10, GREEDY, torch.Generator(), out)
+    written = out.getvalue().split(SAMPLE_SEPARATOR)
+    assert len(written) == 2
+    for line, text in zip(lines, written):
+        ids = vocab.encode(line + "\n")[-(model.config.block_size - 10):]  # what continue_lines reads
+        alone = vocab.decode(generate(model, torch.tensor([ids]), 10, sampling=GREEDY)[0, len(ids):].tolist())
+        continuation = text.removeprefix(line + "\n").removesuffix("\n")
+        assert text.startswith(line + "\n") and 0 < len(continuation) < 10 and alone.startswith(continuation)
+
+
+def run_sample_with(checkpoint, script: str, *args, typed: str = "") -> subprocess.CompletedProcess:
+    """sample.py run as __main__ after script, which patches it."""
+    argv = ["sample.py", "--checkpoint", str(checkpoint), *map(str, args)]
+    code = f"import runpy, sys\n{script}\nsys.argv = {argv!r}\nrunpy.run_path({str(SAMPLE)!r}, run_name='__main__')\n"
+    return subprocess.run([sys.executable, "-c", code], input=typed, env=ENV, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_ctrl_c_between_two_replies_saves_the_session_so_far(models, tmp_path):
+    """Ctrl-C as the second line is read (outside a reply, which it would only end): exit 130, the first turn saved."""
+    session = tmp_path / "chat.pt"
+    script = ("import os, signal, sampling.output as output\n"
+              "encode, calls = output.encode_prompt, []\n"
+              "def encode_prompt(*args):\n"
+              "    calls.append(1)\n"
+              "    if len(calls) == 2:\n"
+              "        os.kill(os.getpid(), signal.SIGINT)\n"
+              "    return encode(*args)\n"
+              "output.encode_prompt = encode_prompt\n")
+    result = run_sample_with(models["model"], script, "--interactive", "--temperature", 0, "--max-new-tokens", 20,
+                             "--session", session, typed="First Citizen:\nAll:\n")
+    assert result.returncode == 130 and result.stderr.splitlines()[-1] == "sample.py: error: interrupted", \
+        result.stderr
+    assert "saved the session" in result.stderr
+    saved = torch.load(session, weights_only=True)["tokens"].tolist()
+    _, vocab, _ = load_model(models["model"])
+    assert vocab.decode(saved).startswith("\nFirst Citizen:\n") and len(saved) > 16  # the prompt, line and reply
+
+
+def test_ctrl_c_as_the_process_exits_is_no_traceback(models, tmp_path):
+    """A Ctrl-C that lands once the session is saved, as the interpreter runs its exit callbacks: nothing is left
+    to stop, so nothing is said. The callback registered first runs last, after every other."""
+    script = "import atexit, os, signal\natexit.register(lambda: os.kill(os.getpid(), signal.SIGINT))\n"
+    result = run_sample_with(models["model"], script, "--interactive", "--temperature", 0, "--max-new-tokens", 5,
+                             "--session", tmp_path / "chat.pt", typed="All:\n")
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr and "KeyboardInterrupt" not in result.stderr, result.stderr
+    assert result.stderr.splitlines()[-1].startswith("saved the session")
