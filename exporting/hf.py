@@ -119,22 +119,30 @@ def to_hf(model: GPT) -> tuple[dict, dict[str, torch.Tensor]]:
     config = model.config
     check_layers(model)
     kind, hf = model_type(config), hf_config(config)
-    _, block, top = CLASSES[kind]
-    state, out = with_zero_biases(model), {}
-    for ours, theirs in top.items():
-        out[f"{theirs}.weight"] = state[f"{ours}.weight"]
-        if f"{ours}.bias" in state:
-            out[f"{theirs}.bias"] = state[f"{ours}.bias"]
+    block = CLASSES[kind][1]
+    state = with_zero_biases(model)  # every block's bias is there; the embeddings' and final norm's may not be
+    out = {theirs: stored(state[ours], conv1d) for ours, theirs, conv1d in weight_names(kind, config.n_layer)
+           if ours in state}
     for i in range(config.n_layer):
-        ours, theirs = f"blocks.{i}.", block.format(i)
-        for suffix, name in BLOCK_NAMES[kind].items():
-            for part in ("weight", "bias"):
-                w = state[f"{ours}{suffix}.{part}"]
-                out[f"{theirs}{name}.{part}"] = w.t().contiguous() if kind == "gpt2" and part == "weight" \
-                    and w.dim() == 2 else w  # GPT-2's Conv1D stores (in, out)
         for part in ("weight", "bias"):
-            out.update(split_qkv(kind, state[f"{ours}attn.qkv.{part}"], config, theirs, part))
+            out.update(split_qkv(kind, state[f"blocks.{i}.attn.qkv.{part}"], config, block.format(i), part))
     return hf, out
+
+
+def weight_names(kind: str, n_layer: int) -> list[tuple[str, str, bool]]:
+    """(kvgpt's name, transformers' name, whether stored transposed) for each weight and bias of a model of kind
+    with n_layer blocks, but the fused projection's (split_qkv)."""
+    _, block, top = CLASSES[kind]
+    pairs = [(ours, theirs, False) for ours, theirs in top.items()]
+    pairs += [(f"blocks.{i}.{suffix}", block.format(i) + name, kind == "gpt2") for i in range(n_layer)
+              for suffix, name in BLOCK_NAMES[kind].items()]  # GPT-2's blocks hold Conv1D layers
+    return [(f"{ours}.{part}", f"{theirs}.{part}", conv1d and part == "weight") for ours, theirs, conv1d in pairs
+            for part in ("weight", "bias")]
+
+
+def stored(w: torch.Tensor, conv1d: bool) -> torch.Tensor:
+    """A matrix as GPT-2's Conv1D stores it, (in, out), where conv1d; transposing twice gives it back."""
+    return w.t().contiguous() if conv1d and w.dim() == 2 else w
 
 
 def split_qkv(kind: str, w: torch.Tensor, config: GPTConfig, prefix: str, part: str) -> dict[str, torch.Tensor]:
@@ -197,20 +205,12 @@ def from_hf(hf: dict, tensors: dict[str, torch.Tensor]) -> tuple[GPTConfig, dict
     zeros make a model without biases (bias=False), which is the same function."""
     config = gpt_config(hf)
     kind = hf["model_type"]
-    _, block, top = CLASSES[kind]
-    state = {}
-    for ours, theirs in top.items():
-        for part in ("weight", "bias"):
-            if f"{theirs}.{part}" in tensors:
-                state[f"{ours}.{part}"] = tensors[f"{theirs}.{part}"]
+    block = CLASSES[kind][1]
+    state = {ours: stored(tensors[theirs], conv1d) for ours, theirs, conv1d in weight_names(kind, config.n_layer)
+             if theirs in tensors or ours.startswith("blocks.")}  # a missing block weight: a KeyError, as damaged
     for i in range(config.n_layer):
-        ours, theirs = f"blocks.{i}.", block.format(i)
-        for suffix, name in BLOCK_NAMES[kind].items():
-            for part in ("weight", "bias"):
-                w = tensors[f"{theirs}{name}.{part}"]
-                state[f"{ours}{suffix}.{part}"] = w.t() if kind == "gpt2" and part == "weight" and w.dim() == 2 else w
         for part in ("weight", "bias"):
-            state[f"{ours}attn.qkv.{part}"] = join_qkv(kind, tensors, config, theirs, part)
+            state[f"blocks.{i}.attn.qkv.{part}"] = join_qkv(kind, tensors, config, block.format(i), part)
     state["lm_head.weight"] = state["wte.weight"]
     biases = [name for name in state if name.endswith(".bias")]
     if all(not state[name].any() for name in biases):
