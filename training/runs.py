@@ -55,7 +55,7 @@ class RunDirectory(Callback):
                 return
             resumed = resumed_checkpoint(config.train.resume)
             if OmegaConf.is_missing(config.hydra.run, "dir"):
-                config.hydra.run.dir = str(resumed.parent if resumed else new_run_dir(Path(config.runs_dir)))
+                config.hydra.run.dir = str(resumed.parent if resumed else new_run_dir(runs_folder(config.runs_dir)))
             run_dir = Path(config.hydra.run.dir)
             claim(run_dir, "hydra.run.dir", resumed if continues_in_place(resumed, run_dir) else None)
 
@@ -181,6 +181,13 @@ def resumed_checkpoint(resume: str | None) -> Path | None:
 def continues_in_place(resumed: Path | None, run_dir: Path) -> bool:
     """Whether a run resumed from the checkpoint `resumed` writes into that checkpoint's own directory."""
     return resumed is not None and resumed.parent.resolve() == Path(run_dir).resolve()
+
+
+def runs_folder(runs_dir: str) -> Path:
+    """runs_dir as a folder, refused where empty: Path("") is the working directory, which would take each run."""
+    if not str(runs_dir).strip():
+        raise ConfigError(f"runs_dir={runs_dir!r} names no folder; give the folder that holds the runs (runs_dir=runs)")
+    return Path(runs_dir)
 
 
 def new_run_dir(parent: Path) -> Path:
