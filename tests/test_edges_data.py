@@ -9,7 +9,7 @@ import corpus
 from programs import ENV, REPO, SHORT, assert_one_line_error
 from test_train import TINY
 
-FILE_LIMIT = 12288  # bytes: more than the run's record, less than the corpus's train.bin, cut part-way as on a full disk
+FILE_LIMIT = 12288  # bytes: above the run's record, below the corpus's train.bin, cut part-way as a full disk cuts it
 
 
 def limit_file_size():
