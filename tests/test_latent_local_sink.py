@@ -157,6 +157,8 @@ def test_a_prompt_longer_than_the_local_window_is_fed_in_chunks_the_rings_take()
 class CountingStep:
     """A stand-in for a compiled one-token step (aot_step.AotStep's decode_step and fits): the eager step, counted."""
 
+    cache = None  # it serves any cache, not one of its own
+
     def __init__(self, model):
         self.decode, self.passes = model.decode_step, 0
 

@@ -63,7 +63,8 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampl
     tokens kept when the context passes block_size, for learned positions (see the module's docstring). n_pad:
     left padding per row. use_cache=False recomputes the whole context at every step; cache: a cache to reuse
     (model/kv_cache.py: Cache; new_kv_cache by default), and compile torch.compiles the one-token step; step: a
-    compiled step to take one-token steps through instead (aot_step.py, cuda_graph.py). Each needs the cache.
+    compiled step to take one-token steps through instead (aot_step.py, cuda_graph.py): it says which caches it
+    fits(), and its `cache` is the one it serves (None: any it fits). Each needs the cache.
     Arguments that cannot work are a ValueError naming the argument.
     """
     block_size = model.config.block_size
