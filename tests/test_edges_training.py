@@ -1,4 +1,5 @@
-"""train.py given a runs_dir that names no folder: one line, status 2, nothing written."""
+"""train.py given a runs_dir that names no folder, or settings refused once its run directory is claimed: one
+line, status 2, nothing written or nothing left."""
 
 import pytest
 
@@ -17,3 +18,15 @@ def test_a_runs_dir_that_names_no_folder_is_refused_before_anything_is_written(t
     assert_one_line_error(result, "train.py", fragment)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "source"]
     assert (tmp_path / "afile").read_text() == "kept" and result.stdout == ""
+
+
+@pytest.mark.parametrize("refused, fragment", [(["optim.warmup_iters=30"], "optim.warmup_iters must be below"),
+                                               (["data.text=missing.txt"], "missing.txt")])
+def test_a_run_refused_after_its_directory_is_claimed_leaves_no_folder(tmp_path, refused, fragment):
+    """The run directory and the runs_dir above it, made for the run, go again; a folder that was there stays."""
+    (tmp_path / "kept").mkdir()
+    result = train_cli(*TINY, *SHORT, f"data.root={tmp_path / 'data'}", f"runs_dir={tmp_path / 'new/runs'}",
+                       f"hydra.run.dir={tmp_path / 'kept/run'}" if refused[0].startswith("data") else "train.seed=1",
+                       *refused, cwd=tmp_path)
+    assert_one_line_error(result, "train.py", fragment)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"] and not any((tmp_path / "kept").iterdir())

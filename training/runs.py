@@ -23,6 +23,7 @@ from .distributed import is_rank_zero
 RECORD = ".hydra"  # Hydra's record of how a run started: its config, Hydra's own and the overrides
 CHECKPOINTS = ("last.pt", "best.pt")
 _held = {}  # the directories this process has claimed (resolved) -> whether it continues a run in place there
+_made: set[Path] = set()  # the folders this process made for its runs (resolved): removed again if left empty
 
 
 class RunDirectory(Callback):
@@ -83,7 +84,7 @@ def claim(path: Path, key: str, resumed: Path | None = None, job: str = "") -> N
     if inside is not None:  # its files would be read, listed and deleted as part of that run
         raise ConfigError(f"{where} lies inside the run directory {inside}; give a {key} outside every run's")
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        make_folders(path)
         held = path.resolve()
         if held in _held:  # an earlier job of this sweep, or an earlier claim
             raise ConfigError(f"{where} already holds another run's files; give each run its own {key}")
@@ -199,7 +200,7 @@ def new_run_dir(parent: Path) -> Path:
         raise ConfigError(f"runs_dir={parent} lies inside the run directory {inside}; give a runs_dir outside "
                           f"every run's")
     try:
-        parent.mkdir(parents=True, exist_ok=True)
+        make_folders(parent)
         for n in range(1, 1_000_000):
             candidate = parent / (stamp if n == 1 else f"{stamp}-{n}")
             try:
@@ -212,7 +213,20 @@ def new_run_dir(parent: Path) -> Path:
                           f"give runs_dir a writable folder") from None
 
 
+def make_folders(path: Path) -> None:
+    """path.mkdir(parents=True, exist_ok=True), noting each folder it made: a run that never starts leaves none."""
+    missing = [folder.resolve() for folder in (path, *path.parents) if not folder.exists()]
+    path.mkdir(parents=True, exist_ok=True)
+    _made.update(missing)
+
+
 def remove_if_unused(run_dir: Path) -> None:
-    """Remove a run directory that holds nothing but Hydra's record: its run failed before its first step."""
-    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {RECORD}:
-        shutil.rmtree(run_dir, ignore_errors=True)
+    """Remove a run directory that holds nothing but Hydra's record: its run failed before its first step. The
+    empty folders this process made above it go too."""
+    if not (run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {RECORD}):
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)
+    for folder in run_dir.resolve().parents:
+        if folder not in _made or any(folder.iterdir()):
+            break
+        folder.rmdir()
