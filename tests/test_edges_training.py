@@ -30,3 +30,12 @@ def test_a_run_refused_after_its_directory_is_claimed_leaves_no_folder(tmp_path,
                        *refused, cwd=tmp_path)
     assert_one_line_error(result, "train.py", fragment)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"] and not any((tmp_path / "kept").iterdir())
+
+
+@pytest.mark.parametrize("empty, fragment", [("data.text=", "data.text must be a text file's path"),
+                                             ("data.root=", "data.root must be a folder's path")])
+def test_an_empty_data_path_is_refused_and_leaves_nothing(tmp_path, empty, fragment):
+    """An empty path is the working folder: read as the text, it was 'the text . is not a regular file'."""
+    result = train_cli(*TINY, *SHORT, f"runs_dir={tmp_path / 'runs'}", empty, cwd=tmp_path)
+    assert_one_line_error(result, "train.py", fragment)
+    assert list(tmp_path.iterdir()) == [] and result.stdout == ""

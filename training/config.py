@@ -43,6 +43,11 @@ class DataConfig:
     root: str = DATASETS  # prepared data goes in root/tiny_shakespeare/, or root/<text's name>-<its hash>/
     val_fraction: float = VAL_FRACTION  # the last 10% of the text; data/ checks it when it reads the text
 
+    def __post_init__(self):  # an empty path is the working folder: never what was meant
+        _require(self, lambda v: v is None or str(v).strip(), "a text file's path, or left out for tiny_shakespeare",
+                 "text")
+        _require(self, lambda v: str(v).strip(), "a folder's path", "root")
+
 
 @dataclass
 class OptimConfig:
