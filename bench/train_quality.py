@@ -3,6 +3,7 @@
     python bench/train_quality.py                          # the cpu preset against the AdamW-only recipe
     python bench/train_quality.py --seeds 1337 1 2         # the preset over three seeds
     python bench/train_quality.py --candidate wide "model.n_embd=192"   # any train.py overrides
+    python bench/train_quality.py --candidate preset --load-from 170     # one core taken from 170 s on
 
 Each candidate is the real command (`python train.py preset=cpu <overrides>`) in a subprocess, timed by the
 wall clock from its start, start-up and data preparation included. The val curve is read back from the run's
@@ -13,11 +14,13 @@ that the crossing is seen the same way in each). --log keeps each run's output, 
 it trained what it did.
 """
 
+import contextlib
 import os
 import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -35,15 +38,35 @@ ADAMW_RECIPE = ["optim=adamw", "optim.min_lr=1e-3", "train.max_iters=900", "opti
 CANDIDATES = {"cpu preset": [], "AdamW recipe": ADAMW_RECIPE}
 
 
+@contextlib.contextmanager
+def busy_core_from(seconds: float | None):
+    """While inside: from `seconds` on, another program takes one core, in a busy loop (None: nothing)."""
+    if seconds is None:
+        yield
+        return
+    busy = []
+    timer = threading.Timer(seconds, lambda: busy.append(subprocess.Popen([sys.executable, "-c", "while True: pass"])))
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        timer.join()
+        for process in busy:
+            process.kill()
+            process.wait()
+
+
 def run(name: str, overrides: list[str], seed: int, eval_interval: int | None, workdir: Path,
-        threads: int | None, log: Path | None = None) -> dict:
+        threads: int | None, log: Path | None = None, load_from: float | None = None) -> dict:
     plain_name = re.sub(r"[^\w.-]+", "_", name)  # a name that Hydra reads as one value in hydra.run.dir
     run_dir = workdir / f"{plain_name}-{seed}"
     command = [sys.executable, str(REPO / "train.py"), "preset=cpu", *overrides, f"train.seed={seed}",
                f"hydra.run.dir={run_dir}", *([f"train.eval_interval={eval_interval}"] if eval_interval else [])]
     start = time.time()
     env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}  # torch's threads
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env)
+    with busy_core_from(load_from):
+        result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env)
     seconds = time.time() - start
     if log is not None:
         log.mkdir(parents=True, exist_ok=True)
@@ -84,6 +107,9 @@ def main() -> None:
     parser.add_argument("--log", type=Path, help="keep each run's output in this folder, as NAME-SEED.log")
     parser.add_argument("--threads", type=positive_int, help="torch's threads in each run (OMP_NUM_THREADS); 1 "
                                                              "stands in for a machine half as fast as a 2-core one")
+    parser.add_argument("--load-from", type=positive_float, metavar="SECONDS",
+                        help="from this many seconds into each run, a busy loop takes one core: a machine that "
+                             "gets busy mid-run")
     args = parser.parse_args()
     candidates = {c[0]: c[1:] for c in args.candidate} if args.candidate else CANDIDATES
     if args.log is not None and args.log.exists() and not args.log.is_dir():
@@ -94,8 +120,9 @@ def main() -> None:
     for name, overrides in candidates.items():  # what train.py would refuse, refused before any run and any output
         check_training(f"--candidate {name}", *overrides, *interval)
 
-    print(f"# train.py quality: {host()}, {os.cpu_count()} cores, {args.threads or 'all'} thread(s) a run, seeds "
-          f"{args.seeds}, time to val loss {args.target}")
+    load = f", one core busy from {args.load_from:g} s" if args.load_from else ""
+    print(f"# train.py quality: {host()}, {os.cpu_count()} cores, {args.threads or 'all'} thread(s) a run{load}, "
+          f"seeds {args.seeds}, time to val loss {args.target}")
     print("| candidate | trained | seed | steps | wall s | best val | final val | final train | "
           f"s to val {args.target} |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -103,7 +130,8 @@ def main() -> None:
         for seed in args.seeds:
             outcomes = []
             for name, overrides in candidates.items():
-                outcome = run(name, overrides, seed, args.eval_interval, Path(tmp), args.threads, args.log)
+                outcome = run(name, overrides, seed, args.eval_interval, Path(tmp), args.threads, args.log,
+                              args.load_from)
                 outcomes.append(outcome)
                 last = outcome["curve"][-1]
                 reached = seconds_to(args.target, outcome)
