@@ -64,26 +64,23 @@ def present_device(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def training_seed(text: str) -> int:
-    """An argparse type: a seed train.py takes, an integer in [0, MAX_TRAINING_SEED]."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= MAX_TRAINING_SEED:
-        raise argparse.ArgumentTypeError(f"must be an integer in [0, {MAX_TRAINING_SEED}], got {text!r}")
-    return value
+def integer_in(low: int, high: int | None = None):
+    """An argparse type: an integer in [low, high], or at least low where high is None."""
+    what = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+        return value
+    return parse
 
 
-def count(text: str) -> int:
-    """An argparse type: an integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
-    return value
+training_seed = integer_in(0, MAX_TRAINING_SEED)  # a seed train.py takes
+count = integer_in(0)
 
 
 def positive_float(text: str) -> float:
