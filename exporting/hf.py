@@ -55,8 +55,7 @@ def model_type(config: GPTConfig) -> str:
                                               config.window_pattern != "G" or config.local_window is not None),
                                              ("a learned sink", config.learned_sink is not False),
                                              ("latent attention (kv_latent)",
-                                              config.kv_latent is not None or bool(config.kv_latent_rope)),
-                                             ("training levers (levers)", bool(config.levers)))
+                                              config.kv_latent is not None or bool(config.kv_latent_rope)))
                      if used]
     if config.pos_emb == "learned" and 1 < config.n_kv_head < config.n_head:
         no_equivalent.append("learned positions with grouped queries")

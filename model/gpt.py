@@ -4,7 +4,7 @@ GPT.decode_step feeds tokens after those already in a KV cache (model/kv_cache.p
 plain one (model/attention.py); the fields from n_kv_head on choose a design, which model/designs/ builds."""
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -32,7 +32,6 @@ class GPTConfig:
     learned_sink: bool = False  # a trained sink logit per head in every softmax (designs/learned_sink.py)
     kv_latent: int | None = None  # multi-head latent attention: the latent's width per token (designs/latent.py)
     kv_latent_rope: int = 0  # with rotary positions, the width of its rotary key, shared by every head
-    levers: list[str] = field(default_factory=list)  # training levers by name (model/designs/levers.py)
 
     @property
     def head_dim(self) -> int:
@@ -108,8 +107,8 @@ class GPT(nn.Module):
 
     def __init__(self, config: GPTConfig, attention: list[nn.Module] | None = None):
         super().__init__()
-        if attention is None and not config.plain_attention or config.levers and type(self) is GPT:
-            raise ValueError("this config names a design or levers: build its model with build_model(config)")
+        if attention is None and not config.plain_attention:
+            raise ValueError("this config names an attention design: build its model with build_model(config)")
         attention = attention or [CausalSelfAttention(config, kv_layer=i) for i in range(config.n_layer)]
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
@@ -140,7 +139,9 @@ class GPT(nn.Module):
         cache: a KV cache (model/kv_cache.py: Cache), idx the tokens after those in it; or Uncached
         (model/decoding/ring_cache.py), which gives ragged rows their positions and mask, with no cache."""
         logits = self.lm_head(self._trunk(idx, cache))
-        loss = None if targets is None else F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
         return logits, loss
 
     def decode_step(self, idx, cache):

@@ -240,7 +240,6 @@ def test_an_unwritable_folder_a_precision_and_a_missing_or_damaged_checkpoint_ar
     ({"learned_sink": True}, "a learned sink"),
     ({"kv_latent": 12}, "latent attention"),
     ({"n_head": 4, "n_kv_head": 2}, "learned positions with grouped queries"),
-    ({"levers": ["relu2"]}, "training levers"),
 ])
 def test_a_design_with_no_exact_equivalent_is_refused_naming_those_that_export(tmp_path, capsys, fields, named):
     save_checkpoint(build_checkpoint(random_model(**fields), VOCAB), tmp_path / "best.pt")

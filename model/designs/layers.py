@@ -11,7 +11,6 @@ from ..gpt import GPT, GPTConfig
 from .grouped import GroupedQueryAttention
 from .latent import LatentAttention, check_latent
 from .learned_sink import LearnedSink
-from .levers import LeverGPT, check_levers
 from .local_window import LocalWindow, check_window_pattern, local_layers
 from .shared_kv import SharedKVAttention
 
@@ -75,7 +74,6 @@ def check_design(config: GPTConfig) -> None:
         raise ValueError(f"learned_sink must be true or false, got {config.learned_sink!r}")
     check_window_pattern(config)
     check_latent(config)
-    check_levers(config)
 
 
 def design_attention_layers(config: GPTConfig) -> list[nn.Module]:
@@ -95,6 +93,7 @@ def design_attention_layers(config: GPTConfig) -> list[nn.Module]:
 
 def build_model(config: GPTConfig) -> GPT:
     """The model config describes: the plain one, or one with the design its fields choose."""
+    if config.plain_attention:
+        return GPT(config)
     check_design(config)
-    model = LeverGPT if config.levers else GPT
-    return model(config) if config.plain_attention else model(config, design_attention_layers(config))
+    return GPT(config, design_attention_layers(config))
