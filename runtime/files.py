@@ -6,6 +6,7 @@ import fcntl
 import os
 import re
 import socket
+import stat
 import tempfile
 import uuid
 from pathlib import Path
@@ -25,7 +26,7 @@ def write_atomically(path, write) -> Path:
     writer uses, and synced to disk before the rename, so that a crash leaves the previous file intact.
     A process killed mid-write leaves its temporary file; remove_stale_temporaries() clears it later."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{_writer()}.{uuid.uuid4().hex}.tmp")
+    tmp = _temporary(path)
     try:
         with open(tmp, "xb") as file:
             write(file)
@@ -36,6 +37,36 @@ def write_atomically(path, write) -> Path:
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def _temporary(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{_writer()}.{uuid.uuid4().hex}.tmp")
+
+
+def cannot_write_atomically(path) -> OSError | None:
+    """The error that write_atomically(path) would meet now making its temporary file (a read-only folder, a
+    name too long once the temporary's suffix is added), or None: asked before work whose result is saved there at
+    the end."""
+    tmp = _temporary(Path(path))
+    try:
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except OSError as e:
+        return e
+    tmp.unlink(missing_ok=True)
+    return None
+
+
+def special_kind(path) -> str | None:
+    """What is at path when it is no regular file, links followed: a folder, a pipe, a socket or a device; None
+    for a regular file or nothing at all. Asked with stat, which opens nothing (opening a pipe waits for a
+    writer)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:  # nothing there: a file to be made
+        return None
+    kinds = ((stat.S_ISREG, None), (stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a pipe (FIFO)"),
+             (stat.S_ISSOCK, "a socket"))
+    return next((kind for is_kind, kind in kinds if is_kind(mode)), "a device")
 
 
 class Locked(Exception):

@@ -2,6 +2,7 @@
 that cannot apply, a value out of range, or samples whose cache would not fit in memory."""
 
 import argparse
+import errno
 import sys
 from pathlib import Path
 
@@ -15,8 +16,8 @@ from model.caches.factory import kv_cache_dtype
 from model.serving.engine import check_servable
 from .compiled_step import COMPILE_PAYS_AFTER, DEVICES as STEP_DEVICES
 from runtime.devices import memory_of
-from runtime.errors import OneLineErrorParser, UsageError
-from runtime.files import cannot_make_a_file_in
+from runtime.errors import OneLineErrorParser, UsageError, one_line
+from runtime.files import cannot_write_atomically, special_kind
 
 MAX_NEW_TOKENS = 500  # --max-new-tokens's default
 MAX_GENERATOR_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
@@ -129,11 +130,8 @@ def check_options(args) -> None:
                          f"--kv-budget")
     if args.session and not args.interactive:
         raise UsageError("--session saves an --interactive conversation: give --interactive too")
-    if args.session and not args.session.parent.is_dir():
-        raise UsageError(f"--session {args.session}: no folder {args.session.parent} to save it in; make it first")
-    if args.session and (error := cannot_make_a_file_in(args.session.parent)):
-        raise UsageError(f"--session {args.session}: cannot make a file in {args.session.parent} "
-                         f"({error.strerror or error}); choose another folder")
+    if args.session:
+        check_session(args.session)
     if args.draft and args.interactive:
         raise UsageError("--draft applies to sampling, not to --interactive: drop one of them")
     if args.compile and args.each_line:
@@ -153,6 +151,25 @@ def check_options(args) -> None:
         for option, given in plain_decoding.items():
             if on and given:
                 raise UsageError(f"{option} applies to plain decoding, not to {mode}: drop one of them")
+
+
+def check_session(session: Path) -> None:
+    """Refuse, before the first line is read, a --session that could not be taken up or saved at the end: no
+    regular file (a pipe would wait for a writer), or where no file can be written."""
+    try:
+        target = session.resolve()  # a link: the file it names is taken up and written
+    except (OSError, RuntimeError) as e:  # a loop of links
+        raise UsageError(f"--session {session}: cannot follow its links ({one_line(e)}); give a file") from None
+    if kind := special_kind(target):
+        raise UsageError(f"--session {session} is {kind}, not a session file: give a file (a new name starts a "
+                         f"new session)")
+    folder = target.parent if session.is_symlink() else session.parent
+    if not target.parent.is_dir():
+        raise UsageError(f"--session {session}: no folder {folder} to save it in; make it first")
+    if error := cannot_write_atomically(target):
+        advice = "choose a shorter name" if error.errno == errno.ENAMETOOLONG else "choose another folder"
+        raise UsageError(f"--session {session}: cannot make a file in {folder} ({error.strerror or error}); "
+                         f"{advice}")
 
 
 def check_each_line(args, model, prompt: str) -> None:
