@@ -18,6 +18,7 @@ it trains as training["raw_model"].
 
 import argparse
 import dataclasses
+import json
 import math
 import pickle
 import re
@@ -142,18 +143,30 @@ def is_export(path: Path) -> bool:
 
 
 def load_export(path: Path) -> dict:
-    """An exported folder as a checkpoint's contents, its weights mapped back (exporting/hf.py)."""
+    """An exported folder as a checkpoint's contents, its weights mapped back (exporting/hf.py), checked whole:
+    a tokenizer of another size than the model's vocabulary, or a JSON file that does not parse, is refused here,
+    not found midway through the output. load_model checks the weights' names and shapes."""
     from exporting.hf import read_export  # safetensors, and no transformers: only for an exported folder
     try:
         config, state, vocab, recorded = read_export(path)
+        if len(vocab) != config.vocab_size:
+            raise ValueError(f"tokenizer.json holds {len(vocab)} characters, config.json's vocab_size is "
+                             f"{config.vocab_size}")
+        for name in ("generation_config.json", "tokenizer_config.json"):  # read by transformers, not by kvgpt
+            if (path / name).exists() and not isinstance(json.loads((path / name).read_text("utf-8")), dict):
+                raise ValueError(f"{name} holds no JSON object")
     except Exception as e:  # a damaged file can fail anywhere in json, safetensors or the mapping
-        raise CheckpointError(f"{path} is no folder that export.py wrote, or is damaged ({type(e).__name__}: "
-                              f"{one_line(e)[:200]}); export the checkpoint again") from None
+        raise CheckpointError(export_damaged(path, e)) from None
     contents = {"format": FORMAT, "version": VERSION, "model_config": dataclasses.asdict(config),
                 "vocab": vocab.chars, "model": state}
     if recorded.get("data_sha256"):
         contents["text"] = {"source": recorded.get("data", ""), "sha256": recorded["data_sha256"]}
     return contents
+
+
+def export_damaged(path: Path, error: Exception) -> str:
+    return (f"{path} is no folder that export.py wrote, or is damaged ({type(error).__name__}: "
+            f"{one_line(error)[:200]}); export the checkpoint again")
 
 
 def layout_damage(contents: dict) -> str | None:
@@ -204,9 +217,11 @@ def load_model(path, device="cpu", prefer: str = "best.pt", precision: str = "fp
         if len(vocab) > model.config.vocab_size:
             raise ValueError(f"{len(vocab)} characters for vocab_size {model.config.vocab_size}")
     except (KeyError, TypeError, ValueError, RuntimeError, DataError) as e:
+        path = resolve_checkpoint(path, prefer)
+        if is_export(path):  # weights missing or of other shapes than config.json's model has
+            raise CheckpointError(export_damaged(path, e)) from None
         # A kvgpt checkpoint, but one this version of the code cannot rebuild a model from.
-        raise CheckpointError(f"{resolve_checkpoint(path, prefer)} does not fit this version of the model "
-                              f"({one_line(e)[:200]})") from None
+        raise CheckpointError(f"{path} does not fit this version of the model ({one_line(e)[:200]})") from None
     broken = [name for name, weight in model.named_parameters() if not weight.isfinite().all()]
     if broken:
         raise CheckpointError(f"{resolve_checkpoint(path, prefer)} holds NaN or infinite weights (in "

@@ -129,6 +129,9 @@ def check_own_run(run_dir: Path, resumed: Path) -> None:
     two, if any, records the same run at no later step. Anything else may be another run's files, which the run
     would overwrite."""
     ours = load_checkpoint(resumed).get("training")
+    if ours is None:  # nothing to continue, here or in another directory
+        from .resume import weights_only  # resume.py imports this module
+        raise weights_only(resumed)
     run_id = ours.get("run_id") if isinstance(ours, dict) else None
     reason, advice = None, ""
     if resumed.name not in CHECKPOINTS:
