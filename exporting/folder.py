@@ -6,7 +6,7 @@ renamed to OUT at the end, so a failed export (a full disk, Ctrl-C) leaves no ha
 import json
 import os
 import shutil
-import tempfile
+import uuid
 from pathlib import Path
 
 from runtime.checkpoint import load_model, resolve_checkpoint
@@ -57,10 +57,10 @@ def export(checkpoint, out, fmt: str = "hf", precision: str = "fp32") -> Path:
     except ValueError as e:
         raise UsageError(f"{path} cannot be exported: {e}") from None
     parent = out.absolute().parent
-    temporary = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=parent))
+    temporary = parent / f".{out.name[:64]}.{uuid.uuid4().hex}.partial"
     try:
+        os.mkdir(temporary)  # 0777 less the umask, as any new folder; its files get 0666 less it, as any new ones
         write_folder(model, vocab, contents, kind, fmt, temporary)
-        readable(temporary)
         if out.is_dir():
             out.rmdir()  # empty, as check_out found it: rename puts the new folder in its place
         os.rename(temporary, out)
@@ -69,15 +69,6 @@ def export(checkpoint, out, fmt: str = "hf", precision: str = "fp32") -> Path:
     finally:
         shutil.rmtree(temporary, ignore_errors=True)
     return out
-
-
-def readable(folder: Path) -> None:
-    """Give the folder and its files the permissions the umask gives new ones (mkdtemp's folder is the owner's)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    folder.chmod(0o777 & ~umask)
-    for path in folder.iterdir():
-        path.chmod(0o666 & ~umask)
 
 
 def write_folder(model, vocab, contents: dict, kind: str, fmt: str, folder: Path) -> None:
@@ -94,10 +85,11 @@ def write_folder(model, vocab, contents: dict, kind: str, fmt: str, folder: Path
 
 def write_hf(model, contents: dict, folder: Path) -> None:
     """config.json, model.safetensors (its metadata: what the checkpoint records) and generation_config.json."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
     from transformers import AutoConfig
     fields, tensors = to_hf(model)
     kind = fields.pop("model_type")
     AutoConfig.for_model(kind, **fields).to_json_file(folder / "config.json", use_diff=False)
-    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt", **facts(contents)})
+    # written by Python: a full disk is an OSError, which safetensors' own writer reports as its SafetensorError
+    (folder / "model.safetensors").write_bytes(save(tensors, metadata={"format": "pt", **facts(contents)}))
     (folder / "generation_config.json").write_text(json.dumps(generation_config(model.config), indent=1) + "\n")
