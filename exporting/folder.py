@@ -1,7 +1,9 @@
 """export(): a checkpoint written as a folder that transformers or onnxruntime loads, all at once or not at all.
 
-Every refusal comes before anything is written. The folder is written beside OUT under a temporary name and
-renamed to OUT at the end, so a failed export (a full disk, Ctrl-C) leaves no half-written folder."""
+Every refusal comes before anything is written. OUT is where the export goes, its links followed (a link to a
+folder not made yet too). A new OUT is written beside it under a temporary name and renamed at the end. An empty
+folder that exists (the working folder, a mount point) is kept: the export is written in a hidden folder inside it,
+and its files are moved out at the end. So a failed export (a full disk, Ctrl-C) leaves nothing behind."""
 
 import json
 import os
@@ -21,19 +23,29 @@ FORMATS = ("hf", "onnx")
 PRECISIONS = ("fp32",)  # exports hold float32 weights: kvgpt's bf16 and int8 are conversions made when sampling
 
 
-def check_out(out: Path) -> None:
-    """A UsageError unless out can become the exported folder: absent or empty, in a writable folder."""
-    if out.exists() and not out.is_dir():
+def check_out(out: Path) -> Path:
+    """Where the export goes: out with its links followed. A UsageError unless that is a new name or an empty
+    folder, in a folder that can be written."""
+    try:
+        os.stat(out)
+    except (FileNotFoundError, NotADirectoryError):  # new, or under a file (told below)
+        pass
+    except OSError as e:  # a link that leads back to itself, a name too long, a folder that cannot be searched
+        raise UsageError(f"cannot export to {out} ({e.strerror}); pass a new or empty folder") from None
+    target = Path(os.path.realpath(out))
+    if target.exists() and not target.is_dir():
         raise UsageError(f"{out} is a file; pass a new folder to export into")
-    if out.is_dir() and any(out.iterdir()):
+    if target.is_dir() and any(target.iterdir()):
         raise UsageError(f"{out} exists and is not empty; pass a new or empty folder, nothing was overwritten")
-    parent = out.absolute().parent
-    if not parent.is_dir():
-        raise UsageError(f"{parent} does not exist; create it first or export elsewhere")
-    error = cannot_make_a_file_in(parent) or (None if os.access(parent, os.W_OK | os.X_OK) else
-                                              PermissionError("Permission denied"))
+    if not target.parent.is_dir():
+        there = "is a file, not a folder" if target.parent.exists() else "does not exist"
+        raise UsageError(f"{target.parent} {there}; create the folder first or export elsewhere")
+    home = target if target.is_dir() else target.parent  # where the files are first written
+    error = cannot_make_a_file_in(home) or (None if os.access(home, os.W_OK | os.X_OK) else
+                                            PermissionError("Permission denied"))
     if error:
-        raise UsageError(f"cannot write in {parent} ({one_line(error)}); export into a folder you can write")
+        raise UsageError(f"cannot write in {home} ({one_line(error)}); export into a folder you can write")
+    return target
 
 
 def check_precision(precision: str) -> None:
@@ -43,12 +55,12 @@ def check_precision(precision: str) -> None:
 
 
 def export(checkpoint, out, fmt: str = "hf", precision: str = "fp32") -> Path:
-    """Write checkpoint's model into the new folder out, in format fmt ("hf": transformers; "onnx")."""
+    """Write checkpoint's model into the new or empty folder out, in format fmt ("hf": transformers; "onnx")."""
     out = Path(out)
     if fmt not in FORMATS:
         raise UsageError(f"--format {fmt} is not one of {', '.join(FORMATS)}")
     check_precision(precision)
-    check_out(out)
+    target = check_out(out)
     path = resolve_checkpoint(checkpoint)
     model, vocab, contents = load_model(path)
     try:
@@ -56,14 +68,13 @@ def export(checkpoint, out, fmt: str = "hf", precision: str = "fp32") -> Path:
         check_layers(model)
     except ValueError as e:
         raise UsageError(f"{path} cannot be exported: {e}") from None
-    parent = out.absolute().parent
-    temporary = parent / f".{out.name[:64]}.{uuid.uuid4().hex}.partial"
+    inside = target.is_dir()  # an empty folder that exists is kept, and its files are moved into it at the end
+    temporary = (target if inside else target.parent) / f".{target.name[:64]}.{uuid.uuid4().hex}.partial"
     try:
         os.mkdir(temporary)  # 0777 less the umask, as any new folder; its files get 0666 less it, as any new ones
-        write_folder(model, vocab, contents, kind, fmt, temporary)
-        if out.is_dir():
-            out.rmdir()  # empty, as check_out found it: rename puts the new folder in its place
-        os.rename(temporary, out)
+        for write in writes(model, vocab, contents, kind, fmt):
+            write(temporary)
+        put_in_place(temporary, target, inside)
     except OSError as e:
         raise OutputError(f"cannot export to {out} ({one_line(e)}); nothing was left there") from None
     finally:
@@ -71,16 +82,35 @@ def export(checkpoint, out, fmt: str = "hf", precision: str = "fp32") -> Path:
     return out
 
 
-def write_folder(model, vocab, contents: dict, kind: str, fmt: str, folder: Path) -> None:
-    """The export's files: the model, the tokenizer and the model card."""
-    config = model.config
-    if fmt == "hf":
-        write_hf(model, contents, folder)
-    else:
-        from .onnx import write_onnx
-        write_onnx(model, folder / "model.onnx")
-    write_tokenizer(vocab, folder)
-    (folder / "README.md").write_text(model_card(config, kind, fmt, contents), encoding="utf-8")
+def put_in_place(temporary: Path, target: Path, inside: bool) -> None:
+    """A new folder is renamed to target at once. Into an empty folder that exists (it may be the working folder
+    or a mount point, which cannot be replaced) the files move one by one; if one cannot, those moved go again."""
+    if not inside:
+        os.rename(temporary, target)
+        return
+    moved = []
+    try:
+        for path in sorted(temporary.iterdir()):
+            os.rename(path, target / path.name)
+            moved.append(target / path.name)
+    except OSError:
+        for path in moved:
+            path.unlink(missing_ok=True)
+        raise
+
+
+def writes(model, vocab, contents: dict, kind: str, fmt: str) -> list:
+    """The export's files, each written by one call on the folder: the model, the tokenizer and the model card."""
+    def model_files(folder: Path) -> None:
+        if fmt == "hf":
+            write_hf(model, contents, folder)
+        else:
+            from .onnx import write_onnx
+            write_onnx(model, folder / "model.onnx")
+
+    card = model_card(model.config, kind, fmt, contents)
+    return [model_files, lambda folder: write_tokenizer(vocab, folder),
+            lambda folder: (folder / "README.md").write_text(card, encoding="utf-8")]
 
 
 def write_hf(model, contents: dict, folder: Path) -> None:

@@ -1,5 +1,5 @@
-"""export.py at its edges: a full disk or a file-size limit, and the umask. Each ends in one line (or a whole
-export) and leaves nothing behind."""
+"""export.py at its edges: an OUT that is a link, the working folder or a mount point, a full disk or a file-size
+limit, and the umask. Each ends in one line (or a whole export) and leaves nothing behind."""
 
 import errno
 import os
@@ -15,6 +15,7 @@ pytest.importorskip("onnxruntime")
 
 from programs import ENV, REPO, assert_one_line_error  # noqa: E402
 from runtime.checkpoint import build_checkpoint, save_checkpoint  # noqa: E402
+import export as export_py  # noqa: E402
 from test_export import VOCAB, kvgpt_model, run_export  # noqa: E402
 
 HF_FILES = ["README.md", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
@@ -56,6 +57,86 @@ def finished(process: subprocess.Popen, timeout: float = 120) -> subprocess.Comp
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
+def exported(capsys, run: Path, out, *argv) -> list[str]:
+    """export.py's main in this process, into out: the names of the files there after a clean exit."""
+    export_py.main(["--checkpoint", str(run), str(out), *argv])
+    assert capsys.readouterr().err == ""
+    return sorted(path.name for path in Path(out).iterdir())
+
+
+@pytest.fixture
+def mount(tmp_path):
+    """mount(size): an empty folder on which a tmpfs of that size is mounted, where root may; unmounted after."""
+    mounted = []
+
+    def mount_tmpfs(size: str) -> Path:
+        folder = tmp_path / "mounted"
+        folder.mkdir()
+        if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                                               capture_output=True).returncode != 0:
+            pytest.skip("mounting a tmpfs needs root")
+        mounted.append(folder)
+        assert os.path.ismount(folder)
+        return folder
+
+    yield mount_tmpfs
+    for folder in mounted:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_a_link_to_an_empty_folder_or_to_none_yet_exports_where_it_leads(run, capsys):
+    """The link stays, and leads to the export."""
+    folder = run.parent
+    (folder / "empty").mkdir()
+    (folder / "to-empty").symlink_to("empty")
+    (folder / "dangling").symlink_to("made/here")
+    (folder / "made").mkdir()
+    assert exported(capsys, run, folder / "to-empty") == HF_FILES
+    assert exported(capsys, run, folder / "dangling", "--format", "onnx") == ONNX_FILES
+    assert (folder / "to-empty").is_symlink() and (folder / "dangling").is_symlink()
+    assert sorted(p.name for p in (folder / "empty").iterdir()) == HF_FILES
+    assert everything(folder / "made") == [Path("here"), *(Path("here") / name for name in ONNX_FILES)]
+
+
+def test_the_working_folder_empty_is_exported_into(run, capsys, monkeypatch, tmp_path):
+    """`.`, `./` and a path ending in `/.`: the folder stays (a shell may stand in it), and the files go in it."""
+    for i, out in enumerate([".", "./", "here/."]):
+        (tmp_path / f"work{i}" / "here").mkdir(parents=True)
+        monkeypatch.chdir(tmp_path / f"work{i}" / ("" if out == "here/." else "here"))
+        assert exported(capsys, run, out, "--format", "onnx") == ONNX_FILES
+        assert everything(tmp_path / f"work{i}") == [Path("here"), *(Path("here") / name for name in ONNX_FILES)]
+
+
+def test_an_empty_mount_point_is_exported_into(run, capsys, mount):
+    """It cannot be replaced (a fresh disk mounted there, say): the files go in it."""
+    mount_point = mount("1m")
+    assert exported(capsys, run, mount_point) == HF_FILES
+    assert os.path.ismount(mount_point) and sorted(p.name for p in run.parent.iterdir()) == ["mounted", "run"]
+
+
+@pytest.mark.parametrize("out, fragment", [
+    ("loop", "(Too many levels of symbolic links); pass a new or empty folder"),
+    ("a-file/out", "a-file is a file, not a folder; create the folder first or export elsewhere"),
+    ("n" * 256, "(File name too long); pass a new or empty folder"),
+])
+def test_an_out_that_cannot_be_a_folder_is_refused_before_anything_is_written(run, capsys, out, fragment):
+    """A link that leads back to itself, a path under a file, a name longer than the file system takes: status 2,
+    not an error of the disk once the export is written."""
+    folder = run.parent
+    (folder / "loop").symlink_to("loop")
+    (folder / "a-file").write_text("a file\n")
+    before = everything(folder)
+    status, err = run_export(capsys, "--checkpoint", run, folder / out)
+    assert status == 2 and err.count("\n") == 1 and err.startswith("export.py: error: ") and fragment in err, err
+    assert everything(folder) == before
+
+
+def test_a_name_as_long_as_the_file_system_takes_is_exported(run, capsys):
+    """The temporary folder's name, beside it, has more than its 255 characters: it stays within the limit."""
+    assert exported(capsys, run, run.parent / ("n" * 255)) == HF_FILES
+    assert sorted(p.name for p in run.parent.iterdir()) == ["n" * 255, "run"]
+
+
 def file_size_limit(limit: int):
     """A preexec_fn: the child may write no file larger than limit bytes (Python then gets EFBIG, not SIGXFSZ)."""
     return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
@@ -70,6 +151,16 @@ def test_a_file_size_limit_is_one_line_and_leaves_nothing(run, fmt):
     assert_one_line_error(result, "export.py", "cannot export to", "(File too large", "nothing was left there",
                           status=1)
     assert everything(run.parent) == before
+
+
+@pytest.mark.parametrize("fmt", ["hf", "onnx"])
+def test_a_full_disk_is_one_line_and_leaves_the_folder_empty(run, capsys, monkeypatch, mount, fmt):
+    """A real full disk: a 48 KiB tmpfs, too small for the weights."""
+    mount_point = mount("48k")
+    monkeypatch.setattr("runtime.errors.silence", lambda stream: None)  # capsys' stdout has no file to point away
+    status, err = run_export(capsys, "--checkpoint", run, mount_point, "--format", fmt)
+    assert status == 1 and err.count("\n") == 1 and "(No space left on device" in err, err
+    assert list(mount_point.iterdir()) == []
 
 
 def test_the_weights_on_a_full_disk_are_one_line(run, capsys, monkeypatch):
