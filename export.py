@@ -6,13 +6,23 @@
 The hf folder loads with AutoModelForCausalLM and AutoTokenizer, and `sample.py --checkpoint` reads it back. The onnx
 folder holds one decoder that takes and returns the KV cache. Both give kvgpt's logits; a design with no exact
 equivalent is refused. A mistake is one line on stderr with exit status 2, before anything is written; a failed
-write (a full disk) is one line with status 1, and leaves no half-written folder.
+write (a full disk) is one line with status 1, and leaves no half-written folder. Ctrl-C, SIGTERM or SIGHUP stops the
+export, removes what it wrote, and exits with 128 + the signal's number (130 for Ctrl-C, 143 for SIGTERM).
 """
 
-from pathlib import Path
+import signal
 
-from exporting.folder import FORMATS, export
-from runtime.errors import OneLineErrorParser, OutputError, check_standard_streams, fail, mistakes
+EARLY_SIGNALS = []  # a stop signal that came while the modules below loaded, which takes seconds
+if __name__ == "__main__":
+    for _stop_signal in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(_stop_signal, lambda signum, frame: EARLY_SIGNALS.append(signal.Signals(signum).name))
+
+from pathlib import Path  # noqa: E402
+
+from exporting.folder import FORMATS, export  # noqa: E402
+from runtime.errors import (Interrupted, OneLineErrorParser, OutputError, check_standard_streams, fail,  # noqa: E402
+                            mistakes)
+from training.signals import StopSignals  # noqa: E402
 
 
 def build_parser() -> OneLineErrorParser:
@@ -30,13 +40,20 @@ def build_parser() -> OneLineErrorParser:
 def main(argv=None) -> None:
     parser = build_parser()
     try:
-        check_standard_streams()
-        args = parser.parse_args(argv)
-        out = export(args.checkpoint, args.out, args.format, args.precision)
-        print(f"exported {args.checkpoint} to {out} ({args.format})")
+        with StopSignals() as signals:  # the first stop signal ends the export at its next step, a second at once
+            check_standard_streams()
+            args = parser.parse_args(argv)
+            if EARLY_SIGNALS:
+                raise Interrupted(EARLY_SIGNALS[0])
+            out = export(args.checkpoint, args.out, args.format, args.precision, signals)
+            print(f"exported {args.checkpoint} to {out} ({args.format})")
     except (*mistakes(), OutputError, OSError, KeyboardInterrupt) as e:
         fail(parser.prog, e)
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:  # the export is whole or gone and its status set: a signal now (as Python exits) would only change it
+        for _stop_signal in StopSignals.SIGNALS:
+            signal.signal(_stop_signal, signal.SIG_IGN)

@@ -3,7 +3,7 @@
 Every refusal comes before anything is written. OUT is where the export goes, its links followed (a link to a
 folder not made yet too). A new OUT is written beside it under a temporary name and renamed at the end. An empty
 folder that exists (the working folder, a mount point) is kept: the export is written in a hidden folder inside it,
-and its files are moved out at the end. So a failed export (a full disk, Ctrl-C) leaves nothing behind."""
+and its files are moved out at the end. So a failed or stopped export (a full disk, Ctrl-C) leaves nothing behind."""
 
 import json
 import os
@@ -12,7 +12,7 @@ import uuid
 from pathlib import Path
 
 from runtime.checkpoint import load_model, resolve_checkpoint
-from runtime.errors import OutputError, UsageError, one_line
+from runtime.errors import Interrupted, OutputError, UsageError, one_line
 from runtime.files import cannot_make_a_file_in
 
 from .card import facts, generation_config, model_card
@@ -54,8 +54,10 @@ def check_precision(precision: str) -> None:
                          f"give kvgpt's logits exactly; drop --precision (bf16 and int8 apply when sampling)")
 
 
-def export(checkpoint, out, fmt: str = "hf", precision: str = "fp32") -> Path:
-    """Write checkpoint's model into the new or empty folder out, in format fmt ("hf": transformers; "onnx")."""
+def export(checkpoint, out, fmt: str = "hf", precision: str = "fp32", signals=None) -> Path:
+    """Write checkpoint's model into the new or empty folder out, in format fmt ("hf": transformers; "onnx").
+    signals: a StopSignals (training/signals.py), whose first stop signal ends the export at its next step and a
+    second at once; either way what was written goes, and the export raises Interrupted."""
     out = Path(out)
     if fmt not in FORMATS:
         raise UsageError(f"--format {fmt} is not one of {', '.join(FORMATS)}")
@@ -71,15 +73,35 @@ def export(checkpoint, out, fmt: str = "hf", precision: str = "fp32") -> Path:
     inside = target.is_dir()  # an empty folder that exists is kept, and its files are moved into it at the end
     temporary = (target if inside else target.parent) / f".{target.name[:64]}.{uuid.uuid4().hex}.partial"
     try:
+        stop(signals)
         os.mkdir(temporary)  # 0777 less the umask, as any new folder; its files get 0666 less it, as any new ones
         for write in writes(model, vocab, contents, kind, fmt):
+            stop(signals)
             write(temporary)
+        finish(signals)  # from here on a signal is only noted: the export is whole
+        stop(signals)
         put_in_place(temporary, target, inside)
-    except OSError as e:
-        raise OutputError(f"cannot export to {out} ({one_line(e)}); nothing was left there") from None
+    except BaseException as e:
+        stop(signals)  # a stop signal came first: that is why, whatever a library made of the interrupt
+        if isinstance(e, OSError):
+            raise OutputError(f"cannot export to {out} ({one_line(e)}); nothing was left there") from None
+        raise
     finally:
+        finish(signals)  # a signal cannot stop the cleaning up
         shutil.rmtree(temporary, ignore_errors=True)
     return out
+
+
+def stop(signals) -> None:
+    """Interrupted if a stop signal came."""
+    if signals is not None and signals.signal_name is not None:
+        raise Interrupted(signals.signal_name)
+
+
+def finish(signals) -> None:
+    """From now on a stop signal is only noted."""
+    if signals is not None:
+        signals.finished()
 
 
 def put_in_place(temporary: Path, target: Path, inside: bool) -> None:
@@ -100,7 +122,8 @@ def put_in_place(temporary: Path, target: Path, inside: bool) -> None:
 
 
 def writes(model, vocab, contents: dict, kind: str, fmt: str) -> list:
-    """The export's files, each written by one call on the folder: the model, the tokenizer and the model card."""
+    """The export's files, each written by one call on the folder: the model, the tokenizer and the model card.
+    A stop signal ends the export between two."""
     def model_files(folder: Path) -> None:
         if fmt == "hf":
             write_hf(model, contents, folder)

@@ -3,6 +3,7 @@
     2    a mistake in the command line, the settings or the inputs: fix the command
     1    the machine failed (a full disk, a closed output, a run that diverged): the command was right
     130  interrupted (Ctrl-C, a second SIGTERM)
+    143  stopped by SIGTERM where the command stops as the signal asks (export.py): 128 + the signal's number
 
 Code anywhere raises its own exception with a message that says what is wrong and what to do; only the entry
 points turn it into a line and a status, here.
@@ -10,6 +11,7 @@ points turn it into a line and a status, here.
 
 import argparse
 import os
+import signal
 import sys
 import time
 
@@ -37,6 +39,14 @@ class CheckpointError(Exception):
 class OutputError(Exception):
     """What a run writes (a checkpoint, its events, standard output) cannot be written: a full disk, a closed pipe,
     a run directory removed."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """A stop signal (SIGINT, SIGTERM, SIGHUP) ended the command: its exit status is 128 + the signal's number."""
+
+    def __init__(self, signal_name: str):
+        super().__init__(signal_name)
+        self.status = 128 + signal.Signals[signal_name]
 
 
 def loaded(module: str, name: str) -> type:
@@ -70,7 +80,7 @@ def one_line(error: BaseException) -> str:
 
 def exit_status(error: BaseException) -> int:
     if isinstance(error, KeyboardInterrupt):
-        return INTERRUPTED
+        return error.status if isinstance(error, Interrupted) else INTERRUPTED
     return USAGE if isinstance(error, mistakes()) else FAILURE
 
 

@@ -1,9 +1,11 @@
-"""export.py at its edges: an OUT that is a link, the working folder or a mount point, a full disk or a file-size
-limit, and the umask. Each ends in one line (or a whole export) and leaves nothing behind."""
+"""export.py at its edges: a stop signal at any moment, an OUT that is a link, the working folder or a mount point,
+a full disk or a file-size limit, and the umask. Each ends in one line (or a whole export) and leaves nothing
+behind."""
 
 import errno
 import os
 import resource
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -55,6 +57,98 @@ def finished(process: subprocess.Popen, timeout: float = 120) -> subprocess.Comp
     finally:
         process.kill()
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+# the moment a stop signal comes (SIG: the signal): code that raises it there
+IMPORTING = """
+class Finder:  # the signal comes as a module is first imported
+    def find_spec(self, name, path, target=None):
+        if name == {module!r}:
+            signal.raise_signal(SIG)
+sys.meta_path.insert(0, Finder())
+"""
+STEP = """
+import {module} as module
+step, calls = module.{name}, []
+def signalled(*args, **kwargs):  # the signal comes as the step is first called
+    calls.append(args)
+    for _ in range({times} if len(calls) == 1 else 0):
+        signal.raise_signal(SIG)
+    return step(*args, **kwargs)
+module.{name} = signalled
+"""
+MOMENTS = {
+    "as export.py's modules load": IMPORTING.format(module="exporting"),
+    "as the checkpoint loads": STEP.format(module="exporting.folder", name="load_model", times=1),
+    "as transformers loads": IMPORTING.format(module="transformers"),
+    "as the weights are written": STEP.format(module="safetensors.torch", name="save", times=1),
+    "as the onnx graph is traced": STEP.format(module="exporting.onnx", name="Decoder.forward", times=1),
+    "twice as the onnx graph is traced": STEP.format(module="exporting.onnx", name="Decoder.forward", times=2),
+    "as a destructor runs in the tracer": """
+import exporting.onnx as module
+forward = module.Decoder.forward
+class Dropped:  # an object of a library's, which Python drops: its __del__ cannot raise
+    def __del__(self):
+        signal.raise_signal(SIG)
+def dropping(*args):
+    Dropped()
+    return forward(*args)
+module.Decoder.forward = dropping
+""",
+    "as the tokenizer is written": STEP.format(module="exporting.folder", name="write_tokenizer", times=1),
+}
+
+
+@pytest.mark.parametrize("moment, fmt, stop_signal, out", [
+    ("as export.py's modules load", "hf", "SIGINT", "new"),
+    ("as the checkpoint loads", "hf", "SIGTERM", "new"),
+    ("as transformers loads", "hf", "SIGTERM", "new"),
+    ("as the weights are written", "hf", "SIGTERM", "new"),
+    ("as the onnx graph is traced", "onnx", "SIGTERM", "new"),
+    ("as a destructor runs in the tracer", "onnx", "SIGINT", "new"),
+    ("twice as the onnx graph is traced", "onnx", "SIGTERM", "new"),
+    ("as the tokenizer is written", "onnx", "SIGTERM", "empty"),
+])
+def test_a_stop_signal_at_any_moment_stops_the_export_and_leaves_nothing(run, moment, fmt, stop_signal, out):
+    """Ctrl-C (130) or SIGTERM (143): one line, and the folder holds what it held, no hidden partial folder in it,
+    whatever a library does with the interrupt: Python drops one raised in a destructor, and a second signal
+    interrupts torch's tracer in its middle."""
+    folder = run.parent
+    if out == "empty":
+        (folder / "out").mkdir()
+    before = everything(folder)
+    hook = MOMENTS[moment].replace("SIG)", f"signal.{stop_signal})")
+    result = finished(export_with(hook, "--checkpoint", run, folder / "out", "--format", fmt, cwd=folder))
+    assert_one_line_error(result, "export.py", "interrupted", status=128 + signal.Signals[stop_signal])
+    assert result.stdout == "" and everything(folder) == before
+
+
+def test_a_signal_once_the_folder_is_whole_lets_the_export_end(run):
+    """As train.py after its final save: the signal is noted, and the whole export stays with status 0."""
+    hook = STEP.format(module="exporting.folder", name="put_in_place", times=2).replace("SIG)", "signal.SIGINT)")
+    result = finished(export_with(hook, "--checkpoint", run, run.parent / "out", cwd=run.parent))
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    assert sorted(p.name for p in (run.parent / "out").iterdir()) == HF_FILES
+
+
+def test_a_kill_from_outside_during_a_slow_step_stops_the_export_after_it(run):
+    """SIGTERM sent by another process, as `kill` sends it, while the tokenizer is written slowly."""
+    hook = """
+import exporting.folder as module
+step = module.write_tokenizer
+def slowly(*args):
+    print("writing", flush=True)
+    time.sleep(1)
+    return step(*args)
+module.write_tokenizer = slowly
+"""
+    before = everything(run.parent)
+    process = export_with(hook, "--checkpoint", run, run.parent / "out", cwd=run.parent)
+    assert process.stdout.readline() == "writing\n", finished(process).stderr
+    process.send_signal(signal.SIGTERM)
+    result = finished(process)
+    assert_one_line_error(result, "export.py", "interrupted", status=143)
+    assert everything(run.parent) == before
 
 
 def exported(capsys, run: Path, out, *argv) -> list[str]:
