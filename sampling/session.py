@@ -128,15 +128,18 @@ def another_model(path, contents: dict, checkpoint, model) -> str:
         return (f"{path} was saved at --precision {precision}, and its cache holds what the weights computed at "
                 f"that precision: take it up with --precision {precision}, or start a new session under another "
                 f"name")
-    at = "" if precision is not None else " (or at another --precision)"
     if saved_with and Path(saved_with).resolve() == Path(checkpoint).resolve():
-        return (f"{path} was saved with the weights {checkpoint} held then{at}; they have changed since (trained "
+        if precision is None:  # a file of an earlier version, which recorded no precision
+            return (f"{path} was saved with {checkpoint} at another --precision than {precision_of(model)}, or "
+                    f"with weights it no longer holds: take it up at the --precision it was saved at, or start a "
+                    f"new session under another name")
+        return (f"{path} was saved with the weights {checkpoint} held then; they have changed since (trained "
                 f"further, or written again), and its cache holds what the old ones computed: start a new session "
                 f"under another name")
     if saved_with and not Path(saved_with).exists():
-        return (f"{path} was saved with the model in {saved_with}{at}, which is no longer there: start a new "
+        return (f"{path} was saved with the model in {saved_with}, which is no longer there: start a new "
                 f"session under another name")
-    return (f"{path} was saved with another model ({saved_with}){at}, not {checkpoint}: take it up with "
+    return (f"{path} was saved with another model ({saved_with}), not {checkpoint}: take it up with "
             f"--checkpoint {saved_with}, or start a new session under another name")
 
 

@@ -128,6 +128,21 @@ def test_a_session_taken_up_at_another_precision_names_the_one_to_give(models, t
     assert followed.returncode == 0 and "took up" in followed.stderr, followed.stderr
 
 
+def test_a_session_of_an_earlier_version_which_records_no_precision_names_both_causes(models, tmp_path):
+    """Its weights differ at another precision, or once the checkpoint has changed: the file cannot tell which."""
+    session = tmp_path / "chat.pt"
+    assert converse(models["model"], "First Citizen:\n", "--session", session).returncode == 0
+    saved = torch.load(session, weights_only=True)
+    rewritten({key: value for key, value in saved.items() if key not in ("precision", "device")}, session,
+              checkpoint=str(models["model"]))
+    result = converse(models["model"], "All:\n", "--session", session, "--precision", "bf16")
+    assert_usage_error(result, f"--session {session} was saved with {models['model']} at another --precision than "
+                               f"bf16, or with weights it no longer holds: take it up at the --precision it was "
+                               f"saved at, or start a new session under another name")
+    followed = converse(models["model"], "All:\n", "--session", session)
+    assert followed.returncode == 0 and "took up" in followed.stderr, followed.stderr
+
+
 def test_a_session_whose_checkpoint_has_trained_since_says_that_its_weights_changed(models, tmp_path):
     checkpoint = tmp_path / "run/best.pt"
     checkpoint.parent.mkdir()
