@@ -14,8 +14,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from data import SHAKESPEARE, PreparedData, prepare_shakespeare  # noqa: E402
 from model import GPTConfig  # noqa: E402
-from runtime.devices import choose_device  # noqa: E402
-from runtime.errors import USAGE, UsageError, fail, mistakes, one_line  # noqa: E402
+from runtime.devices import choose_device, threads_refused  # noqa: E402
+from runtime.errors import USAGE, UsageError, fail, mistakes, one_line, positive_int  # noqa: E402
 from training.config import MAX_TRAINING_SEED, Settings, register, validate  # noqa: E402
 
 TINY_SHAKESPEARE_VOCAB_SIZE = 65  # its distinct characters; the data itself is not needed to time a model
@@ -81,6 +81,14 @@ def integer_in(low: int, high: int | None = None):
 
 training_seed = integer_in(0, MAX_TRAINING_SEED)  # a seed train.py takes
 count = integer_in(0)
+
+
+def thread_count(text: str) -> int:
+    """An argparse type: a thread count that train.py and sample.py would start (runtime/devices.py)."""
+    threads = positive_int(text)
+    if threads_refused(threads):
+        raise argparse.ArgumentTypeError(threads_refused(threads))
+    return threads
 
 
 def positive_float(text: str) -> float:

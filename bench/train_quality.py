@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.configs import (REPO, check_training, host, positive_float, run_tool, training_failed,  # noqa: E402
-                           training_seed)
+from bench.configs import (REPO, check_training, host, positive_float, run_tool, thread_count,  # noqa: E402
+                           training_failed, training_seed)
 from bench.curve import read_curve  # noqa: E402
 from runtime.errors import OneLineErrorParser, UsageError, positive_int  # noqa: E402
 
@@ -105,7 +105,7 @@ def main() -> None:
     parser.add_argument("--eval-interval", type=positive_int, help="override every candidate's train.eval_interval")
     parser.add_argument("--curves", action="store_true", help="also print each run's val loss against seconds")
     parser.add_argument("--log", type=Path, help="keep each run's output in this folder, as NAME-SEED.log")
-    parser.add_argument("--threads", type=positive_int, help="torch's threads in each run (OMP_NUM_THREADS); 1 "
+    parser.add_argument("--threads", type=thread_count, help="torch's threads in each run (OMP_NUM_THREADS); 1 "
                                                              "stands in for a machine half as fast as a 2-core one")
     parser.add_argument("--load-from", type=positive_float, metavar="SECONDS",
                         help="from this many seconds into each run, a busy loop takes one core: a machine that "

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 
 from model import GPTConfig, build_model
+from runtime.errors import UsageError
 
 
 def choose_device(name: str) -> torch.device:
@@ -64,10 +65,33 @@ DEFAULT_THREADS = torch.get_num_threads()
 clock = time.perf_counter  # what time_in_turns reads (a test's clock stands in for it)
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity where the system keeps one, else every core."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def threads_refused(threads: int) -> str | None:
+    """Why a run will not start `threads` threads, in words that follow the option's name, or None: the one rule
+    for train.threads, sample.py's --threads, OMP_NUM_THREADS and the benchmarks. A count runs from 1 to the cores
+    this process may run on, as torch's own default does: more only wait for one another, and tens of thousands
+    cannot all be started (the process dies mid-way)."""
+    cores = usable_cores()
+    return None if 1 <= threads <= cores else \
+        f"must be from 1 to {cores} (the cores this process may run on), got {threads}"
+
+
 def environment_threads() -> int | None:
-    """The thread count OMP_NUM_THREADS names, which torch obeys, or None."""
+    """The thread count OMP_NUM_THREADS names, which torch obeys, or None; a UsageError where it names a count that
+    a run will not start (threads_refused)."""
     value = os.environ.get("OMP_NUM_THREADS", "")
-    return int(value) if value.isdigit() and int(value) > 0 else None
+    threads = int(value) if value.isdigit() and int(value) > 0 else None
+    why = threads_refused(threads) if threads is not None else None
+    if why:
+        raise UsageError(f"OMP_NUM_THREADS {why}: set it lower, or unset it")
+    return threads
 
 
 def thread_counts() -> list[int]:

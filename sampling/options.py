@@ -15,7 +15,7 @@ from model.decoding.quantize import DECODING_PRECISIONS
 from model.caches.factory import kv_cache_dtype
 from model.serving.engine import check_servable
 from .compiled_step import COMPILE_PAYS_AFTER, DEVICES as STEP_DEVICES
-from runtime.devices import memory_of
+from runtime.devices import environment_threads, memory_of, threads_refused
 from runtime.errors import OneLineErrorParser, UsageError, one_line
 from runtime.files import cannot_write_atomically, special_kind
 
@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="learned positions: the context tokens kept when it jumps past block_size, "
                              "1..block_size (default: block_size // 2; block_size is the classic crop)")
     parser.add_argument("--threads", metavar="N", type=int,
-                        help="CPU threads (default: the count whose decoding is fastest now, timed at start)")
+                        help="CPU threads, at most the cores this process may run on (default: the count whose "
+                             "decoding is fastest now, timed at start)")
     parser.add_argument("--precision", choices=DECODING_PRECISIONS, default="fp32",
                         help="decode with the weights as trained (fp32), in bf16, or with int8 weights "
                              "quantized when loaded (default: %(default)s)")
@@ -107,6 +108,10 @@ def check_options(args) -> None:
         raise UsageError(f"--seed must be in [0, {MAX_GENERATOR_SEED}], got {args.seed}")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
+    if args.threads is not None and threads_refused(args.threads):
+        raise UsageError(f"--threads {threads_refused(args.threads)}")
+    if args.threads is None:  # the count OMP_NUM_THREADS names is obeyed then: refused before the model loads
+        environment_threads()
     if args.no_kv_cache and (args.kv_cache or args.read_all_slots):
         raise UsageError(f"{'--kv-cache' if args.kv_cache else '--read-all-slots'} applies to the KV cache: "
                          f"drop it, or --no-kv-cache")

@@ -19,7 +19,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from data import DATASETS, VAL_FRACTION
 from model import GPTConfig
 from model.designs.layers import check_design
-from runtime.devices import choose_device
+from runtime.devices import choose_device, environment_threads, threads_refused
 from runtime.errors import ConfigError, one_line
 
 
@@ -135,6 +135,8 @@ class TrainConfig:
         _require(self, lambda v: v is None or 0 < v < 1, "in (0, 1), or null for no average", "ema_decay")
         _require(self, lambda v: v in TRAINING_PRECISIONS, " or ".join(TRAINING_PRECISIONS), "precision")
         _require(self, lambda v: v is None or v >= 1, "a positive integer, or null for the fastest now", "threads")
+        if self.threads is not None and threads_refused(self.threads):
+            raise ValueError(f"threads {threads_refused(self.threads)}")
         _require(self, lambda v: v is None or v >= 1, "a positive integer, or null to train to the end", "patience")
 
 
@@ -216,6 +218,8 @@ def validate(cfg: DictConfig, named: set[str] | None = None) -> Settings:
             raise ConfigError(f"{name}.{e.full_key}: {one_line(e)}") from None
         except ValueError as e:
             raise ConfigError(f"{name}.{one_line(e)}" if name != "model" else f"model: {one_line(e)}") from None
+    if sections["train"].threads is None:  # the run obeys OMP_NUM_THREADS then: refused before any thread starts
+        environment_threads()
     config = OmegaConf.to_container(cfg, resolve=True)
     model = sections["model"]  # as GPTConfig resolved it: n_kv_head null is n_head
     config["model"] = {key: getattr(model, key) for key in config["model"]}
