@@ -11,6 +11,7 @@ export, removes what it wrote, and exits with 128 + the signal's number (130 for
 """
 
 import signal
+import sys
 
 EARLY_SIGNALS = []  # a stop signal that came while the modules below loaded, which takes seconds
 if __name__ == "__main__":
@@ -20,8 +21,8 @@ if __name__ == "__main__":
 from pathlib import Path  # noqa: E402
 
 from exporting.folder import FORMATS, export  # noqa: E402
-from runtime.errors import (Interrupted, OneLineErrorParser, OutputError, check_standard_streams, fail,  # noqa: E402
-                            mistakes)
+from runtime.errors import (Interrupted, OneLineErrorParser, OutputError, fail, flush_standard_output,  # noqa: E402
+                            mistakes, ready_standard_streams, silence)
 from training.signals import StopSignals  # noqa: E402
 
 
@@ -41,12 +42,17 @@ def main(argv=None) -> None:
     parser = build_parser()
     try:
         with StopSignals() as signals:  # the first stop signal ends the export at its next step, a second at once
-            check_standard_streams()
-            args = parser.parse_args(argv)
-            if EARLY_SIGNALS:
-                raise Interrupted(EARLY_SIGNALS[0])
-            out = export(args.checkpoint, args.out, args.format, args.precision, signals)
-            print(f"exported {args.checkpoint} to {out} ({args.format})")
+            ready_standard_streams()
+            try:
+                args = parser.parse_args(argv)
+                if EARLY_SIGNALS:
+                    raise Interrupted(EARLY_SIGNALS[0])
+                out = export(args.checkpoint, args.out, args.format, args.precision, signals)
+                print(f"exported {args.checkpoint} to {out} ({args.format})")
+            finally:  # --help's text too: a write that fails is one line, here
+                flush_standard_output()
+    except BrokenPipeError:  # the reader stopped early (`--help | head`): nothing more is wanted
+        silence(sys.stdout)
     except (*mistakes(), OutputError, OSError, KeyboardInterrupt) as e:
         fail(parser.prog, e)
 

@@ -22,11 +22,13 @@ be written (a full disk) is one line with status 1; a reader that stops early (`
 """
 
 import signal
+import sys
 
 from model import Sampling
 from runtime.checkpoint import find_latest_checkpoint, load_model, resolve_checkpoint
 from runtime.devices import choose_device
-from runtime.errors import UsageError, check_standard_streams, fail, mistakes
+from runtime.errors import (OutputError, UsageError, fail, flush_standard_output, mistakes, ready_standard_streams,
+                            silence)
 from sampling.modes import Loaded, each_line, interactive, plain, speculative
 from sampling.options import (MAX_NEW_TOKENS, build_parser, check_each_line, check_options, check_samples_fit_memory,
                               encode_prompt, read_prompt)
@@ -67,9 +69,14 @@ def sample(args) -> None:
 def main(argv=None) -> None:
     parser = build_parser()
     try:
-        check_standard_streams()
-        sample(parser.parse_args(argv))
-    except (*mistakes(), OSError, KeyboardInterrupt) as e:
+        ready_standard_streams()
+        try:
+            sample(parser.parse_args(argv))
+        finally:  # --help's text too: a write that fails is one line, here
+            flush_standard_output()
+    except BrokenPipeError:  # the reader stopped early (`--help | head`): nothing more is wanted
+        silence(sys.stdout)
+    except (*mistakes(), OutputError, OSError, KeyboardInterrupt) as e:
         fail(parser.prog, e)
 
 

@@ -38,8 +38,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from model import build_model
 from runtime.devices import choose_device, keep_freed_memory, thread_counts
-from runtime.errors import (ConfigError, OutputError, UsageError, check_standard_streams, exit_status, fail,
-                            one_line, silence, write_line)
+from runtime.errors import (ConfigError, OutputError, UsageError, exit_status, fail, flush_standard_output,
+                            one_line, ready_standard_streams, silence, write_line)
 from training.budget import process_started
 from training.config import explained, register, validate
 from training.distributed import init_distributed, is_rank_zero
@@ -192,10 +192,13 @@ if __name__ == "__main__":
     interrupt_on_signals()
     threading.excepthook = report_thread_error
     try:
-        check_standard_streams()
-        check_flags(sys.argv[1:])
-        sys.stdout.reconfigure(line_buffering=True)  # evaluation lines reach a log file as they happen
-        hydra_main()
+        ready_standard_streams()
+        try:
+            check_flags(sys.argv[1:])
+            sys.stdout.reconfigure(line_buffering=True)  # evaluation lines reach a log file as they happen
+            hydra_main()
+        finally:  # --help's and --cfg's text too: a write that fails is one line, here
+            flush_standard_output()
     except BrokenPipeError:  # the reader stopped early (`--help | head`): nothing more is wanted
         silence(sys.stdout)
     except (Exception, KeyboardInterrupt) as e:

@@ -10,6 +10,7 @@ points turn it into a line and a status, here.
 """
 
 import argparse
+import io
 import os
 import signal
 import sys
@@ -87,7 +88,9 @@ def exit_status(error: BaseException) -> int:
 def fail(prog: str, error: BaseException, *, speak: bool = True):
     """Report error as `prog: error: <one line>` on stderr (unless speak is False: another process already
     does) and exit with its status."""
-    if isinstance(error, OutputError):  # what is left in stdout's buffer (if it failed) would fail again at exit
+    try:  # what stdout holds goes before the error; if it cannot, it is dropped, or it would fail again at exit
+        sys.stdout.flush()
+    except (OSError, ValueError, AttributeError):
         silence(sys.stdout)
     if not speak:  # torchrun stops every process once one exits: the speaking one must get to its line first
         time.sleep(QUIET_EXIT_DELAY_S)
@@ -102,12 +105,62 @@ def fail(prog: str, error: BaseException, *, speak: bool = True):
     sys.exit(exit_status(error))
 
 
-def check_standard_streams() -> None:
+def ready_standard_streams() -> None:
     """A standard output or error closed at the start (`>&-`, `2>&-`) is refused before any work: with stderr
-    closed, print() would send the errors and the summary to stdout, among the results."""
+    closed, print() would send the errors and the summary to stdout, among the results. Then every write to
+    standard output is made whole or an error (whole_writes)."""
     for name, stream in (("output", sys.stdout), ("error", sys.stderr)):
         if stream is None:
             raise UsageError(f"standard {name} is closed; send it to a file or a pipe")
+    sys.stdout = whole_writes(sys.stdout)
+
+
+def whole_writes(stream: io.TextIOWrapper) -> io.TextIOWrapper:
+    """The stream, each of its writes whole or an error. Unbuffered (PYTHONUNBUFFERED, python -u), Python hands
+    text straight to the file and drops what a short write leaves (a disk that fills, a file-size limit) with no
+    error; WholeFile writes the rest, and so meets the error. Buffered streams write the rest already."""
+    if not isinstance(getattr(stream, "buffer", None), io.RawIOBase):
+        return stream
+    return io.TextIOWrapper(WholeFile(stream.fileno()), encoding=stream.encoding, errors=stream.errors,
+                            line_buffering=stream.line_buffering, write_through=True)
+
+
+class WholeFile(io.RawIOBase):
+    """An open file descriptor, unbuffered, whose write() writes every byte or raises (os.write may write part)."""
+
+    def __init__(self, fd: int):
+        super().__init__()
+        self.fd = fd
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def isatty(self) -> bool:
+        return os.isatty(self.fd)
+
+    def write(self, data) -> int:
+        rest = memoryview(data).cast("B")
+        try:
+            while rest:
+                rest = rest[os.write(self.fd, rest):]
+        except OSError as e:
+            e.filename = "standard output"  # what failed, for a message that reaches the user as it is
+            raise
+        return len(data)
+
+
+def flush_standard_output() -> None:
+    """Write what standard output holds (--help's text, ...) now: a write that fails is then an OutputError, where
+    at exit it would be Python's 'Exception ignored' with status 120. A reader that stopped early is no error."""
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:  # `| head`: nothing more was wanted
+        silence(sys.stdout)
+    except OSError as e:
+        raise OutputError(f"cannot write to standard output ({e.strerror or e})") from None
 
 
 def silence(stream) -> None:
@@ -133,6 +186,10 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(USAGE, f"{self.prog}: error: {message}\n")
+
+    def print_help(self, file=None):
+        """argparse ignores a failed write of --help's text; here it is raised, to be reported."""
+        (file or sys.stdout).write(self.format_help())
 
 
 def positive_int(text: str) -> int:
