@@ -24,6 +24,9 @@ class Abilities(NamedTuple):
     takes_padding: bool = True  # rows may start with left padding: reset(n_pad)
     compiles: bool = True  # a step through it compiles into one graph: static shapes, no read back to the host
     budgeted: bool = False  # it keeps fewer tokens than block_size and places them itself: never refilled
+    # past block_size each query sees only its last block_size keys, as the ring's do: a rotary model decodes on
+    # through it. A cache that keeps every token may not: generate refuses to take a rotary model past block_size
+    slides: bool = False
 
 
 class CachePass(NamedTuple):

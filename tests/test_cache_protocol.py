@@ -6,6 +6,8 @@ import torch
 
 from model import GREEDY, Abilities, CachePass, Sampling, generate
 from model.caches.factory import CACHES
+from model.decoding.aot_step import AotStep
+from model.decoding.cached_text import CachedText
 from tiny_models import BLOCK_SIZE, random_model, random_tokens
 
 
@@ -93,3 +95,47 @@ def test_what_a_cache_can_do_is_read_from_its_record():
     assert {name for name, (cls, _) in CACHES.items() if cls.abilities.budgeted} == {"window", "sinks", "h2o", "tova",
                                                                                       "merge"}
     assert {name for name, (cls, _) in CACHES.items() if cls.abilities.rolls_back} == {"float", "int8"}
+
+
+class SlidingListCache(ListCache):
+    """The toy, with a mask that shows each query its last BLOCK_SIZE keys: it slides, as the ring does."""
+
+    abilities = Abilities(rolls_back=False, takes_padding=False, compiles=False, slides=True)
+
+    def begin(self, t: int) -> CachePass:
+        positions, _, layer = super().begin(t)
+        keys = torch.arange(self.fed)
+        mask = (keys <= positions[:, None]) & (keys > positions[:, None] - BLOCK_SIZE)  # (t, T_k)
+        return CachePass(positions, mask[None, None], layer)
+
+
+def test_a_rotary_model_decodes_past_block_size_through_a_cache_that_slides_and_is_refused_one_that_does_not():
+    """generate cannot refill a rotary model's cache as the ring rolls: a cache that keeps every token serves one
+    context of block_size + 1 tokens, and one token more is refused; a cache that slides decodes on."""
+    model = random_model(pos_emb="rope")
+    prompt = random_tokens(2, 4)
+    within = BLOCK_SIZE + 1 - prompt.size(1)
+    for cache, new in ((ListCache(2), within), (SlidingListCache(2), 3 * BLOCK_SIZE)):
+        cached = generate(model, prompt, new, sampling=GREEDY, cache=cache)
+        assert torch.equal(cached, generate(model, prompt, new, sampling=GREEDY, use_cache=False))
+    with pytest.raises(ValueError, match=f"a ListCache does not slide .* ask for at most {within} new tokens"):
+        generate(model, prompt, within + 1, sampling=GREEDY, cache=ListCache(2))
+
+
+class BudgetListCache(ListCache):
+    """The toy, saying that it keeps a budget of its own choosing."""
+
+    abilities = Abilities(rolls_back=False, takes_padding=False, compiles=False, budgeted=True)
+
+
+def test_what_a_cache_of_ones_own_cannot_take_is_a_value_error_naming_the_argument():
+    """keep with a budget, a compiled step with a cache that decodes eagerly, a CachedText over a cache it was not
+    made for: each a ValueError, never an AttributeError from inside."""
+    model = random_model()
+    with pytest.raises(ValueError, match="a BudgetListCache keeps its own tokens: drop keep"):
+        generate(model, random_tokens(1, 3), 2, cache=BudgetListCache(1), keep=4)
+    step = AotStep.__new__(AotStep)  # any step: the cache's abilities refuse it first
+    with pytest.raises(ValueError, match="a ListCache decodes eagerly: drop step"):
+        generate(model, random_tokens(1, 3), 2, cache=ListCache(1), step=step)
+    with pytest.raises(ValueError, match="cache must be text_cache"):
+        CachedText(model, cache=ListCache(1))

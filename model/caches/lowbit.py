@@ -139,7 +139,7 @@ class LowBitKVCache(RingKVCache):
         """(n,) the slots of tokens first .. first + n - 1 (n <= max_len) in a ring of `ring` slots."""
         return (first + self.slot_ids[:n]) % ring
 
-    abilities = Abilities(rolls_back=False, compiles=False)  # which groups it quantizes depends on the tokens fed
+    abilities = Abilities(rolls_back=False, compiles=False, slides=True)  # its quantized groups depend on what is fed
 
     def layer(self, i: int, slots: torch.Tensor, n_read: int | None) -> LowBitLayerKV:
         if torch.compiler.is_compiling():

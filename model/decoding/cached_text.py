@@ -31,7 +31,8 @@ class CachedText:
     def __init__(self, model: GPT, *, spare: int = 0, keep: int | None = None, cache=None):
         self.model = model
         self.tokens: list[int] = []
-        if cache is not None and (cache.batch_size, cache.max_len) != (1, model.config.block_size + spare):
+        rows_and_slots = (1, model.config.block_size + spare)
+        if cache is not None and (cache.batch_size, getattr(cache, "max_len", None)) != rows_and_slots:
             raise ValueError(f"cache must be text_cache(model, spare={spare}): one row of block_size + spare slots")
         self.cache = cache if cache is not None else text_cache(model, spare)
         self.rolling = model.config.pos_emb == "rope"  # the ring rolls on: the context never jumps

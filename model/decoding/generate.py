@@ -198,11 +198,16 @@ def check_arguments(model: GPT, idx, max_new_tokens, keep=None, n_pad=None, use_
         raise ValueError("step is a compiled step already: drop compile")
     if cache is not None:
         check_cache(model, cache, B)
-        if compile and not cache.abilities.compiles:
-            raise ValueError(f"a {type(cache).__name__} decodes eagerly: drop compile")
-        if keep is not None and cache.abilities.budgeted:
+        abilities, name = cache.abilities, type(cache).__name__
+        if (compile or step is not None) and not abilities.compiles:
+            raise ValueError(f"a {name} decodes eagerly: drop {'compile' if compile else 'step'}")
+        if keep is not None and abilities.budgeted:
             raise ValueError(f"keep applies to the float and low-bit caches, whose context jumps forward; "
-                             f"{cache.kind} keeps its own tokens: drop keep")
+                             f"{getattr(cache, 'kind', 'a ' + name)} keeps its own tokens: drop keep")
+        if c.pos_emb == "rope" and not (abilities.slides or abilities.budgeted) and T + max_new_tokens > block_size + 1:
+            raise ValueError(f"cache: a {name} does not slide (its abilities), and a rotary model past "
+                             f"block_size={block_size} sees only the last block_size tokens; ask for at most "
+                             f"{max(block_size + 1 - T, 0)} new tokens, or use new_kv_cache(model, {B})")
     if n_pad is None:
         return [0] * B
     pads = n_pad.tolist() if isinstance(n_pad, torch.Tensor) else list(n_pad)

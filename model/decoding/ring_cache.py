@@ -35,7 +35,7 @@ from .checks import is_integer
 class RingKVCache(KVCache):
     """A KVCache whose slots are a ring, rows may start with left padding, and each query sees `reach` tokens."""
 
-    abilities = Abilities()
+    abilities = Abilities(slides=True)
 
     @property
     def k(self) -> list[torch.Tensor]:
@@ -144,7 +144,7 @@ class Uncached:
     or None) is seen by no other token. model(idx, cache=Uncached(reach, n_pad, device)) gives a padded row the
     logits it would get alone."""
 
-    abilities = Abilities(rolls_back=False, compiles=False)
+    abilities = Abilities(rolls_back=False, compiles=False, slides=True)
 
     def __init__(self, reach: int, n_pad: torch.Tensor | None = None, device=None):
         self.reach, self.n_pad = reach, n_pad
