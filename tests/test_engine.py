@@ -6,10 +6,12 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from model import GREEDY, Sampling, generate
 from model.serving import buckets as buckets_module, engine as engine_module
 from model.serving.engine import Engine
+from model.serving.rowwise import RowsAlone
 from tiny_models import VOCAB, random_model
 from model.caches.factory import new_kv_cache
 
@@ -94,8 +96,7 @@ def test_decoding_steps_padded_to_a_batch_bucket_give_each_request_the_logits_it
     _, unpadded, unpadded_drawn = random_schedule(model, 3, 24, 2, 7, 16, int8=int8)
     assert drawn == unpadded_drawn
     for name, (_, _, request) in requests.items():
-        torch.testing.assert_close(torch.stack(request.logits), torch.stack(unpadded[name][2].logits), rtol=0,
-                                   atol=1e-5)
+        assert torch.equal(torch.stack(request.logits), torch.stack(unpadded[name][2].logits)), name
     assert set(padded) - set(buckets_module.bucket_sizes(16)), "no batch needed padding"
 
 
@@ -196,3 +197,41 @@ def test_a_prefix_saved_and_loaded_into_another_engine_is_read_not_computed(tmp_
     other = Engine(random_model(block_size=BLOCK, n_kv_head=1), n_blocks=16, block_tokens=4)
     with pytest.raises(ValueError, match="do not fit this pool"):
         other.import_prefix(first.export_prefix(preamble))
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
+@pytest.mark.parametrize("overrides", DESIGNS[:2], ids=["plain", "rope-mqa"])
+@torch.no_grad()
+def test_a_request_decodes_to_the_same_bits_whatever_decodes_beside_it(overrides, int8):
+    """Decoding is batch-invariant: once prefilled, a request's logits are those it gets alone, to the last bit,
+    while 0 to 6 others of every length decode beside it. A matmul may round by how many rows share it, and an
+    int8 pool turns such a rounding into a whole int8 step of a key."""
+    model = random_model(block_size=BLOCK, **overrides)
+    rng = random.Random(5)
+    prompt = [rng.randrange(VOCAB) for _ in range(5)]
+    engines = [Engine(model, n_blocks=80, block_tokens=4, max_batch=8, keep_logits=True, int8=int8)
+               for _ in range(2)]
+    alone, beside = (engine.add("r", prompt, 30) for engine in engines)
+    list(engines[0].run())
+    engines[1].step()  # its prompt, alone: the others join as it decodes
+    others = [engines[1].add(i, [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 9))], rng.randrange(1, 25))
+              for i in range(8)]
+    forward, batches = engines[1]._forward, []
+    engines[1]._forward = lambda requests, counts: batches.append(len(requests) * (beside in requests)) or \
+        forward(requests, counts)
+    list(engines[1].run())
+    assert len(set(batches) - {0, 1}) >= 3 and all(other.drawn for other in others)  # many batch sizes
+    assert torch.equal(torch.stack(beside.logits), torch.stack(alone.logits))
+
+
+def test_rows_alone_computes_what_f_linear_computes():
+    """Inside RowsAlone, F.linear of any rows (with and without bias) gives F.linear's values, row by row the
+    bits of that row alone."""
+    torch.manual_seed(0)
+    weight, bias, x = torch.randn(48, 32), torch.randn(48), torch.randn(3, 7, 32)
+    with RowsAlone():
+        y, no_bias = F.linear(x, weight, bias), F.linear(x, weight)
+        alone = torch.stack([F.linear(x[b, i:i + 1], weight, bias)[0] for b in range(3) for i in range(7)])
+    torch.testing.assert_close(y, F.linear(x, weight, bias), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(no_bias, F.linear(x, weight), rtol=1e-6, atol=1e-6)
+    assert torch.equal(y.reshape(21, 48), alone)

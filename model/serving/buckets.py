@@ -16,6 +16,7 @@ import torch
 
 from ..decoding.cuda_graph import record
 from .paged import BlockPool, PagedPass
+from .rowwise import RowsAlone
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -30,7 +31,7 @@ class DecodeBuckets:
     def __init__(self, model, pool: BlockPool, max_batch: int, capture: bool):
         self.model, self.pool = model, pool
         self.scratch_block = pool.n_blocks  # the block past those the pool hands out: its first slot is scratch
-        width = -(-model.config.block_size // pool.block_tokens)  # the most blocks a request holds
+        width = pool.table_width  # the most blocks a request holds
         device = pool.k[0].device
         self.inputs = {n: (torch.zeros(n, 1, dtype=torch.long, device=device),  # tokens (n, 1)
                            torch.full((n, width), self.scratch_block, device=device),  # block tables (n, width)
@@ -46,7 +47,8 @@ class DecodeBuckets:
     def run(self, ids, table, fed):
         """ids (n, 1), table (n, width), fed (n,) -> the logits of each row's next token (n, vocab_size)."""
         batch = PagedPass(self.pool, table, fed, torch.ones_like(fed), 1)
-        return self.model(ids, cache=batch)[0][:, -1]
+        with RowsAlone():
+            return self.model(ids, cache=batch)[0][:, -1]
 
     def decode(self, ids: list[int], tables: list[list[int]], fed: list[int]) -> torch.Tensor:
         """Each running row's last token, block table and tokens fed before it -> its logits (B, vocab_size)."""

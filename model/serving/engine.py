@@ -14,8 +14,10 @@ token per step, together. When a decoding request needs a block and none is left
 is preempted: its blocks go back to the pool, and it waits to be prefilled again, with the tokens it has drawn.
 A request leaves when it has drawn its tokens, and its blocks go back. Each request's text is what it would get
 decoded alone (sampled too, with a generator of its own): a context of at most block_size tokens.
+Decoding is batch-invariant, to the last bit; prefill is not quite (model/serving/rowwise.py says why).
 """
 
+import contextlib
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
@@ -25,6 +27,7 @@ import torch
 from ..decoding.checks import is_integer
 from .buckets import DecodeBuckets
 from .paged import BlockPool, PagedPass, chain_hash
+from .rowwise import RowsAlone
 from ..decoding.sampling import GREEDY, Sampling
 
 
@@ -208,7 +211,8 @@ class Engine:
             ids = torch.tensor([r.tokens[r.fed:r.fed + n] + [0] * (t - n) for r, n in zip(requests, counts)],
                                device=self.pool.k[0].device)
             batch = PagedPass.of(self.pool, tables, fed, counts)
-            hidden = self.model(ids, cache=batch)[0]  # (B, t, vocab_size)
+            with RowsAlone() if t == 1 else contextlib.nullcontext():  # decoding: batch-invariant
+                hidden = self.model(ids, cache=batch)[0]  # (B, t, vocab_size)
             logits = hidden[torch.arange(len(requests)), torch.tensor(counts) - 1]  # each row's last real token
         self.stats.passes += 1
         self.stats.peak_blocks = max(self.stats.peak_blocks, self.pool.n_blocks - self.pool.available())

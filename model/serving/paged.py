@@ -47,6 +47,7 @@ class BlockPool:
         self.int8 = int8
         self.n_blocks, self.block_tokens = n_blocks, block_tokens
         self.scratch = n_blocks * block_tokens
+        self.table_width = -(-model.config.block_size // block_tokens)  # the most blocks a request holds
         self.refs = [0] * n_blocks
         self.free = list(range(n_blocks - 1, -1, -1))  # never named, or named no longer
         self.idle: OrderedDict[int, None] = OrderedDict()  # named blocks nobody reads, least recently used first
@@ -150,8 +151,11 @@ class PagedPass:
 
     @classmethod
     def of(cls, pool: BlockPool, tables: list[list[int]], fed: list[int], counts: list[int]) -> "PagedPass":
-        """A pass over the engine's block tables, reading only as many blocks as the longest row needs."""
-        n = -(-max(f + c for f, c in zip(fed, counts)) // pool.block_tokens)
+        """A pass over the engine's block tables. A decoding pass (one token per row) reads the pool's table_width
+        blocks, so that each row's attention sums over as many keys whatever the others need (masked past its
+        length); a prefill pass reads only as many blocks as the longest row needs."""
+        decoding = max(counts) == 1
+        n = pool.table_width if decoding else -(-max(f + c for f, c in zip(fed, counts)) // pool.block_tokens)
         device = pool.k[0].device
         table = torch.tensor([row[:n] + [0] * (n - len(row[:n])) for row in tables], device=device)
         return cls(pool, table, torch.tensor(fed, device=device), torch.tensor(counts, device=device), max(counts))
