@@ -2,8 +2,7 @@
 
 Token t (counted from 0 since reset) goes to slot t of every layer. A pass of t new tokens writes their keys and
 values into their slots, then attends over the filled slots, causally. greedy_decode, at the end, is the whole
-idea. Cache, below, is what every cache does: model/decoding/ring_cache.py's ring rolls on past block_size, and
-model/caches/ holds the others, each made by name in factory.py.
+idea. Cache, below, is what every cache does: the ring that rolls on (model/decoding/ring_cache.py), and the others.
 
 Lengths: block_size, the longest context the model sees; reach, how far back a query sees (block_size, or a local
 layer's local_window); max_len, a cache layer's slots; budget, the slots of a cache that chooses what it keeps;
@@ -24,9 +23,7 @@ class Abilities(NamedTuple):
     takes_padding: bool = True  # rows may start with left padding: reset(n_pad)
     compiles: bool = True  # a step through it compiles into one graph: static shapes, no read back to the host
     budgeted: bool = False  # it keeps fewer tokens than block_size and places them itself: never refilled
-    # past block_size each query sees only its last block_size keys, as the ring's do: a rotary model decodes on
-    # through it. A cache that keeps every token may not: generate refuses to take a rotary model past block_size
-    slides: bool = False
+    slides: bool = False  # each query sees only its last block_size keys (the ring): rope decodes past block_size
 
 
 class CachePass(NamedTuple):
