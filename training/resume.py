@@ -7,14 +7,14 @@ from pathlib import Path
 import torch
 
 from model import GPTConfig, build_model
-from runtime.checkpoint import is_export, load_checkpoint, resolve_checkpoint
+from runtime.checkpoint import load_checkpoint, resolve_checkpoint
 from runtime.errors import CheckpointError, ConfigError, one_line
 from runtime.files import remove_stale_temporaries
 
 from .config import OptimConfig, flatten
 from .distributed import is_rank_zero
 from .optim import Schedule, make_optimizers
-from .runs import continues_in_place
+from .runs import continues_in_place, weights_only
 from .sizing import kept_on_resume
 
 # Settings a resumed run must share with the run it continues: the model, the optimiser, the schedule, the weights'
@@ -93,15 +93,6 @@ def load_resume_checkpoint(path, config: dict, optim: OptimConfig, length_named:
     except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, IndexError) as e:
         raise ConfigError(f"train.resume: {path} is damaged ({one_line(e)[:200]}); resume from another checkpoint") from None
     return contents, (max_iters, max_minutes), {key: theirs[key] for key in kept if key in theirs}
-
-
-def weights_only(path) -> ConfigError:
-    """The refusal of a checkpoint with no training state to continue: an exported folder, or a file saved with
-    the weights alone."""
-    what = "a folder that export.py wrote, which" if is_export(Path(path)) else "a checkpoint that"
-    return ConfigError(f"train.resume: {path} is {what} holds the weights alone, no optimiser state or step to "
-                       f"continue: resume from the last.pt of the run that trained it, or train anew without "
-                       f"train.resume")
 
 
 def check_restorable(contents: dict, optim: OptimConfig, max_iters: int | None) -> None:

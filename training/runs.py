@@ -15,7 +15,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, read_write
 
-from runtime.checkpoint import load_checkpoint, resolve_checkpoint
+from runtime.checkpoint import is_export, load_checkpoint, resolve_checkpoint
 from runtime.errors import CheckpointError, ConfigError, fail, one_line
 
 from .distributed import is_rank_zero
@@ -123,6 +123,15 @@ def enclosing_run(path: Path) -> Path | None:
     return None
 
 
+def weights_only(path) -> ConfigError:
+    """The refusal of a checkpoint with no training state to continue: an exported folder, or a file saved with
+    the weights alone."""
+    what = "a folder that export.py wrote, which" if is_export(Path(path)) else "a checkpoint that"
+    return ConfigError(f"train.resume: {path} is {what} holds the weights alone, no optimiser state or step to "
+                       f"continue: resume from the last.pt of the run that trained it, or train anew without "
+                       f"train.resume")
+
+
 def check_own_run(run_dir: Path, resumed: Path) -> None:
     """A resumed run continues in place only in the directory that is provably the checkpoint's run, holding
     nothing newer: the checkpoint is its last.pt or best.pt and records the run's identity, and the other of the
@@ -130,7 +139,6 @@ def check_own_run(run_dir: Path, resumed: Path) -> None:
     would overwrite."""
     ours = load_checkpoint(resumed).get("training")
     if ours is None:  # nothing to continue, here or in another directory
-        from .resume import weights_only  # resume.py imports this module
         raise weights_only(resumed)
     run_id = ours.get("run_id") if isinstance(ours, dict) else None
     reason, advice = None, ""
