@@ -44,6 +44,7 @@ from training.budget import process_started
 from training.config import explained, register, validate
 from training.distributed import init_distributed, is_rank_zero
 from training.loop import Stopped, Trainer
+from training.planning import check_start
 from training.resume import resumed_settings
 from training.runs import take_run_dir
 from training.signals import StopSignals, interrupt_on_signals
@@ -64,6 +65,7 @@ def main(cfg: DictConfig, run_dir, preset: str | None = None, named: set[str] | 
     run_dir = Path(run_dir)
     started_at = time.perf_counter() if started_at is None else started_at
     settings, resumed, run_id = resumed_settings(validate(cfg, named), named, run_dir)
+    check_start(settings.train, resumed, started_at)
     rank, world_size, device = init_distributed(device_for(cfg.device))
     try:
         if device.type == "cuda":

@@ -425,10 +425,11 @@ def test_the_steps_a_budget_chose_repeat_its_run_exactly(tmp_path, data_root, bu
 
 
 def test_a_budget_too_short_for_the_warm_up_is_one_line(tmp_path, data_root):
-    with pytest.raises(train.ConfigError, match=r"^train.max_minutes=0.0001 leaves time for (0 steps|1 step) here \(.* s "
-                                                r"since the start, .*\), no more than optim.warmup_iters=5; give a "
+    with pytest.raises(train.ConfigError, match=r"^train.max_minutes=0.1 leaves time for \d+ steps here \(.* s "
+                                                r"since the start, .*\), no more than optim.warmup_iters=100000; give a "
                                                 r"longer budget$"):
-        train.main(config(tmp_path, data_root, "train.max_iters=null", "train.max_minutes=0.0001"), tmp_path / "r")
+        train.main(config(tmp_path, data_root, "train.max_iters=null", "train.max_minutes=0.1",
+                          "optim.warmup_iters=100000"), tmp_path / "r")
 
 
 @pytest.mark.parametrize("step", [0, 3, 20, 199])
@@ -558,8 +559,9 @@ def test_a_resumed_budget_counts_the_time_its_run_spent_before(tmp_path, data_ro
     contents = torch.load(run_dir / "last.pt", weights_only=True)
     contents["training"]["seconds"] = 1000.0
     save_checkpoint(contents, run_dir / "last.pt")
-    with pytest.raises(train.ConfigError, match=r"^train.max_minutes=0.1 leaves time for 4 steps here \(100\d\.\d s "
-                                                r"since the start, "):
+    with pytest.raises(train.ConfigError, match=r"^train.max_minutes=0.1 \(6 s\) cannot hold this run: 100\d\.\d s are "
+                                                r"spent already, .*train.max_iters=N \(N above 3\) in place of "
+                                                r"train.max_minutes$"):
         train.main(config(tmp_path, data_root, *BUDGET, *HOLD, f"train.resume={run_dir}"), run_dir)
 
 

@@ -8,7 +8,11 @@ checks its plan against the steps measured since its latest evaluation (Budget.r
 end past the budget less half of EXIT_S, or at an evaluation, one that would end MARGIN short of its aim, is
 planned again, and the rest of the decay refitted to the new end (optim.Schedule.replan). Between the two the
 plan stands, so that the speed's noise changes nothing. Should even one more step not fit (Budget.late), the
-run ends there, evaluated and saved."""
+run ends there, evaluated and saved.
+
+A budget that cannot hold even the shortest run is refused at once (unheld): one spent by the start-up, or too
+short for the evaluations every run takes, whose cost a few batches foresee before the first
+(BudgetPlan.check_budget)."""
 
 import math
 import os
@@ -65,6 +69,32 @@ def steps_within(seconds: float, step_s: float, evaluation_s: float, eval_interv
     return fits
 
 
+def more_time(resumed_at: int | None) -> str:
+    """The advice that gives a run more time: a longer budget, or to a run resumed at step resumed_at, which keeps
+    its budget, more steps."""
+    if resumed_at is None:
+        return "give a longer budget"
+    return f"train the run on by steps instead: give train.max_iters=N (N above {resumed_at}) in place of " \
+           f"train.max_minutes"
+
+
+def unheld(minutes: float, spent_s: float, evaluations: int = 0, evaluation_s: float = 0.0,
+           resumed_at: int | None = None) -> str | None:
+    """Why a budget of `minutes` cannot hold what a run must still do however few steps it takes, or None: after
+    spent_s, `evaluations` evaluations of about evaluation_s each, and the process's exit (EXIT_S). resumed_at: the
+    step a resumed run continues from (it keeps its budget, but may train on by steps)."""
+    budget_s = minutes * 60
+    if spent_s + evaluations * evaluation_s + EXIT_S <= budget_s:
+        return None
+    about = f"of about {evaluation_s:.4g} s"
+    evaluating = {0: "", 1: f", 1 evaluation (at its end) {about} here",
+                  2: f", 2 evaluations (at its start and its end) {about} each here"}[evaluations]
+    advice = "lower train.eval_iters, or " if evaluations and evaluations * evaluation_s + EXIT_S > budget_s else ""
+    advice += more_time(resumed_at)
+    return (f"train.max_minutes={minutes:g} ({budget_s:.4g} s) cannot hold this run: {spent_s:.1f} s are spent "
+            f"already{evaluating}, and the exit needs {EXIT_S:g} s; {advice}")
+
+
 class Budget:
     """A run's budget of train.max_minutes as it trains, counted from started_at (on clock()): what a step and an
     evaluation with its saves cost here now, how many steps fit, and whether the run must end early."""
@@ -76,6 +106,7 @@ class Budget:
         self.since = None  # (step, when): the steps since then measure a plan (Budget.replanned)
         self.pace = None  # seconds a step, as the steps before the latest evaluation or plan measured it
         self.planned_step_s = None  # a step's cost when the length was fixed, in this life of the run
+        self.foreseen_s = 0.0  # an evaluation's cost with its saves until one is measured (BudgetPlan.check_budget)
 
     def spent(self) -> float:
         """The seconds of the budget spent so far, earlier lives of the run included."""
@@ -98,13 +129,17 @@ class Budget:
     def costs(self, step: int) -> tuple[float, float]:
         """(seconds a step, seconds an evaluation with its saves) now: the latest steps, less the evaluations among
         them (the first steps of a run are slower than the rest), and the latest evaluation (step 0's has no saves;
-        a run resumed between evaluations has none yet)."""
+        a run resumed between evaluations has only the cost foreseen)."""
         now = clock()
         self.recent.append((step, now))
         first_step, first_time = self.recent[0]
         evaluating_s = sum(seconds for ended, seconds in self.evaluations if ended > first_time)
         step_s = (now - first_time - evaluating_s) / (step - first_step)
-        return step_s, self.evaluations[-1][1] if self.evaluations else 0.0
+        return step_s, self.evaluation_s()
+
+    def evaluation_s(self) -> float:
+        """An evaluation's cost with its saves: the latest one's, else the cost foreseen before the first."""
+        return self.evaluations[-1][1] if self.evaluations else self.foreseen_s
 
     def steps_that_fit(self, step: int, eval_interval: int) -> tuple[int, float, str]:
         """The last step that ends, with its evaluations, within planned_seconds() of the budget at the costs
@@ -146,7 +181,7 @@ class Budget:
         or plan, if there are enough of them (REPLAN_STEPS, or half an interval); else with paced, by the steps
         before them (pace); else None."""
         since_step, since = self.since
-        evaluation_s = self.evaluations[-1][1] if self.evaluations else 0.0
+        evaluation_s = self.evaluation_s()
         if step - since_step >= min(REPLAN_STEPS, max(1, eval_interval // 2)):
             return (clock() - since) / (step - since_step), evaluation_s
         return (self.pace, evaluation_s) if paced and self.pace is not None else None

@@ -82,7 +82,8 @@ class Trainer(BudgetPlan):
         self.step, self.best_val_loss, self.last_val_loss = 0, math.inf, None  # step: optimiser steps taken
         self.best_step, self.since_best = None, 0  # best.pt's step; evaluations since it (train.patience)
         self.ended_by = None  # why the run ends before its max_iters, in words (train.patience)
-        if resumed is not None:
+        self.resumed = resumed is not None
+        if self.resumed:
             self.restore(resumed)
         self.start_step = self.step
         self.evaluated = self.model if self.ema is None else compile_if_asked(self.eval_model)  # what evaluations run
@@ -118,6 +119,8 @@ class Trainer(BudgetPlan):
         evaluation ran)."""
         self.timer = time.perf_counter()
         with self.signals as stop:
+            if self.tc.max_minutes is not None:
+                self.check_budget()
             if self.step % self.tc.eval_interval == 0:  # a run resumed between evaluations adds no point of its own
                 self.evaluate_and_save()
             if self.tc.max_iters is not None:  # else once the budget has fixed it
@@ -145,14 +148,8 @@ class Trainer(BudgetPlan):
                         self.evaluate_and_save()
                     if self.ended_by:
                         break
-        if self.is_master:
-            self.summaries.end_session(STATUS_SUCCESS)
+        self.end_session(STATUS_SUCCESS)
         return self.last_val_loss
-
-    def start_session(self) -> None:
-        """The run's HParams session, once its length is known (rank 0)."""
-        if self.is_master:
-            self.summaries.start_session(self.settings.config, self.device.type, self.precision)
 
     def say(self, line: str) -> None:
         write_line(line)
@@ -227,7 +224,7 @@ class Trainer(BudgetPlan):
             self.best_val_loss, self.best_step = self.last_val_loss, self.step
         if trained:
             self.since_best = 0 if improved else self.since_best + 1
-            if tc.patience is not None and self.since_best >= tc.patience and self.step < tc.max_iters:
+            if tc.patience is not None and self.since_best >= tc.patience and self.step != tc.max_iters:
                 self.ended_by = (f"train.patience={tc.patience}: val loss has not improved for {self.since_best} "
                                  f"evaluations, since step {self.best_step}")
             best = self.run_dir / "best.pt" if self.is_master else None
@@ -274,7 +271,6 @@ class Trainer(BudgetPlan):
     def diverged(self, what: str) -> Diverged:
         last = self.run_dir / "last.pt"
         kept = f"the last good checkpoint is {last}" if last.exists() else "no checkpoint was saved"
-        if self.is_master:
-            self.summaries.end_session(STATUS_FAILURE)
+        self.end_session(STATUS_FAILURE)
         return Diverged(f"{what}; stopped, {kept}")
 

@@ -3,29 +3,80 @@ decay, then planned again where the machine's speed changes (training/budget.py 
 
 from runtime.errors import ConfigError
 
+from . import budget as clock
+from .budget import REPLAN_STEPS, more_time, unheld
 from .distributed import gather
+from .evaluation import evaluate
 from .optim import decay_begins
+
+FORESEEING_BATCHES = 2  # batches of each split timed, after an untimed one, to foresee an evaluation's cost
+
+
+def check_start(tc, resumed: dict | None, started_at: float) -> None:
+    """Refuse, before any work, a budget (train.max_minutes) that the time spent so far has used up: the start-up,
+    and a resumed run's earlier lives. tc: the run's TrainConfig; started_at: on budget.clock()."""
+    if tc.max_minutes is None:
+        return
+    state = resumed["training"] if resumed is not None else {}
+    why = unheld(tc.max_minutes, clock.clock() - started_at + state.get("seconds", 0.0), resumed_at=state.get("step"))
+    if why is not None:
+        raise ConfigError(why)
 
 
 class BudgetPlan:
     """The Trainer's methods that fix and change its length. They use its settings, schedule, budget, step and
     summaries."""
 
+    def start_session(self) -> None:
+        """The run's HParams session, once its length is known (rank 0)."""
+        if self.is_master:
+            self.summaries.start_session(self.settings.config, self.device.type, self.precision)
+
+    def end_session(self, status: int) -> None:
+        """status: TensorBoard's STATUS_SUCCESS or STATUS_FAILURE (rank 0). A budget run that ends before its length
+        is fixed (train.patience, a divergence) starts its session first: the dashboard shows every run that ended."""
+        if self.tc.max_iters is None:
+            self.start_session()
+        if self.is_master:
+            self.summaries.end_session(status)
+
+    def check_budget(self) -> None:
+        """Before a budget run's first evaluation: foresee an evaluation's cost here from a few of its batches, and
+        refuse the budget if it cannot hold the evaluations that the run takes however few steps it trains (one
+        now, at a multiple of train.eval_interval, and one at its end) after the time spent (budget.unheld)."""
+        tc = self.tc
+
+        def batches(n: int) -> None:
+            evaluate(self.evaluated, self.data, self.raw_model.config.block_size, tc.batch_size, n,
+                     tc.seed + self.rank, self.device, self.autocast, self.world_size)
+
+        batches(1)  # the first batches pay for allocations and the kernels' choice
+        started = clock.clock()
+        batches(FORESEEING_BATCHES)
+        self.budget.foreseen_s = (clock.clock() - started) * tc.eval_iters / FORESEEING_BATCHES
+        why = unheld(tc.max_minutes, self.budget.spent(), 1 + (self.step % tc.eval_interval == 0),
+                     self.budget.foreseen_s, self.step if self.resumed else None)
+        why = gather(why, self.world_size)[0]  # rank 0's clock decides
+        if why is not None:
+            raise ConfigError(why)
+
     def plan_to_budget(self) -> None:
         """With a budget (train.max_minutes) whose length is still open: once the decay must begin, fix max_iters,
         and the schedule with it, to the most steps that end within the budget at the speed measured so far (the
         steps, the evaluations with their saves, the start-up). Until then the rate follows the warm-up and holds
         at its peak, as in a run planned for those steps from the start: train.max_iters=N repeats this run
-        exactly, unless the speed changes later (keep_to_budget)."""
+        exactly, unless the speed changes later (keep_to_budget). A warm-up that cannot fit is refused once
+        REPLAN_STEPS steps have measured the speed."""
         tc, oc = self.tc, self.settings.optim
         fits, step_s, measured = self.budget.steps_that_fit(self.step, tc.eval_interval)
         fits = gather(fits, self.world_size)[0]  # rank 0's plan
-        if decay_begins(oc, fits) > self.step:
+        settled = self.step - self.start_step >= REPLAN_STEPS  # enough steps to refuse a warm-up that cannot fit
+        if decay_begins(oc, fits) > self.step and not (settled and fits <= oc.warmup_iters):
             return  # the rate holds until then whatever the length: measure on
         if fits <= oc.warmup_iters:
             raise ConfigError(f"train.max_minutes={tc.max_minutes:g} leaves time for {fits} step{'s' * (fits != 1)} "
-                              f"here ({measured}), no more than optim.warmup_iters={oc.warmup_iters}; give a longer "
-                              f"budget")
+                              f"here ({measured}), no more than optim.warmup_iters={oc.warmup_iters}; "
+                              f"{more_time(self.step if self.resumed else None)}")
         steps = fits
         while decay_begins(oc, steps) < self.step:  # the steps taken at the peak rate stay so in the plan
             steps += 1
