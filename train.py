@@ -48,7 +48,7 @@ from training.planning import check_start
 from training.resume import resumed_settings
 from training.runs import take_run_dir
 from training.signals import StopSignals, interrupt_on_signals
-from training.sizing import size_to_host, threads_fixed
+from training.sizing import kept_on_resume, size_to_host, threads_fixed
 from training.summaries import Summaries, report_thread_error
 from training.text import check_training_fits_memory, fit_sample_prompt, prepare_data
 
@@ -81,7 +81,7 @@ def main(cfg: DictConfig, run_dir, preset: str | None = None, named: set[str] | 
         used = {**settings.config, "model": dataclasses.asdict(model_config)}  # vocab_size filled in from the data
         with events(run_dir, OmegaConf.to_yaml(used), resumed, rank) as (summaries, begin):
             trainer = Trainer(settings, model, data, device, run_dir, summaries, resumed, rank, world_size,
-                              started_at, run_id=run_id, thread_counts=counts)
+                              started_at, run_id=run_id, thread_counts=counts, chosen=kept_on_resume(settings, named))
             if rank == 0:
                 announce(trainer, chosen, why, preset, world_size)
                 if prompt_changed:

@@ -1,11 +1,13 @@
 """Training by the clock, at its edges: options that meet a budget (train.patience, a run that ends before its
-length is fixed, a resumed run), and budgets that cannot hold what a run must do (an evaluation, the start-up, the
-warm-up), refused as soon as that is clear.
+length is fixed, a resumed run), budgets that cannot hold what a run must do (an evaluation, the start-up, the
+warm-up), refused as soon as that is clear, and the commands a budget run prints, which do what they say.
 
 Most runs here go by tests/test_clock.py's stand-in clock: 0.75 s a step, 1 s an evaluation that saves, a budget
 of 60 s whose length is fixed near step 35."""
 
 import math
+import re
+import shutil
 import signal
 
 import pytest
@@ -16,14 +18,20 @@ import train
 import training.budget
 import training.loop
 import training.planning
-from model import GPT
+import training.threads
+from model import GPT, build_model
 from programs import assert_one_line_error, data_root, train_cli  # noqa: F401 (data_root: a fixture)
 from runtime.errors import ConfigError
 from test_clock import BUDGET, TINY_CLI, StandInClock, budget_run
-from test_train import config, data_overrides, events, scalars
+from test_sizing import timed  # noqa: F401 (a fixture)
+from test_train import AIM_AT_HALF, HOLD, config, data_overrides, events, scalars
+from training.config import validate
 from training.loop import Diverged, Stopped, Trainer
+from training.summaries import Summaries
+from training.text import prepare_data
 
 FIXED = [o for o in BUDGET if not o.startswith(("train.max_iters", "train.max_minutes"))]  # the budget's settings
+REPEATS = re.compile(r"\); (.*) in place of train.max_minutes repeats this run$")
 
 
 def scripted_val(patch, losses: dict[int, float]) -> None:
@@ -197,3 +205,117 @@ def test_a_budget_that_cannot_hold_the_warm_up_is_refused_once_its_steps_are_mea
                                           r"optim.warmup_iters=1000; give a longer budget$"):
         budget_run(tmp_path, data_root, monkeypatch, 1, "optim.warmup_iters=1000")
     assert len(taken) == training.budget.REPLAN_STEPS
+
+
+# --- what a budget run prints does what it says ---------------------------------------------------------------------
+
+def test_a_run_planned_again_says_that_no_command_repeats_it(tmp_path, data_root, monkeypatch):
+    """It said `train.max_iters=N ... repeats this run`, then planned again: N steps from the start give other
+    weights. The first change says so, once; the later ones do not repeat it."""
+    run_dir, _, printed = budget_run(tmp_path, data_root, monkeypatch, 3)
+    (promise,) = [line for line in printed if " fits " in line]
+    assert REPEATS.search(promise)
+    changes = [line for line in printed if "plans the run again" in line or "ends the run at step" in line]
+    first = int(re.search(r"at step (\d+)", changes[0])[1])
+    assert changes[0].endswith(f"; no command repeats this run now: train.max_iters plans from step 0, and this "
+                               f"run's plan changed at step {first} (its checkpoints record the plan, which a resume "
+                               f"follows)")
+    assert not [line for line in changes[1:] if "no command repeats" in line]
+    steps = torch.load(run_dir / "last.pt", weights_only=True)["training"]["step"]
+    train.main(config(tmp_path, data_root, *FIXED, f"train.max_iters={steps}"), tmp_path / "runs/steps")
+    assert not same_weights(run_dir / "last.pt", tmp_path / "runs/steps/last.pt")
+
+
+def followed(printed: list[str]) -> list[str]:
+    """The overrides that the budget's line says repeat the run."""
+    (overrides,) = [m[1] for line in printed if (m := REPEATS.search(line))]
+    return overrides.split()
+
+
+def test_the_command_a_sized_budget_run_prints_repeats_it(tmp_path, data_root, timed, monkeypatch):  # noqa: F811
+    """Sized to 1 layer at batch 4 with 1 thread: train.max_iters alone would train the configured shape."""
+    timed.update({(1, 1): 0.04, (1, 2): 0.08, (2, 1): 0.4})  # slow: the shallow shape; 1 thread
+    monkeypatch.setattr(training.budget, "MARGIN", AIM_AT_HALF)
+    monkeypatch.setattr(training.threads, "SLOWER", math.inf)  # no thread count timed again mid-run
+    printed = []
+    monkeypatch.setattr(training.loop, "write_line", printed.append)
+    run_dir = tmp_path / "runs/sized"
+    train.main(config(tmp_path, data_root, "train.max_iters=null", "train.max_minutes=0.1", *HOLD), run_dir,
+               named=set())
+    overrides = followed(printed)
+    assert overrides[1:] == ["model.n_layer=1", "train.batch_size=4", "train.threads=1"]
+    train.main(config(tmp_path, data_root, *HOLD, *overrides), tmp_path / "runs/again",
+               named={override.split("=")[0] for override in overrides})
+    assert same_weights(run_dir / "last.pt", tmp_path / "runs/again/last.pt")
+
+
+def test_the_command_a_budget_run_that_timed_its_threads_prints_repeats_it(tmp_path, data_root, timed,  # noqa: F811
+                                                                           monkeypatch):
+    """Its shape named, the run timed 1 thread faster; by the time it is repeated, 2 threads are faster, and a run
+    that times them again would sum its gradients otherwise."""
+    timed.update({(2, 1): 0.01, (2, 2): 0.02})
+    monkeypatch.setattr(training.budget, "MARGIN", AIM_AT_HALF)
+    monkeypatch.setattr(training.threads, "SLOWER", math.inf)
+    printed = []
+    monkeypatch.setattr(training.loop, "write_line", printed.append)
+    run_dir = tmp_path / "runs/timed"
+    named = {"model.n_layer", "train.batch_size", "train.max_iters", "train.max_minutes"}
+    train.main(config(tmp_path, data_root, "train.max_iters=null", "train.max_minutes=0.1", *HOLD), run_dir,
+               named=named)
+    overrides = followed(printed)
+    assert overrides[1:] == ["train.threads=1"]
+    timed.update({(2, 1): 0.02, (2, 2): 0.01})
+    train.main(config(tmp_path, data_root, *HOLD, *overrides), tmp_path / "runs/again",
+               named=named - {"train.max_minutes"} | {"train.threads"})
+    assert same_weights(run_dir / "last.pt", tmp_path / "runs/again/last.pt")
+
+
+def test_a_finished_budget_run_given_another_budget_is_told_what_trains_it_on(tmp_path, data_root, monkeypatch):
+    """It was told to resume without train.max_minutes, which then found nothing left to train."""
+    run_dir, _, _ = budget_run(tmp_path, data_root, monkeypatch, 1)
+    step = torch.load(run_dir / "last.pt", weights_only=True)["training"]["step"]
+    with pytest.raises(ConfigError) as refused:
+        train.main(config(tmp_path, data_root, *FIXED, "train.max_iters=null", "train.max_minutes=2",
+                          f"train.resume={run_dir}"), run_dir)
+    assert str(refused.value) == (f"train.resume: a resumed run keeps the {step} steps it was planned for, sized by "
+                                  f"train.max_minutes=1; the run has ended at step {step}: give train.max_iters=N (N "
+                                  f"above {step}) in place of train.max_minutes to train it on")
+    train.main(config(tmp_path, data_root, *FIXED, f"train.max_iters={step + 3}", f"train.resume={run_dir}"), run_dir)
+    assert torch.load(run_dir / "last.pt", weights_only=True)["training"]["step"] == step + 3
+
+
+def test_a_budget_run_whose_steps_change_thread_count_after_its_plan_says_no_command_repeats_it(tmp_path, data_root,
+                                                                                              monkeypatch):
+    """On a stand-in step timer both counts take 0.1 s until step 45, after the plan; then 2 threads slow down, and
+    the run times both counts again: its steps ran at 1 and 2 threads, which no train.threads names. (Each step
+    runs with one thread, whatever count it is timed at: two threads' steps stall on a busy machine.)"""
+    clock, now, step = StandInClock(monkeypatch, 1), [0.0], Trainer.train_step
+
+    def timed_step(trainer):
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        step(trainer)
+        torch.set_num_threads(threads)
+        now[0] += 0.1 if trainer.step <= 45 else {1: 0.2, 2: 0.5}[threads]
+
+    monkeypatch.setattr(training.threads, "step_timer", lambda: now[0])
+    monkeypatch.setattr(Trainer, "train_step", timed_step)
+    printed = []
+    monkeypatch.setattr(training.loop, "write_line", printed.append)
+    settings = validate(config(tmp_path, data_root, *BUDGET))
+    data = prepare_data(settings)
+    model = build_model(settings.model.__class__(**{**settings.model.__dict__, "vocab_size": len(data.vocab)}))
+    torch.set_num_threads(2)
+    summaries = Summaries(tmp_path / "run", "{}")
+    try:
+        Trainer(settings, model, data, torch.device("cpu"), tmp_path / "run", summaries, started_at=clock.now,
+                thread_counts=[1, 2]).fit()
+    finally:
+        torch.set_num_threads(1)
+        summaries.close()
+    (promise,) = [line for line in printed if " fits " in line]
+    assert REPEATS.search(promise)[1].endswith(" train.threads=2")
+    assert "threads: no command repeats this run now: its steps ran at 1 and 2 threads, whose sums round apart, and " \
+           "train.threads names one count" in printed
+    assert printed.index(promise) < [line.startswith("threads: no command") for line in printed].index(True)
+    shutil.rmtree(tmp_path / "run")

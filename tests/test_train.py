@@ -379,8 +379,9 @@ AIM_AT_HALF = 0.5
 
 
 def chosen_steps(printed: str) -> int:
-    (steps,) = re.findall(r"^train.max_minutes=0.1 fits (\d+) steps \(.*\); train.max_iters=\1 repeats this run$",
-                          printed, flags=re.MULTILINE)
+    (steps, _), = re.findall(r"^train.max_minutes=0.1 fits (\d+) steps \(.*\); train.max_iters=\1 (model.n_layer=2 "
+                             r"train.batch_size=8 )?train.threads=1 in place of train.max_minutes repeats this run$",
+                             printed, flags=re.MULTILINE)
     return int(steps)
 
 
@@ -496,8 +497,9 @@ def test_a_resumed_budget_run_keeps_its_steps(tmp_path, data_root, monkeypatch):
     assert not [line for line in printed if "fits" in line or "plans the run again" in line]  # sized once
     assert torch.load(run_dir / "last.pt", weights_only=True)["training"]["step"] == planned
     with pytest.raises(train.ConfigError, match=rf"^train.resume: a resumed run keeps the {planned} steps it was "
-                                                rf"planned for, sized by train.max_minutes=0.3; resume without "
-                                                rf"train.max_minutes, or extend it with train.max_iters=N$"):
+                                                rf"planned for, sized by train.max_minutes=0.3; the run has ended "
+                                                rf"at step {planned}: give train.max_iters=N \(N above {planned}\) "
+                                                rf"in place of train.max_minutes to train it on$"):
         train.main(config(tmp_path, data_root, "train.max_iters=null", "train.max_minutes=1", "optim.decay_frac=1",
                           f"train.resume={run_dir}"), run_dir)
 

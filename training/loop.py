@@ -28,7 +28,7 @@ from .optim import Schedule, make_optimizers, make_scheduler, set_step
 from .rng import restore_rng, rng_state
 from .signals import StopSignals
 from .summaries import Summaries
-from .threads import ThreadChoice
+from .threads import ThreadChoice, ThreadWatch
 
 
 class Diverged(Exception):
@@ -39,19 +39,22 @@ class Stopped(Exception):
     """A stop signal (SIGINT, SIGTERM, SIGHUP) stopped the run after last.pt was saved."""
 
 
-class Trainer(BudgetPlan):
+class Trainer(BudgetPlan, ThreadWatch):
     """Trains one model on one process (of world_size), from step 0 or from a checkpoint's training state.
     Rank 0 alone writes checkpoints, events and progress."""
 
     def __init__(self, settings: Settings, model: GPT, data: PreparedData, device: torch.device, run_dir: Path,
                  summaries: Summaries | None, resumed: dict | None = None, rank: int = 0, world_size: int = 1,
-                 started_at: float | None = None, run_id: str | None = None, thread_counts: list[int] | None = None):
+                 started_at: float | None = None, run_id: str | None = None, thread_counts: list[int] | None = None,
+                 chosen: tuple[str, ...] = ()):
         """summaries: rank 0's TensorBoard events. A sample_prompt outside the data's vocabulary is an
         UnknownCharacterError, raised before any step. started_at: when train.max_minutes began to count, on
         training/budget.py's clock (default: now). run_id: the run directory's identity, which the checkpoints
         record (a new one when None). thread_counts: the counts to choose among again when the steps slow down
-        (training/threads.py); None: the count stays."""
+        (training/threads.py); None: the count stays. chosen: the settings the run chose rather than the command
+        ("model.n_layer", ...: what sizing chose), which a command that repeats it names (repeated_by)."""
         tc = self.tc = settings.train
+        self.chosen = chosen
         try:
             self.dtype = training_dtype(tc.precision, device)  # bfloat16: the steps and evaluations run under autocast
         except ValueError as e:
@@ -82,6 +85,8 @@ class Trainer(BudgetPlan):
         self.step, self.best_val_loss, self.last_val_loss = 0, math.inf, None  # step: optimiser steps taken
         self.best_step, self.since_best = None, 0  # best.pt's step; evaluations since it (train.patience)
         self.ended_by = None  # why the run ends before its max_iters, in words (train.patience)
+        # every CPU thread count the run's steps ran at, in all its lives: sums round apart at each (repeated_by)
+        self.threads_used = {torch.get_num_threads()} if device.type == "cpu" else set()
         self.resumed = resumed is not None
         if self.resumed:
             self.restore(resumed)
@@ -108,6 +113,7 @@ class Trainer(BudgetPlan):
             set_step(scheduler, state["step"])
         self.step, self.best_val_loss = state["step"], state["best_val_loss"]
         self.best_step, self.since_best = state.get("best_step"), state.get("since_best", 0)
+        self.threads_used.update(state.get("threads", ()) if self.threads_used else ())
         if self.tc.max_minutes is not None:  # a budget counts the run's earlier lives too
             self.budget.started_at -= state.get("seconds", 0.0)
         if not restore_rng(state["rng"], self.batches, self.rank, self.world_size, self.device) and self.is_master:
@@ -153,17 +159,6 @@ class Trainer(BudgetPlan):
 
     def say(self, line: str) -> None:
         write_line(line)
-
-    def timed_step(self) -> None:
-        """train_step(), at the thread count that is fastest now (training/threads.py)."""
-        if self.threads is None:
-            return self.train_step()
-        self.threads.before_step()
-        self.train_step()
-        changed = self.threads.after_step()
-        if changed and self.is_master:
-            self.say(changed)
-            self.summaries.threads(self.step, self.threads.threads)
 
     def train_step(self) -> None:
         """One optimiser step over grad_accum_steps micro-batches; its values stay on the device until logged."""
@@ -254,7 +249,8 @@ class Trainer(BudgetPlan):
                     # every process's generators, so that a resumed DDP run draws what this one would
                     "rng": gather(rng_state(self.batches, self.device), self.world_size),
                     "config": self.settings.config, "run_id": self.run_id,
-                    "seconds": self.budget.spent()}  # the run's wall-clock time so far
+                    "seconds": self.budget.spent(),  # the run's wall-clock time so far
+                    "threads": sorted(self.threads_used)}
         if self.ema is not None:
             training["raw_model"] = self.raw_model.state_dict()
         if self.is_master:

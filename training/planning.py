@@ -64,9 +64,9 @@ class BudgetPlan:
         """With a budget (train.max_minutes) whose length is still open: once the decay must begin, fix max_iters,
         and the schedule with it, to the most steps that end within the budget at the speed measured so far (the
         steps, the evaluations with their saves, the start-up). Until then the rate follows the warm-up and holds
-        at its peak, as in a run planned for those steps from the start: train.max_iters=N repeats this run
-        exactly, unless the speed changes later (keep_to_budget). A warm-up that cannot fit is refused once
-        REPLAN_STEPS steps have measured the speed."""
+        at its peak, as in a run planned for those steps from the start: the command repeated_by prints repeats
+        this run exactly, unless the speed changes later (keep_to_budget). A warm-up that cannot fit is refused
+        once REPLAN_STEPS steps have measured the speed."""
         tc, oc = self.tc, self.settings.optim
         fits, step_s, measured = self.budget.steps_that_fit(self.step, tc.eval_interval)
         fits = gather(fits, self.world_size)[0]  # rank 0's plan
@@ -83,8 +83,28 @@ class BudgetPlan:
         self.budget.planned_step_s = step_s
         self.schedule.set(steps)  # this step's rate is the open schedule's: the plan's decay begins here or later
         self.change_plan(steps, f"train.max_minutes={tc.max_minutes:g} fits {steps} steps ({measured}); "
-                                f"train.max_iters={steps} repeats this run")
+                                f"{self.repeated_by(steps)}")
         self.start_session()
+
+    def repeated_by(self, steps: int) -> str:
+        """How a run of fixed length repeats this budget run of `steps` steps: the settings that the same command
+        names in place of train.max_minutes (the steps, and what the run chose for itself: the shape sizing chose,
+        the CPU threads), or why none does."""
+        if len(self.schedule.plan) > 1:
+            return (f"no command repeats this run now: train.max_iters plans from step 0, and this run's plan changed "
+                    f"at step {self.schedule.plan[-1][0]} (its checkpoints record the plan, which a resume follows)")
+        if len(self.threads_used) > 1:
+            counts = " and ".join(map(str, sorted(self.threads_used)))
+            return (f"no command repeats this run now: its steps ran at {counts} threads, whose sums round apart, "
+                    f"and train.threads names one count")
+        named = {"train.max_iters": steps}
+        for key in self.chosen:  # a run of fixed length is not sized: it trains the shape named
+            section, name = key.split(".")
+            named[key] = self.settings.config[section][name]
+        if self.threads_used:  # on a CPU: a run that times its threads may choose another count
+            named["train.threads"] = next(iter(self.threads_used))
+        overrides = " ".join(f"{key}={value}" for key, value in named.items())
+        return f"{overrides} in place of train.max_minutes repeats this run"
 
     def keep_to_budget(self, due: bool) -> None:
         """Once the budget has fixed the length: plan it again where the machine's speed has changed (Budget.replanned),
@@ -97,13 +117,18 @@ class BudgetPlan:
         if why is not None:
             self.schedule.replan(self.step, self.step)
             self.change_plan(self.step, f"train.max_minutes={tc.max_minutes:g} ends the run at step {self.step}, "
-                                        f"not {tc.max_iters} as planned: {why}")
+                                        f"not {tc.max_iters} as planned: {why}{self.unrepeated(self.step)}")
         elif end is not None:
             end = max(end, self.step + 1)  # the step that fits before the budget's end, if none fits before the aim
             self.schedule.replan(self.step, end)
             self.change_plan(end, f"train.max_minutes={tc.max_minutes:g} plans the run again at step {self.step}: "
                                   f"{end} steps, not {tc.max_iters} ({measured}); the learning rate reaches "
-                                  f"optim.min_lr={self.settings.optim.min_lr:g} at step {end}")
+                                  f"optim.min_lr={self.settings.optim.min_lr:g} at step {end}{self.unrepeated(end)}")
+
+    def unrepeated(self, steps: int) -> str:
+        """Once the plan has changed for the first time: what the line that says so adds, that the command printed
+        when the length was fixed no longer repeats the run."""
+        return f"; {self.repeated_by(steps)}" if len(self.schedule.plan) == 2 else ""
 
     def change_plan(self, steps: int, line: str) -> None:
         """The run's length is now `steps` (the schedule has changed with it): record it, say so (rank 0)."""

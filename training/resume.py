@@ -78,8 +78,11 @@ def load_resume_checkpoint(path, config: dict, optim: OptimConfig, length_named:
         if ours["train.max_minutes"] != budget:
             sized = f", sized by train.max_minutes={budget:g}" if budget is not None else ""
             kept = f"the {planned} steps it was planned for" if planned is not None else "its budget"
-            raise ConfigError(f"train.resume: a resumed run keeps {kept}{sized}; resume without "
-                              f"train.max_minutes, or extend it with train.max_iters=N")
+            # a run at its plan's end has nothing left to resume as it is: only more steps train it on
+            left = "resume without train.max_minutes, or give" if planned != step else \
+                f"the run has ended at step {step}: give"
+            raise ConfigError(f"train.resume: a resumed run keeps {kept}{sized}; {left} train.max_iters=N (N above "
+                              f"{step}) in place of train.max_minutes to train it on")
         max_iters, max_minutes = planned, budget
     if max_iters is not None and max_iters < step:  # (None: its budget goes on to fix the length)
         raise ConfigError(f"train.max_iters={max_iters} is below step {step}, which the run in {path} has reached; "

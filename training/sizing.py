@@ -120,7 +120,8 @@ def choose_threads(settings: Settings, data: PreparedData, device: torch.device)
 
 
 def kept_on_resume(settings: Settings, named: set[str] | None) -> tuple[str, ...]:
-    """What a resumed run takes from its checkpoint rather than from the preset: the shape sizing chose."""
+    """What a run takes from sizing rather than from the command: the shape sizing chose. A resumed run takes it
+    from its checkpoint, not from the preset; a command that repeats a budget run names it."""
     return tuple(key for key in SIZED if named is not None and key not in named) if settings.train.size_to_host \
         else ()
 

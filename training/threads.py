@@ -62,3 +62,26 @@ class ThreadChoice:
             return None
         return (f"threads: {self.threads}, not {before}: steps took {slow:.3g} s at {before}, over {SLOWER:g}x the "
                 f"fastest seen; timed now: " + ", ".join(f"{n} took {s:.3g} s a step" for n, s in seconds.items()))
+
+
+class ThreadWatch:
+    """The Trainer's steps at the thread count that is fastest now, and the counts they ran at (threads_used). It
+    uses the Trainer's threads (a ThreadChoice, or None where the count stays), step, settings, schedule and
+    summaries."""
+
+    def timed_step(self) -> None:
+        """train_step(), at the thread count that is fastest now (ThreadChoice). Once a budget has fixed the run's
+        length, a step at a count not used before says that train.max_iters no longer repeats the run."""
+        if self.threads is None:
+            return self.train_step()
+        self.threads.before_step()
+        counts = len(self.threads_used)
+        self.threads_used.add(torch.get_num_threads())
+        self.train_step()
+        changed = self.threads.after_step()
+        if changed and self.is_master:
+            self.say(changed)
+            self.summaries.threads(self.step, self.threads.threads)
+        promised = self.tc.max_minutes and self.tc.max_iters and len(self.schedule.plan) == 1
+        if counts == 1 < len(self.threads_used) and promised and self.is_master:
+            self.say(f"threads: {self.repeated_by(self.tc.max_iters)}")
