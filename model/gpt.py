@@ -137,7 +137,7 @@ class GPT(nn.Module):
     def forward(self, idx, targets=None, *, cache=None):
         """idx (B, T) token ids -> (logits (B, T, vocab_size), mean cross-entropy or None).
         cache: a KV cache (model/kv_cache.py: Cache), idx the tokens after those in it; or Uncached
-        (model/decoding/ring_cache.py), which gives ragged rows their positions and mask, with no cache."""
+        (model/caches/ring.py), which gives ragged rows their positions and mask, with no cache."""
         logits = self.lm_head(self._trunk(idx, cache))
         loss = None
         if targets is not None:

@@ -2,7 +2,7 @@
 
 Token t (counted from 0 since reset) goes to slot t of every layer. A pass of t new tokens writes their keys and
 values into their slots, then attends over the filled slots, causally. greedy_decode, at the end, is the whole
-idea. Cache, below, is what every cache does: the ring that rolls on (model/decoding/ring_cache.py), and the others.
+idea. Cache, below, is what every cache does: the ring that rolls on (model/caches/ring.py), and the others.
 
 Lengths: block_size, the longest context the model sees; reach, how far back a query sees (block_size, or a local
 layer's local_window); max_len, a cache layer's slots; budget, the slots of a cache that chooses what it keeps;
@@ -84,7 +84,7 @@ class KVCache(nn.Module):
         # a buffer per layer, not views of one big one: a compiled step writes a view by copying the whole buffer.
         # persistent=False: a cache is scratch space, never part of a checkpoint
         self.add_layer_buffers(("k", "v"), (batch_size, n_kv_head, max_len, head_dim), dtype, device)
-        # tokens fed since reset: a 0-d tensor, so that a compiled step keeps static shapes (ring_cache.py)
+        # tokens fed since reset: a 0-d tensor, so that a compiled step keeps static shapes (caches/ring.py)
         self.register_buffer("pos", torch.zeros((), dtype=torch.long, device=device), persistent=False)
         self.register_buffer("slot_ids", torch.arange(max_len, device=device), persistent=False)
 

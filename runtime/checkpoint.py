@@ -30,7 +30,7 @@ import torch
 from data import (DATASETS, SHAKESPEARE, VAL_FRACTION, CharVocab, DataError, PreparedData,
                   prepare_training_text)
 from model import GPT, GPTConfig, build_model
-from model.decoding.checks import is_integer
+from model.checks import is_integer
 from model.decoding.quantize import to_precision
 
 from .errors import CheckpointError, OutputError, one_line

@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"--kv-cache {', '.join(BUDGETED)}: the tokens the cache keeps (default: half of "
                              "block_size)")
     parser.add_argument("--read-all-slots", action="store_true",
-                        help="attend every slot of the cache through the ring's mask (model/decoding/ring_cache.py), "
+                        help="attend every slot of the cache through the ring's mask (model/caches/ring.py), "
                              "as compiled and GPU steps do (eagerly on the CPU the filled slots are read)")
     parser.add_argument("--draft", metavar="PATH|ngram|lookup",
                         help="speculative decoding: a checkpoint with the same vocabulary (a smaller model), "

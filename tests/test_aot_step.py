@@ -15,7 +15,7 @@ from model.serving.speculative import PromptLookup, SpeculativeStats, speculativ
 from sampling.compiled_step import has_compiled_step, load_or_compile_step, step_path
 from tiny_models import BLOCK_SIZE, random_model, random_tokens
 from model.caches.factory import new_kv_cache
-from model.decoding.ring_cache import Uncached
+from model.caches.ring import Uncached
 
 ROWS, PROMPT = 2, 5
 PAD = torch.tensor([0, 3])  # the second row starts with 3 tokens of left padding

@@ -11,7 +11,7 @@ import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
 from model import GREEDY, Sampling, generate, new_kv_cache
-import model.decoding.ring_cache as ring_cache
+import model.caches.ring as ring_cache
 from model.decoding.aot_step import swap_buffers
 from model.decoding.cached_text import text_cache
 from model.decoding.cuda_graph import CapturedStep

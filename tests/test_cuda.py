@@ -21,7 +21,7 @@ from test_speculative import perturbed
 from test_train import TINY, data_overrides
 from tiny_models import BLOCK_SIZE, random_model, random_tokens
 from model.caches.factory import new_kv_cache
-from model.decoding.ring_cache import Uncached
+from model.caches.ring import Uncached
 
 DEVICE = "cuda"
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

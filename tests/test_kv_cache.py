@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from model import CausalSelfAttention, GPT, GPTConfig, GREEDY, KVCache, RingKVCache, build_model, generate, generate_tokens
 from tiny_models import BLOCK_SIZE, VOCAB, random_model, random_tokens, tiny_config, train_briefly
 from model.caches.factory import new_kv_cache
-from model.decoding.ring_cache import Uncached
+from model.caches.ring import Uncached
 
 
 # n_embd 24 is not a power of two, and 1, 3 and 4 heads divide it (head widths 24, 8, 6)

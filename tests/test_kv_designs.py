@@ -17,11 +17,10 @@ from model.caches.local_ring import WindowedKVCache
 from model.attention import rotary, rotate
 from model.measuring.decoder_loss import decoder_loss, teacher_forced_loss
 from model.decoding.generate import prefill
-from model.caches.int8 import Int8KVCache, Quantized, int8_attention
-from model.decoding.quantize import quantize_int8
+from model.caches.int8 import Int8KVCache, Quantized, int8_attention, quantize_int8
 from tiny_models import BLOCK_SIZE, random_model, random_tokens
 from model.caches.factory import new_kv_cache
-from model.decoding.ring_cache import Uncached
+from model.caches.ring import Uncached
 
 # 4 layers so that kv_share=2 makes two groups; 4 heads of 6 channels (even, for rope)
 SHAPE = dict(n_layer=4, n_head=4, n_embd=24)

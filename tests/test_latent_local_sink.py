@@ -18,7 +18,7 @@ from model.serving.speculative import PromptLookup, SpeculativeStats, speculativ
 from test_kv_designs import ATOL, DESIGNS, SHAPE, design_model, prefill, recorded_logits, reference_logits
 from tiny_models import BLOCK_SIZE, random_model, random_tokens
 from model.caches.factory import new_kv_cache
-from model.decoding.ring_cache import cache_shape
+from model.caches.ring import cache_shape
 
 WINDOWED = [name for name, fields in DESIGNS.items() if "local_window" in fields]
 HEAD_DIM = SHAPE["n_embd"] // SHAPE["n_head"]

@@ -22,10 +22,10 @@ import math
 import torch
 
 from ..attention import causal_mask
-from ..decoding.checks import is_integer
+from ..checks import is_integer
 from ..kv_cache import CachePass, KVCache
 from .budget import BudgetRules
-from ..decoding.ring_cache import cache_shape
+from .ring import cache_shape
 
 
 class H2O:

@@ -4,7 +4,7 @@ bench/kv_budget.py take. A new cache is a module of its own in model/caches/ and
     cache = new_cache(model, "h2o", batch_size=4, budget=32)
     ids = generate(model, prompt, 1_000, cache=cache)
 
-- float, int8: the ring (model/decoding/ring_cache.py), keys and values in attention's dtype or in int8
+- float, int8: the ring (model/caches/ring.py), keys and values in attention's dtype or in int8
   (int8.py); a model with local layers gets two rings (local_ring.py);
 - int4, int2: KIVI's low-bit caches (lowbit.py);
 - budgeted, `budget` slots (default: half of block_size): window keeps the last tokens (window.py), sinks the
@@ -16,8 +16,8 @@ from functools import partial
 
 import torch
 
-from ..decoding.checks import is_integer
-from ..decoding.ring_cache import RingKVCache, cache_shape
+from ..checks import is_integer
+from .ring import RingKVCache, cache_shape
 from ..designs.local_window import local_kv_layers
 from .evicting import EvictingKVCache, new_evicting_cache
 from .int8 import KV_SCALE_DTYPE, Int8KVCache
@@ -83,7 +83,7 @@ def default_budget(model) -> int:
 def new_cache(model, name: str, batch_size: int, *, budget: int | None = None, read_all_slots: bool = False,
               **lowbit):
     """An empty cache `name` (CACHES) for batch_size rows of model. budget: a budgeted cache's slots. lowbit:
-    group and residual for int4 and int2 (lowbit.py). read_all_slots: the ring's (model/decoding/ring_cache.py)."""
+    group and residual for int4 and int2 (lowbit.py). read_all_slots: the ring's (model/caches/ring.py)."""
     if name not in CACHES:
         raise ValueError(f"unknown KV cache {name!r}: choose one of {', '.join(CACHES)}")
     if budget is not None and name not in BUDGETED:

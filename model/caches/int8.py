@@ -1,6 +1,6 @@
-"""What an int8 KV cache adds to the ring (model/decoding/ring_cache.py): keys and values stored as int8, with one
-float32 scale per token and head (the absmax rule of the int8 weights, model/decoding/quantize.py), about a quarter
-of float32's bytes.
+"""What an int8 KV cache adds to the ring (model/caches/ring.py): keys and values stored as int8, with one
+float32 scale per token and head (the absmax rule, quantize_int8, which the int8 weights of
+model/decoding/quantize.py share), about a quarter of float32's bytes.
 
 Attention reads them as they are stored and folds the scales into its sums, since q·(s k) = s (q·k) and
 Σ w (s v) = Σ (w s) v: the scales never touch a float copy of the cache. Eagerly on the CPU the int8 keys and
@@ -14,14 +14,22 @@ from typing import NamedTuple
 import torch
 
 from ..attention import causal_mask
-from ..decoding.quantize import quantize_int8
-from ..decoding.ring_cache import RingKVCache
+from .ring import RingKVCache
 
 KV_SCALE_DTYPE = torch.float32  # an int8 cache's scales
 
 # how much float the int8 keys become at a time, eagerly on the CPU: small enough to stay in the CPU's caches
 # until the matmuls read it (docs/benchmarks.md)
 FLOAT_BLOCK_BYTES = 8 * 2**20
+
+
+def quantize_int8(x: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric absmax quantization of x's last dimension: (q int8, scale of `scale_dtype`, the last dimension
+    kept as 1) with x ≈ scale * q, q in [-127, 127]. The scale is rounded to scale_dtype before q is computed, so
+    that q fits the scale that is kept."""
+    x = x.detach().float()
+    scale = (x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 127).to(scale_dtype)
+    return (x / scale.float()).round().clamp(-127, 127).to(torch.int8), scale
 
 
 class Quantized(NamedTuple):

@@ -1,4 +1,4 @@
-"""What a 4- or 2-bit KV cache adds to the ring (model/decoding/ring_cache.py), after KIVI (Liu et al., 2024).
+"""What a 4- or 2-bit KV cache adds to the ring (model/caches/ring.py), after KIVI (Liu et al., 2024).
 
 A few key channels carry large values for every token, while values vary from token to token. So keys are
 quantized per channel, over a group of `group` tokens, and values per token, over a group of `group` channels.
@@ -19,8 +19,8 @@ decoding): a rolled-back token has overwritten the full-precision copy of an old
 
 import torch
 
-from ..decoding.checks import is_integer
-from ..decoding.ring_cache import RingKVCache, cache_shape
+from ..checks import is_integer
+from .ring import RingKVCache, cache_shape
 from ..kv_cache import Abilities
 
 LOW_BITS = (2, 4)  # 8 bits is the int8 cache (model/caches/int8.py)

@@ -21,10 +21,10 @@ cannot roll back.
 import torch
 
 from ..attention import rotary, rotate
-from ..decoding.checks import is_integer
+from ..checks import is_integer
 from ..kv_cache import CachePass, KVCache
 from .budget import BudgetRules
-from ..decoding.ring_cache import cache_shape
+from .ring import cache_shape
 
 SINKS = 4  # StreamingLLM's count: the first tokens kept by default
 

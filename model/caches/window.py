@@ -7,10 +7,10 @@ the window is full each new token takes the last place in it, budget - 1.
     ids = generate(model, prompt, 10_000, cache=cache)
 """
 
-from ..decoding.checks import is_integer
+from ..checks import is_integer
 from ..kv_cache import CachePass, KVCache
 from .budget import BudgetRules
-from ..decoding.ring_cache import cache_shape
+from .ring import cache_shape
 
 
 class WindowKVCache(BudgetRules, KVCache):

@@ -24,7 +24,7 @@ class CachedText:
     """tokens: the text, token ids, which callers extend; the cache holds tokens[start:fed].
 
     spare: slots beyond block_size, so that a chunk of up to spare + 1 tokens may cross the ring's end, and so
-    many may be rolled back after it has wrapped (see model/decoding/ring_cache.py). cache: a text_cache(model,
+    many may be rolled back after it has wrapped (see model/caches/ring.py). cache: a text_cache(model,
     spare) made before, such as the one a CUDA graph was captured over (model/decoding/cuda_graph.py).
     """
 

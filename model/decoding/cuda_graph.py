@@ -4,7 +4,7 @@ not running them, is what an eager step waits for.
 
 A graph replays fixed memory: the token it reads, the cache it writes and the logits it gives live where they
 were when it was captured. So a CapturedStep owns its input and its output, and serves the one cache it was
-captured over (its `cache`). That cache reads every slot through its mask (model/decoding/ring_cache.py), and its
+captured over (its `cache`). That cache reads every slot through its mask (model/caches/ring.py), and its
 positions and mask come from its own counter on the device, so nothing in the step reads back to the host
 (tests/test_capture_ready.py proves that on the CPU). Resetting, refilling or rolling back the cache writes the
 same tensors, so the graph goes on serving it.

@@ -1,6 +1,6 @@
 """What the real decoding loop adds to greedy_decode (model/kv_cache.py): how each token is drawn (Sampling, in
 model/decoding/sampling.py), ragged batches, many samples of one prompt and contexts longer than block_size. The loop
-stays outside the network; the cache it uses is model/decoding/ring_cache.py's ring.
+stays outside the network; the cache it uses is model/caches/ring.py's ring.
 
     ids = generate(model, prompt, 200, sampling=Sampling(temperature=0.8, top_k=40))
     for next_ids in generate_tokens(model, prompt, 200, sampling=GREEDY):  # (B,) per step, as they come
@@ -8,7 +8,7 @@ stays outside the network; the cache it uses is model/decoding/ring_cache.py's r
 
 Past block_size. The model attends at most block_size tokens back, so each row's context is seq[start:]:
 - Rotary positions (pos_emb="rope"): cached keys stay valid as the sequence grows, so the cache rolls on
-  (model/decoding/ring_cache.py) and every step feeds one token, with no prefill ever repeated. Each layer attends its
+  (model/caches/ring.py) and every step feeds one token, with no prefill ever repeated. Each layer attends its
   last block_size tokens, so the last token still depends on up to n_layer * (block_size - 1) tokens before it,
   through the earlier layers: that is the context kept.
 - Learned positions: cached keys carry their absolute positions and cannot slide. When the next token would not
@@ -35,8 +35,8 @@ from ..caches.local_ring import WindowedKVCache
 from ..caches.lowbit import LowBitKVCache
 from ..gpt import GPT, GPTConfig
 from ..kv_cache import Cache, KVCache
-from .checks import is_integer
-from .ring_cache import RingKVCache, Uncached
+from ..checks import is_integer
+from ..caches.ring import RingKVCache, Uncached
 from .sampling import Sampling
 
 

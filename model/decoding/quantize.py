@@ -5,9 +5,9 @@
 bf16: every weight and activation in bfloat16, except attention and its KV cache on the CPU, which compute in
 float32 (model/attention.py: attention_dtype) whether the cache is used or not.
 int8: every Linear of the blocks (attention qkv and out_proj, MLP fc and proj) and the head hold int8
-weights with one bf16 scale per output channel (symmetric: w ≈ scale * q, q in [-127, 127]); embeddings and
-layer norms stay bf16, and so do the activations. Any fp32 model converts when it is loaded, without
-retraining.
+weights with one bf16 scale per output channel (symmetric: w ≈ scale * q, q in [-127, 127]: the int8 cache's
+rule, model/caches/int8.py: quantize_int8); embeddings and layer norms stay bf16, and so do the activations. Any
+fp32 model converts when it is loaded, without retraining.
 
 Per token at batch 1 the blocks' matmuls read every weight once, so decoding on a CPU is bound by memory
 bandwidth: bf16 halves the bytes read and int8 quarters them. A converted model is for decoding only:
@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..caches.int8 import quantize_int8
 
 DECODING_PRECISIONS = ("fp32", "bf16", "int8")  # what a model is converted to for decoding
 
@@ -34,15 +35,6 @@ class QuantizedModelError(RuntimeError):
 INT8_KERNEL_WIDTH = 16
 # Whether this torch build has the fused int8 matmul on CUDA: newer builds add a kernel, older ones have none
 CUDA_INT8_KERNEL = torch._C._dispatch_has_kernel_for_dispatch_key("aten::_weight_int8pack_mm", "CUDA")
-
-
-def quantize_int8(x: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric absmax quantization of x's last dimension: (q int8, scale of `scale_dtype`, the last dimension
-    kept as 1) with x ≈ scale * q, q in [-127, 127]. The scale is rounded to scale_dtype before q is computed, so
-    that q fits the scale that is kept."""
-    x = x.detach().float()
-    scale = (x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 127).to(scale_dtype)
-    return (x / scale.float()).round().clamp(-127, 127).to(torch.int8), scale
 
 
 class Int8Linear(nn.Module):

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .checks import is_integer, is_number
+from ..checks import is_integer, is_number
 
 
 # Below this temperature, logits / temperature can overflow float32 to inf and softmax to NaN; the

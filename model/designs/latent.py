@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 
 from ..attention import rotate
-from ..decoding.checks import is_integer
+from ..checks import is_integer
 from .grouped import GroupedQueryAttention
 
 

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 
 from ..attention import causal_mask
-from ..decoding.checks import is_integer
+from ..checks import is_integer
 
 LOCAL, GLOBAL = "L", "G"
 

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from ..gpt import GPT
-from ..decoding.checks import is_integer
+from ..checks import is_integer
 from ..decoding.generate import check_arguments, default_keep, generate_tokens
-from ..decoding.ring_cache import RingKVCache
+from ..caches.ring import RingKVCache
 
 
 class TeacherForcing:

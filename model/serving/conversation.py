@@ -19,7 +19,7 @@ import torch
 
 from ..gpt import GPT
 from ..decoding.cached_text import CachedText
-from ..decoding.checks import is_integer
+from ..checks import is_integer
 from ..decoding.generate import check_arguments
 from ..decoding.sampling import GREEDY, Sampling, check_sampling
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..decoding.checks import is_integer
+from ..checks import is_integer
 from .buckets import DecodeBuckets
 from .paged import BlockPool, PagedPass, chain_hash
 from .rowwise import RowsAlone

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from ..decoding.checks import is_integer
+from ..checks import is_integer
 from ..decoding.sampling import Sampling
 
 

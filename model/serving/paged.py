@@ -17,10 +17,9 @@ from collections import OrderedDict
 
 import torch
 
-from ..caches.int8 import KV_SCALE_DTYPE, Int8LayerKV, Quantized
-from ..decoding.quantize import quantize_int8
+from ..caches.int8 import KV_SCALE_DTYPE, Int8LayerKV, Quantized, quantize_int8
 from ..kv_cache import CachePass
-from ..decoding.ring_cache import cache_shape
+from ..caches.ring import cache_shape
 
 
 def chain_hash(parent: bytes, tokens) -> bytes:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from ..gpt import GPT
-from ..decoding.checks import is_integer
+from ..checks import is_integer
 from ..decoding.cached_text import CachedText
 from ..decoding.generate import check_arguments
 from .ngram_draft import NGramDraft, NGramTable

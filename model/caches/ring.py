@@ -29,7 +29,7 @@ import torch
 
 from ..attention import causal_mask
 from ..kv_cache import Abilities, CachePass, KVCache
-from .checks import is_integer
+from ..checks import is_integer
 
 
 class RingKVCache(KVCache):
