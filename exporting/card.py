@@ -1,7 +1,7 @@
 """The exported folder's model card (README.md) and generation_config.json: what the model is, what it was trained
 on, how far it was trained, and how to load it."""
 
-from .hf import CLASSES
+from runtime.hf import CLASSES
 
 
 def facts(contents: dict) -> dict[str, str]:

@@ -14,10 +14,10 @@ from pathlib import Path
 from runtime.checkpoint import load_model, resolve_checkpoint
 from runtime.errors import Interrupted, OutputError, UsageError, one_line
 from runtime.files import cannot_make_a_file_in
+from runtime.hf import check_layers, model_type, to_hf
+from runtime.tokenizer import write_tokenizer
 
 from .card import facts, generation_config, model_card
-from .hf import check_layers, model_type, to_hf
-from .tokenizer import write_tokenizer
 
 FORMATS = ("hf", "onnx")
 PRECISIONS = ("fp32",)  # exports hold float32 weights: kvgpt's bf16 and int8 are conversions made when sampling

@@ -12,13 +12,13 @@ A checkpoint is a plain dict of tensors, numbers, strings, lists and dicts, so i
 and one that train.py writes adds `text`, what it was trained on ({"source": tiny_shakespeare or the file's path,
 "sha256": the file's}), and `training`: optimizers, schedulers (one per optimiser), step, best_val_loss,
 rng, config and run_id (the identity of the run directory it was saved in: a run continues in place only in
-the directory whose checkpoints record its own; absent from files of earlier versions). A run with train.ema_decay saves the moving average of its weights as `model`, and the weights
-it trains as training["raw_model"].
+the directory whose checkpoints record its own; absent from files of earlier versions). A run with
+train.ema_decay saves the moving average of its weights as `model`, and the weights it trains as
+training["raw_model"].
 """
 
 import argparse
 import dataclasses
-import json
 import math
 import pickle
 import re
@@ -35,26 +35,40 @@ from model.decoding.quantize import to_precision
 
 from .errors import CheckpointError, OutputError, one_line
 from .files import write_atomically
+from .hf import is_export, read_export
 
 FORMAT = "kvgpt-checkpoint"
 VERSION = 2  # bump when the layout changes; older files then get a clear error instead of a wrong model
+# the layout above, entry by entry, beside format and version (checkpoint_contents puts it together, layout_damage
+# checks it): text and training are there only where recorded
+LAYOUT = {"model_config": dict, "vocab": str, "model": dict, "text": dict, "training": dict}
+OPTIONAL = ("text", "training")
+TEXT = {"source": str, "sha256": str}
 TRAINING_KEYS = ("optimizers", "schedulers", "step", "best_val_loss", "rng", "config")
 
 
-def build_checkpoint(model: GPT, vocab: CharVocab, training: dict | None = None,
-                     text: PreparedData | None = None) -> dict:
-    """A checkpoint's contents: the model and its vocabulary, what it was trained on, and for resuming, the
-    training state."""
-    contents = {"format": FORMAT, "version": VERSION, "model_config": dataclasses.asdict(model.config),
-                "vocab": vocab.chars, "model": model.state_dict()}
-    if text is not None:
-        contents["text"] = {"source": text.source, "sha256": text.sha256}
+def checkpoint_contents(config: GPTConfig, vocab: CharVocab, state: dict, *, source: str = "",
+                        sha256: str | None = None, training: dict | None = None) -> dict:
+    """A checkpoint's contents in the layout above, the one place they are put together: a model's weights
+    (state), its config and vocabulary; the text it was trained on where its sha256 is known; the training state."""
+    contents = {"format": FORMAT, "version": VERSION, "model_config": dataclasses.asdict(config),
+                "vocab": vocab.chars, "model": state}
+    if sha256 is not None:
+        contents["text"] = {"source": source, "sha256": sha256}
     if training is not None:
         missing = set(TRAINING_KEYS) - training.keys()
         if missing:
             raise ValueError(f"training state lacks {sorted(missing)}")
         contents["training"] = training
     return contents
+
+
+def build_checkpoint(model: GPT, vocab: CharVocab, training: dict | None = None,
+                     text: PreparedData | None = None) -> dict:
+    """A checkpoint's contents: the model and its vocabulary, what it was trained on, and for resuming, the
+    training state."""
+    recorded = {} if text is None else {"source": text.source, "sha256": text.sha256}
+    return checkpoint_contents(model.config, vocab, model.state_dict(), **recorded, training=training)
 
 
 def save_checkpoint(contents: dict, path) -> Path:
@@ -68,8 +82,8 @@ def save_checkpoint(contents: dict, path) -> Path:
         cause = e.__context__ if isinstance(e, RuntimeError) and e.__context__ is not None else e
         if isinstance(cause, KeyboardInterrupt):
             raise cause from None
-        raise OutputError(f"cannot save {path} ({one_line(cause)}); "
-                              f"{'the previous one is kept' if path.exists() else f'{path.name} was not written'}") from None
+        kept = "the previous one is kept" if path.exists() else f"{path.name} was not written"
+        raise OutputError(f"cannot save {path} ({one_line(cause)}); {kept}") from None
 
 
 def resolve_checkpoint(path, prefer: str = "best.pt") -> Path:
@@ -137,31 +151,15 @@ def load_checkpoint(path, prefer: str = "best.pt", map_location="cpu") -> dict:
     return contents
 
 
-def is_export(path: Path) -> bool:
-    """Whether path is a folder that `export.py --format hf` wrote."""
-    return path.is_dir() and (path / "config.json").is_file() and (path / "model.safetensors").is_file()
-
-
 def load_export(path: Path) -> dict:
-    """An exported folder as a checkpoint's contents, its weights mapped back (exporting/hf.py), checked whole:
-    a tokenizer of another size than the model's vocabulary, or a JSON file that does not parse, is refused here,
-    not found midway through the output. load_model checks the weights' names and shapes."""
-    from exporting.hf import read_export  # safetensors, and no transformers: only for an exported folder
+    """An exported folder as a checkpoint's contents, its weights mapped back and the folder checked whole
+    (runtime/hf.py: read_export). load_model checks the weights' names and shapes."""
     try:
         config, state, vocab, recorded = read_export(path)
-        if len(vocab) != config.vocab_size:
-            raise ValueError(f"tokenizer.json holds {len(vocab)} characters, config.json's vocab_size is "
-                             f"{config.vocab_size}")
-        for name in ("generation_config.json", "tokenizer_config.json"):  # read by transformers, not by kvgpt
-            if (path / name).exists() and not isinstance(json.loads((path / name).read_text("utf-8")), dict):
-                raise ValueError(f"{name} holds no JSON object")
     except Exception as e:  # a damaged file can fail anywhere in json, safetensors or the mapping
         raise CheckpointError(export_damaged(path, e)) from None
-    contents = {"format": FORMAT, "version": VERSION, "model_config": dataclasses.asdict(config),
-                "vocab": vocab.chars, "model": state}
-    if recorded.get("data_sha256"):
-        contents["text"] = {"source": recorded.get("data", ""), "sha256": recorded["data_sha256"]}
-    return contents
+    return checkpoint_contents(config, vocab, state, source=recorded.get("data", ""),
+                               sha256=recorded.get("data_sha256") or None)
 
 
 def export_damaged(path: Path, error: Exception) -> str:
@@ -176,20 +174,18 @@ def layout_damage(contents: dict) -> str | None:
     def is_loss(value) -> bool:  # a float, inf included (no evaluation yet), never NaN
         return isinstance(value, float) and not math.isnan(value)
 
-    expected = {"model_config": dict, "vocab": str, "model": dict}
-    for key, kind in expected.items():
-        if not isinstance(contents.get(key), kind):
-            return f"{key} is {type(contents.get(key)).__name__}, not {kind.__name__}"
+    for key, kind in LAYOUT.items():
+        value = contents.get(key)
+        if not (isinstance(value, kind) or (value is None and key in OPTIONAL)):
+            return f"{key} is {type(value).__name__}, not {kind.__name__}"
     if not all(isinstance(name, str) and isinstance(value, torch.Tensor) for name, value in contents["model"].items()):
         return "model holds values that are not tensors"
-    text = contents.get("text", {"source": "", "sha256": ""})
-    if not (isinstance(text, dict) and isinstance(text.get("source"), str) and isinstance(text.get("sha256"), str)):
+    text = contents.get("text")
+    if text is not None and not all(isinstance(text.get(key), kind) for key, kind in TEXT.items()):
         return "text is not a source and a sha256"
     state = contents.get("training")
     if state is None:
         return None
-    if not isinstance(state, dict):
-        return f"training is {type(state).__name__}, not dict"
     missing = [key for key in TRAINING_KEYS if key not in state]
     if missing:
         return f"training lacks {', '.join(missing)}"

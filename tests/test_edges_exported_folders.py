@@ -5,6 +5,7 @@ weights alone, says at once that it cannot be resumed and what to do instead."""
 import json
 import shutil
 import subprocess
+from types import SimpleNamespace
 
 import pytest
 
@@ -13,7 +14,8 @@ pytest.importorskip("transformers")  # export writes config.json with it
 from exporting.folder import export  # noqa: E402
 from programs import (ENV, assert_one_line_error, checkpoint, data_root, sample_command,  # noqa: E402,F401
                       short_run, train_cli)
-from runtime.checkpoint import build_checkpoint, load_model, save_checkpoint  # noqa: E402
+from runtime.checkpoint import (build_checkpoint, layout_damage, load_checkpoint, load_model,  # noqa: E402
+                                save_checkpoint)
 from runtime.errors import CheckpointError  # noqa: E402
 from test_export import VOCAB  # noqa: E402
 from test_train import TINY, data_overrides  # noqa: E402
@@ -28,6 +30,20 @@ def exported(tmp_path_factory):
     run = tmp_path_factory.mktemp("run")
     save_checkpoint(build_checkpoint(random_model(), VOCAB), run / "best.pt")
     return export(run, run / "hf")
+
+
+def test_a_folder_reads_back_in_the_layout_of_the_checkpoint_it_was_exported_from(tmp_path):
+    """One layout for every checkpoint: a folder read back holds the entries of the checkpoint it came from, the
+    text it was trained on recorded alike (all-zero biases read back as none: the same function)."""
+    (tmp_path / "run").mkdir()
+    text = SimpleNamespace(source="corpus.txt", sha256="0123456789abcdef" * 4)
+    contents = build_checkpoint(random_model(), VOCAB, text=text)
+    save_checkpoint(contents, tmp_path / "run" / "best.pt")
+    back = load_checkpoint(export(tmp_path / "run", tmp_path / "hf"))
+    assert layout_damage(back) is None and back.keys() == contents.keys()
+    assert [back[key] for key in ("format", "version", "vocab", "text")] == \
+        [contents[key] for key in ("format", "version", "vocab", "text")]
+    assert {**back["model_config"], "bias": True} == contents["model_config"]
 
 
 def damaged_copy(exported, to, name: str, change) -> None:

@@ -15,7 +15,7 @@ ort = pytest.importorskip("onnxruntime")
 import export as export_py  # noqa: E402
 from data import CharVocab  # noqa: E402
 from exporting.folder import export  # noqa: E402
-from exporting.hf import to_hf  # noqa: E402
+from runtime.hf import to_hf  # noqa: E402
 from model import GREEDY, CausalSelfAttention, KVCache, generate  # noqa: E402
 from runtime.checkpoint import build_checkpoint, load_model, save_checkpoint  # noqa: E402
 from runtime.errors import CheckpointError  # noqa: E402

@@ -8,7 +8,8 @@
 Each is the same function as kvgpt's model, not an approximation: pre-LayerNorm blocks (eps 1e-5), the erf GELU
 ("gelu"), a 4x MLP, attention scaled by 1/sqrt(head_dim), rotary positions over the whole head (base 10,000,
 halves rotated) and the head tied to the token embedding. Where kvgpt has no biases, the biases are zeros.
-Reading a folder back (read_export) needs only json and safetensors, never transformers."""
+export.py writes a folder (exporting/folder.py: to_hf); sample.py reads one back (read_export, called by
+runtime/checkpoint.py) with json and safetensors only, never transformers."""
 
 import json
 from pathlib import Path
@@ -219,12 +220,26 @@ def from_hf(hf: dict, tensors: dict[str, torch.Tensor]) -> tuple[GPTConfig, dict
     return config, {name: w.contiguous() for name, w in state.items()}
 
 
+def is_export(path: Path) -> bool:
+    """Whether path is a folder that `export.py --format hf` wrote."""
+    return path.is_dir() and (path / "config.json").is_file() and (path / "model.safetensors").is_file()
+
+
 def read_export(folder: Path) -> tuple[GPTConfig, dict[str, torch.Tensor], CharVocab, dict]:
-    """(GPTConfig, kvgpt state_dict, vocabulary, what model.safetensors' metadata records) of an exported folder."""
+    """(GPTConfig, kvgpt state_dict, vocabulary, what model.safetensors' metadata records) of an exported folder,
+    checked whole: a tokenizer of another size than the model's vocabulary, or a JSON file that does not parse, is
+    a ValueError here, not found midway through the output."""
     from safetensors import safe_open  # only when a folder is read: sample.py needs it for nothing else
     hf = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     with safe_open(folder / "model.safetensors", framework="pt") as f:
         tensors = {name: f.get_tensor(name) for name in f.keys()}
         metadata = f.metadata() or {}
     config, state = from_hf(hf, tensors)
-    return config, state, read_vocab(folder), metadata
+    vocab = read_vocab(folder)
+    if len(vocab) != config.vocab_size:
+        raise ValueError(f"tokenizer.json holds {len(vocab)} characters, config.json's vocab_size is "
+                         f"{config.vocab_size}")
+    for name in ("generation_config.json", "tokenizer_config.json"):  # read by transformers, not by kvgpt
+        if (folder / name).exists() and not isinstance(json.loads((folder / name).read_text("utf-8")), dict):
+            raise ValueError(f"{name} holds no JSON object")
+    return config, state, vocab, metadata
