@@ -43,7 +43,7 @@ class LayerView(Protocol):
 
 
 class Cache(Protocol):
-    """What the model (begin) and the decoding loop ask of a KV cache."""
+    """What the model (begin) and the decoding loop ask of a KV cache; one may say its shape too (caches/ring.py)."""
 
     abilities: Abilities
     batch_size: int

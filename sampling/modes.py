@@ -18,6 +18,7 @@ from model.caches.factory import EAGER
 from model.decoding.cached_text import text_cache
 from model.decoding.cuda_graph import CapturedStep
 from model.decoding.generate import check_arguments
+from model.decoding.step import Step
 from model.serving.conversation import Conversation
 from model.serving.speculative import SpeculativeStats, speculative_generate
 from runtime.checkpoint import trained_on
@@ -175,7 +176,7 @@ def announce(loaded: Loaded) -> None:
     print(f"sampling {loaded.path} ({progress}), trained on {trained_on(loaded.contents)}", file=sys.stderr)
 
 
-def decoded_on(loaded: Loaded, step) -> str:
+def decoded_on(loaded: Loaded, step: Step | None) -> str:
     """Where the summary line says it decoded: the device, the CPU's threads, a compiled step."""
     device, threads = loaded.device, loaded.threads
     on = f"{device.type}, {threads} thread{'s' if threads > 1 else ''}" if device.type == "cpu" else device.type

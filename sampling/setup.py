@@ -11,6 +11,7 @@ from data import CharVocab, DataError
 from model import GPT, Sampling, generate_tokens
 from model.caches.factory import EAGER
 from model.decoding.cuda_graph import CapturedStep
+from model.decoding.step import Step
 from model.serving.ngram_draft import NGramTable
 from model.serving.speculative import PromptLookup
 from runtime.checkpoint import load_model, resolve_checkpoint, training_text
@@ -69,7 +70,7 @@ def new_generator(device: torch.device, seed: int | None) -> torch.Generator:
     return generator
 
 
-def kept_or_compiled_step(args, model: GPT, cache, tokens: int = 1):
+def kept_or_compiled_step(args, model: GPT, cache, tokens: int = 1) -> Step | None:
     """The compiled pass of up to `tokens` tokens per row (one: the decoding step; more: speculative decoding's
     verification) that --compile asks for, or by default one kept before, or one worth compiling for a long
     generation; on CUDA, by default, the passes captured over `cache` itself (captured_step); None: decode

@@ -6,6 +6,7 @@ import torch
 
 from model import GREEDY, Abilities, CachePass, Sampling, generate
 from model.caches.factory import CACHES
+from model.caches.ring import CacheShape
 from model.decoding.aot_step import AotStep
 from model.decoding.cached_text import CachedText
 from tiny_models import BLOCK_SIZE, random_model, random_tokens
@@ -139,3 +140,28 @@ def test_what_a_cache_of_ones_own_cannot_take_is_a_value_error_naming_the_argume
         generate(model, random_tokens(1, 3), 2, cache=ListCache(1), step=step)
     with pytest.raises(ValueError, match="cache must be text_cache"):
         CachedText(model, cache=ListCache(1))
+
+
+class ShapedListCache(ListCache):
+    """The toy, saying its shape as the project's caches do."""
+
+    def __init__(self, batch_size: int, shape: CacheShape):
+        super().__init__(batch_size)
+        self.shape = shape
+
+
+def test_a_cache_that_says_its_shape_is_checked_against_the_model_whatever_its_class():
+    """generate reads a cache's shape, never its class: the toy that says the model's shape decodes, and one that
+    says another layer count, a local window, integer keys or too few slots is refused as the project's are."""
+    model = random_model()
+    c = model.config
+    shape = CacheShape(c.n_kv_layer, *c.kv_cache_heads, c.block_size, None, c.block_size, torch.float32)
+    prompt = random_tokens(1, 3)
+    cached = generate(model, prompt, 4, sampling=GREEDY, cache=ShapedListCache(1, shape))
+    assert torch.equal(cached, generate(model, prompt, 4, sampling=GREEDY, use_cache=False))
+    for other, message in ((dict(n_kv_layer=c.n_kv_layer + 1), "another model shape"),
+                           (dict(local_window=4), "local window 4"),
+                           (dict(dtype=torch.int8), "cache holds torch.int8"),
+                           (dict(max_len=c.block_size - 1), f"1 rows of {c.block_size - 1} tokens")):
+        with pytest.raises(ValueError, match=message):
+            generate(model, prompt, 4, cache=ShapedListCache(1, shape._replace(**other)))

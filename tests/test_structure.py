@@ -107,6 +107,30 @@ def test_each_room_imports_only_the_rooms_below_it():
     assert not upward, "\n".join(upward)
 
 
+def test_no_module_beside_the_caches_asks_for_a_caches_class():
+    """The decoding loop, serving, sampling and the rest read a cache's abilities and shape (model/kv_cache.py:
+    Abilities, model/caches/ring.py: CacheShape): none asks isinstance or issubclass of a cache class."""
+    import importlib
+    import inspect
+
+    classes = set()
+    for name, path in project_modules().items():
+        if name == "model.kv_cache" or name.startswith("model.caches."):
+            module = importlib.import_module(name)
+            classes |= {n for n, c in inspect.getmembers(module, inspect.isclass) if hasattr(c, "begin")}
+    assert {"KVCache", "RingKVCache", "WindowedKVCache", "Int8KVCache", "LowBitKVCache", "Uncached"} <= classes
+    asked = []
+    for name, path in project_modules().items():
+        if name.startswith("model.caches."):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                    node.func.id in ("isinstance", "issubclass") and len(node.args) == 2:
+                named = {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)} & classes
+                asked += [f"{path.relative_to(REPO)}:{node.lineno} asks for {', '.join(sorted(named))}"] if named else []
+    assert not asked, "\n".join(asked)
+
+
 CORE = ("model/attention.py", "model/gpt.py", "model/kv_cache.py")  # the plain path, read first
 CORE_MAX_LINES = 430
 README_MAX_LINES = 200

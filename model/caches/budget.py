@@ -5,6 +5,7 @@ then one token per pass, eagerly, and no rollback."""
 import torch
 
 from ..kv_cache import Abilities
+from .ring import CacheShape
 
 
 class BudgetRules:
@@ -18,6 +19,10 @@ class BudgetRules:
         if n_pad is not None and bool((n_pad > 0).any()):
             raise ValueError(f"{self.kind} {self.keeps}: its rows must start together, with no left padding")
         super().reset()
+
+    @property
+    def shape(self) -> CacheShape:
+        return CacheShape(self.n_kv_layer, self.k0.size(1), self.head_dim, None, None, self.max_len, self.dtype)
 
     def longest_chunk(self) -> int:
         """Tokens up to the full cache in one pass, then one at a time."""

@@ -9,6 +9,7 @@ import torch.nn as nn
 from ..attention import causal_mask
 from ..designs.local_window import LocalLayerKV, local_kv_layers
 from ..kv_cache import CachePass
+from .ring import CacheShape
 
 
 class WindowedKVCache(nn.Module):
@@ -30,6 +31,12 @@ class WindowedKVCache(nn.Module):
     @property
     def nbytes(self) -> int:
         return self.ring.nbytes + self.local.nbytes
+
+    @property
+    def shape(self) -> CacheShape:
+        """The global ring's, with the local layers counted and their window."""
+        ring, local = self.ring.shape, self.local.shape
+        return ring._replace(n_kv_layer=ring.n_kv_layer + local.n_kv_layer, local_window=local.reach)
 
     def __len__(self) -> int:
         return len(self.ring)

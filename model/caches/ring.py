@@ -25,11 +25,25 @@ long as the window (their order does not matter to attention), so it needs no ma
 GPUs read all max_len slots through the mask (static shapes); read_all_slots=True asks for that everywhere.
 """
 
+from typing import NamedTuple
+
 import torch
 
 from ..attention import causal_mask
-from ..kv_cache import Abilities, CachePass, KVCache
 from ..checks import is_integer
+from ..kv_cache import Abilities, CachePass, KVCache
+
+
+class CacheShape(NamedTuple):
+    """What a cache says of its shape, so that generate checks it against the model before decoding through it."""
+
+    n_kv_layer: int  # cache layers, local ones included
+    n_kv_head: int
+    head_dim: int
+    reach: int | None  # how far back a query sees; None: a budget that places its tokens itself
+    local_window: int | None  # the local layers' reach; None: no local layers
+    max_len: int  # the global layers' slots
+    dtype: torch.dtype  # what attention computes in (an int8 or low-bit cache stores integers)
 
 
 class RingKVCache(KVCache):
@@ -56,6 +70,12 @@ class RingKVCache(KVCache):
                              f"at least {self.reach} slots")
         self.read_all_slots = read_all_slots
         self.padded = False  # whether reset() was given left padding
+        self.compute_dtype = dtype  # what attention computes in: the keys' own dtype (an int8 ring's is not)
+
+    @property
+    def shape(self) -> CacheShape:
+        return CacheShape(self.n_kv_layer, self.k0.size(1), self.head_dim, self.reach, None, self.max_len,
+                          self.compute_dtype)
 
     def reset(self, n_pad=None) -> None:
         """Empty the cache; n_pad (B,) gives how many left-padding tokens each row will start with."""

@@ -91,9 +91,9 @@ def step_signature(cache) -> list[tuple[str, tuple, torch.dtype]]:
 
 
 class AotStep:
-    """A loaded compiled pass, bound to the model's weights: step(idx, cache) is model(idx, cache=cache)[0] for
-    idx (B, 1 to tokens) and a cache shaped like the one it was exported with; step.decode_step is
-    model.decode_step."""
+    """A loaded compiled pass, bound to the model's weights, that keeps the Step protocol (step.py): step(idx, cache)
+    is model(idx, cache=cache)[0] for idx (B, 1 to tokens) and a cache shaped like the one it was exported with;
+    step.decode_step is model.decode_step."""
 
     cache = None  # the one cache a step serves; None: any cache shaped like the one it was exported with
 

@@ -41,7 +41,8 @@ def record(run, inputs: list[torch.Tensor], writes: list[torch.Tensor], pool=Non
 
 class CapturedStep:
     """model(idx, cache=cache) for passes of 1 to `tokens` tokens per row through `cache`, each length captured as
-    a CUDA graph. A call returns the graph's own logits tensor, which the next replay overwrites: read it first."""
+    a CUDA graph: a Step (step.py). A call returns the graph's own logits tensor, which the next replay overwrites:
+    read it first."""
 
     def __init__(self, model, cache, tokens: int = 1):
         if cache.device.type != "cuda":

@@ -30,21 +30,19 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from ..caches.factory import new_kv_cache
-from ..caches.int8 import Int8KVCache
-from ..caches.local_ring import WindowedKVCache
-from ..caches.lowbit import LowBitKVCache
-from ..gpt import GPT, GPTConfig
-from ..kv_cache import Cache, KVCache
+from ..caches.ring import Uncached
 from ..checks import is_integer
-from ..caches.ring import RingKVCache, Uncached
+from ..gpt import GPT, GPTConfig
+from ..kv_cache import Cache
 from .sampling import Sampling
+from .step import DecodeStep, Step
 
 
 @torch.no_grad()
 def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampling: Sampling = Sampling(),
              generator: torch.Generator | None = None, keep: int | None = None,
              n_pad: Sequence[int] | torch.Tensor | None = None, use_cache: bool = True,
-             cache: Cache | None = None, compile: bool = False, step=None) -> torch.Tensor:
+             cache: Cache | None = None, compile: bool = False, step: Step | None = None) -> torch.Tensor:
     """idx (B, T) -> (B, T + max_new_tokens): the prompt followed by the new tokens. See generate_tokens."""
     new = list(generate_tokens(model, idx, max_new_tokens, sampling=sampling, generator=generator,
                                keep=keep, n_pad=n_pad, use_cache=use_cache, cache=cache, compile=compile,
@@ -56,15 +54,16 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampling: Sa
 def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampling: Sampling = Sampling(),
                     generator: torch.Generator | None = None, keep: int | None = None,
                     n_pad: Sequence[int] | torch.Tensor | None = None, use_cache: bool = True,
-                    cache: Cache | None = None, compile: bool = False, step=None) -> Iterator[torch.Tensor]:
+                    cache: Cache | None = None, compile: bool = False,
+                    step: Step | None = None) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, (B,), max_new_tokens times.
 
     sampling: how each token is drawn; generator: a torch.Generator, for reproducible sampling. keep: context
     tokens kept when the context passes block_size, for learned positions (see the module's docstring). n_pad:
     left padding per row. use_cache=False recomputes the whole context at every step; cache: a cache to reuse
     (model/kv_cache.py: Cache; new_kv_cache by default), and compile torch.compiles the one-token step; step: a
-    compiled step to take one-token steps through instead (aot_step.py, cuda_graph.py): it says which caches it
-    fits(), and its `cache` is the one it serves (None: any it fits). Each needs the cache.
+    Step to take one-token steps through instead (step.py: compiled or captured): it says which caches it fits(),
+    and its `cache` is the one it serves (None: any it fits). Each needs the cache.
     Arguments that cannot work are a ValueError naming the argument.
     """
     block_size = model.config.block_size
@@ -113,7 +112,7 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampl
         yield next_ids
 
 
-def compiled_step(model: GPT):
+def compiled_step(model: GPT) -> DecodeStep:
     """model.decode_step compiled for one token per row. It is fed a copy of its tokens: a slice of generate's buffer
     has the buffer's strides, for which the step would be compiled again whenever max_new_tokens changes."""
     step = torch.compile(model.decode_step, fullgraph=True)
@@ -144,7 +143,8 @@ def _same_rows(idx: torch.Tensor) -> bool:
     return idx.size(0) > 1 and bool((idx == idx[:1]).all())
 
 
-def prefill(model: GPT, tokens: torch.Tensor, cache: Cache, step=None, step_tokens: int = 1) -> torch.Tensor:
+def prefill(model: GPT, tokens: torch.Tensor, cache: Cache, step: DecodeStep | None = None,
+            step_tokens: int = 1) -> torch.Tensor:
     """Feed tokens (B, T) through cache in the longest chunks it takes (local layers' rings take shorter ones);
     the last token's logits, (B, vocab_size). step: a compiled decode_step for chunks of up to step_tokens tokens,
     which a full local ring takes a few at a time."""
@@ -167,7 +167,7 @@ def _prefill_once(model: GPT, prompt: torch.Tensor, cache: Cache) -> torch.Tenso
 
 
 def check_arguments(model: GPT, idx, max_new_tokens, keep=None, n_pad=None, use_cache=True, cache=None,
-                    compile=False, step=None) -> list[int]:
+                    compile=False, step: Step | None = None) -> list[int]:
     """Refuse generate's arguments that cannot work, each in a ValueError naming it; each row's left padding as a
     list of ints."""
     c = model.config
@@ -221,31 +221,29 @@ def check_arguments(model: GPT, idx, max_new_tokens, keep=None, n_pad=None, use_
 
 
 def check_cache(model: GPT, cache, batch_size: int) -> None:
-    """A cache passed in must serve batch_size rows; one of the project's caches must be one that
-    new_kv_cache(model, batch_size) (or model/caches/factory.py's new_cache) could make for this model."""
+    """A cache passed in must serve batch_size rows; one that says its shape (model/caches/ring.py: CacheShape), as
+    the project's caches do, must be one that new_kv_cache(model, batch_size) (or model/caches/factory.py's
+    new_cache) could make for this model."""
     c = model.config
     if not all(hasattr(cache, name) for name in ("begin", "abilities", "batch_size")):
         raise ValueError(f"cache must be a KV cache (model/kv_cache.py: Cache), got {type(cache).__name__}")
-    windowed = isinstance(cache, WindowedKVCache)
-    ring = cache.ring if windowed else cache
-    if not isinstance(ring, KVCache):  # a cache written from the protocol alone: its rows are what it says
+    shape = getattr(cache, "shape", None)
+    if shape is None:  # a cache written from the protocol alone: its rows are what it says
         if cache.batch_size != batch_size:
             raise ValueError(f"cache holds {cache.batch_size} rows; this generation needs {batch_size}")
         return
     budgeted = cache.abilities.budgeted
-    layers = ring.n_kv_layer + (cache.local.n_kv_layer if windowed else 0)
-    heads, head_dim = ring.k0.size(1), ring.head_dim
-    reach = None if budgeted else ring.reach if isinstance(ring, RingKVCache) else ring.max_len
-    window = cache.local.reach if windowed else None
+    layers, heads, head_dim, reach, window, max_len, dtype = shape
+    reach = None if budgeted else reach
     if (layers, heads, head_dim, reach, window) != (c.n_kv_layer, *c.kv_cache_heads,
                                                     None if budgeted else c.block_size, c.local_window):
         raise ValueError(f"cache was made for another model shape ({layers} layers of {heads} key/value heads "
                          f"of {head_dim}, reach {reach}, local window {window}); use "
                          f"new_kv_cache(model, {batch_size})")
-    if not (ring.dtype.is_floating_point or isinstance(ring, (Int8KVCache, LowBitKVCache))):
-        raise ValueError(f"cache holds {ring.dtype}: keys and values are floating point, or int8 through "
+    if not dtype.is_floating_point:
+        raise ValueError(f"cache holds {dtype}: keys and values are floating point, or int8 through "
                          f"new_kv_cache(model, {batch_size}, dtype=torch.int8)")
-    if cache.batch_size != batch_size or (not budgeted and ring.max_len < c.block_size):
-        raise ValueError(f"cache holds {cache.batch_size} rows of {ring.max_len} tokens; this generation needs "
+    if cache.batch_size != batch_size or (not budgeted and max_len < c.block_size):
+        raise ValueError(f"cache holds {cache.batch_size} rows of {max_len} tokens; this generation needs "
                          f"{batch_size} rows of at least block_size={c.block_size}: use "
                          f"new_kv_cache(model, {batch_size})")

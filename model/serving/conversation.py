@@ -22,6 +22,7 @@ from ..decoding.cached_text import CachedText
 from ..checks import is_integer
 from ..decoding.generate import check_arguments
 from ..decoding.sampling import GREEDY, Sampling, check_sampling
+from ..decoding.step import Step
 
 
 class Conversation:
@@ -39,8 +40,8 @@ class Conversation:
         """The whole text so far: every turn's tokens and every reply."""
         return self.text.tokens
 
-    def decode_through(self, step) -> None:
-        """Take each one-token step through a compiled step (model/decoding/aot_step.py) made for text_cache(model)."""
+    def decode_through(self, step: Step) -> None:
+        """Take each one-token step through a Step (model/decoding/step.py) made for text_cache(model)."""
         if not step.fits(self.text.cache):
             raise ValueError("step must be a one-token step compiled for text_cache(model) (model/decoding/cached_text.py)")
         self.text.compiled = step

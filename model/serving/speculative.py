@@ -36,6 +36,7 @@ from ..decoding.cached_text import CachedText
 from ..decoding.generate import check_arguments
 from .ngram_draft import NGramDraft, NGramTable
 from ..decoding.sampling import GREEDY, Sampling, check_sampling
+from ..decoding.step import Step
 
 
 @dataclass
@@ -105,7 +106,8 @@ class ModelDraft:
     """A draft GPT, its own cache over the text and its proposals: after each round it rolls back what the model
     did not keep."""
 
-    def __init__(self, model: GPT, k: int, sampling: Sampling, generator: torch.Generator | None, step=None):
+    def __init__(self, model: GPT, k: int, sampling: Sampling, generator: torch.Generator | None,
+                 step: Step | None = None):
         self.text = CachedText(model, spare=k, cache=step.cache if step is not None else None)
         if step is not None:
             if not step.fits(self.text.cache):
@@ -177,14 +179,14 @@ def speculative_generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *,
                          draft: "GPT | NGramTable | PromptLookup",
                          k: int, sampling: Sampling = GREEDY, generator: torch.Generator | None = None,
                          keep: int | None = None, stats: SpeculativeStats | None = None,
-                         verify_pass=None, draft_step=None) -> Iterator[torch.Tensor]:
+                         verify_pass: Step | None = None, draft_step: Step | None = None) -> Iterator[torch.Tensor]:
     """Yield the next token, (1,), max_new_tokens times, as generate_tokens does for one row, drafting k tokens
     per model pass. draft: a GPT with the model's vocabulary (in eval mode, on its device), an NGramTable of its
     vocabulary, or PromptLookup().
     keep: as in generate, for learned positions (the model's; a draft model keeps its default). stats: a
-    SpeculativeStats to fill. verify_pass: a compiled pass of up to k + 1 tokens for caches like text_cache(model, k)
-    (model/decoding/cached_text.py), or captured over one (aot_step.py, cuda_graph.py): it takes every pass after
-    the prompt's, shorter drafts' too. draft_step: a draft model's one-token step, for text_cache(draft, k).
+    SpeculativeStats to fill. verify_pass: a Step (model/decoding/step.py) of up to k + 1 tokens for caches like
+    text_cache(model, k) (model/decoding/cached_text.py), compiled or captured over one: it takes every pass after
+    the prompt's, shorter drafts' too. draft_step: a draft model's one-token Step, for text_cache(draft, k).
     Arguments that cannot work are a ValueError naming the argument.
     """
     check_arguments(model, idx, max_new_tokens, keep)
