@@ -74,24 +74,31 @@ def continue_lines(model: GPT, vocab: CharVocab, text: str, max_new_tokens: int,
                     max_batch=EACH_LINE_BATCH, sampling=sampling, generator=generator, buckets=buckets)
     requests = [engine.add(i, vocab.encode(line)[-(block - max_new_tokens):], max_new_tokens)
                 for i, line in enumerate(lines)]
-    written = 0
-
-    def write_next():  # the next line in the file's order, with what it has drawn
-        nonlocal written
-        continuation = vocab.decode(requests[written].tokens[requests[written].prompt_len:])
-        out.write((SAMPLE_SEPARATOR if written else "") + lines[written] + continuation + "\n")
-        out.flush()
-        written += 1
-
+    in_order = LinesInOrder(lines, requests, vocab, out)
     with ctrl_c_sets_flag() as stopped:  # Ctrl-C: the lines begun are written as far as they got
         for _ in engine.run():
-            while written < len(lines) and requests[written].drawn == max_new_tokens:
-                write_next()
+            in_order.write_while(lambda request: request.drawn == max_new_tokens)
             if stopped.is_set():
-                while written < len(lines) and requests[written].drawn:
-                    write_next()
+                in_order.write_while(lambda request: request.drawn > 0)
                 raise KeyboardInterrupt
     return engine, len(lines)
+
+
+class LinesInOrder:
+    """--each-line's output: each line of the file, in the file's order, with what it has drawn, written once."""
+
+    def __init__(self, lines: list[str], requests: list, vocab: CharVocab, out):
+        self.lines, self.requests, self.vocab, self.out = lines, requests, vocab, out
+        self.count = 0  # lines[:count] are written
+
+    def write_while(self, ready) -> None:
+        """Write the next lines while ready(the next one's request) says it is ready."""
+        while self.count < len(self.lines) and ready(self.requests[self.count]):
+            request = self.requests[self.count]
+            continuation = self.vocab.decode(request.tokens[request.prompt_len:])
+            self.out.write((SAMPLE_SEPARATOR if self.count else "") + self.lines[self.count] + continuation + "\n")
+            self.out.flush()
+            self.count += 1
 
 
 @contextlib.contextmanager
