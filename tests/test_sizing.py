@@ -98,8 +98,11 @@ def test_a_budget_run_trains_the_shape_and_threads_that_are_predicted_to_learn_m
     printed = []
     monkeypatch.setattr(train, "write_line", printed.append)
     monkeypatch.setattr(training.budget, "MARGIN", AIM_AT_HALF)
-    # a busy machine would have the run time other thread counts, whose sums round otherwise: no exact repeat
+    # a busy machine would have the run time other thread counts, whose sums round otherwise, or plan it again,
+    # which no command repeats (tests/test_edges_clock.py): here the run keeps its first plan, to be repeated
     monkeypatch.setattr(training.threads, "SLOWER", math.inf)
+    monkeypatch.setattr(training.budget.Budget, "replanned", lambda self, *args: (None, ""))
+    monkeypatch.setattr(training.budget.Budget, "late", lambda self, *args: None)
     run_dir = tmp_path / "runs/sized"
     train.main(config(tmp_path, data_root, *BUDGET), run_dir, named=set())
     assert f"({shape} with {threads} thread{'s' * (threads > 1)}, sized to this machine)" in printed[0]
@@ -138,8 +141,11 @@ def test_the_choice_is_off_where_the_command_makes_it(tmp_path, data_root, named
 def test_a_sized_run_resumes_with_the_shape_it_chose(tmp_path, data_root, timed, monkeypatch):
     timed.update({(1, 1): 0.01, (1, 2): 0.02, (2, 1): 0.02, (2, 2): 0.04})  # the resumed run times its threads
     monkeypatch.setattr(training.budget, "MARGIN", AIM_AT_HALF)
-    # a busy machine would have the run time other thread counts, whose sums round otherwise: no exact repeat
+    # a busy machine would have the run time other thread counts, whose sums round otherwise, or plan it again,
+    # which no command repeats (tests/test_edges_clock.py): here the run keeps its first plan, to be repeated
     monkeypatch.setattr(training.threads, "SLOWER", math.inf)
+    monkeypatch.setattr(training.budget.Budget, "replanned", lambda self, *args: (None, ""))
+    monkeypatch.setattr(training.budget.Budget, "late", lambda self, *args: None)
     run_dir = tmp_path / "runs/sized"
     train.main(config(tmp_path, data_root, *BUDGET), run_dir, named=set())
     steps = torch.load(run_dir / "last.pt", weights_only=True)["training"]["config"]["train"]["max_iters"]
