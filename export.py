@@ -23,7 +23,7 @@ from pathlib import Path  # noqa: E402
 from exporting.folder import FORMATS, export  # noqa: E402
 from runtime.errors import (Interrupted, OneLineErrorParser, OutputError, fail, flush_standard_output,  # noqa: E402
                             mistakes, ready_standard_streams, silence)
-from training.signals import StopSignals  # noqa: E402
+from runtime.signals import StopSignals  # noqa: E402
 
 
 def build_parser() -> OneLineErrorParser:

@@ -47,7 +47,7 @@ from training.loop import Stopped, Trainer
 from training.planning import check_start
 from training.resume import resumed_settings
 from training.runs import take_run_dir
-from training.signals import StopSignals, interrupt_on_signals
+from runtime.signals import StopSignals, interrupt_on_signals
 from training.sizing import kept_on_resume, size_to_host, threads_fixed
 from training.summaries import Summaries, report_thread_error
 from training.text import check_training_fits_memory, fit_sample_prompt, prepare_data

@@ -56,7 +56,7 @@ def check_precision(precision: str) -> None:
 
 def export(checkpoint, out, fmt: str = "hf", precision: str = "fp32", signals=None) -> Path:
     """Write checkpoint's model into the new or empty folder out, in format fmt ("hf": transformers; "onnx").
-    signals: a StopSignals (training/signals.py), whose first stop signal ends the export at its next step and a
+    signals: a StopSignals (runtime/signals.py), whose first stop signal ends the export at its next step and a
     second at once; either way what was written goes, and the export raises Interrupted."""
     out = Path(out)
     if fmt not in FORMATS:

@@ -27,7 +27,7 @@ ROOMS = {
     "bench": ("sampling", "training"),
     "train.py": ("training",),
     "sample.py": ("sampling",),
-    "export.py": ("exporting", "training"),  # training/signals.py stops it on a signal, as it stops a run
+    "export.py": ("exporting",),
 }
 
 

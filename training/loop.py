@@ -17,6 +17,7 @@ from model import GPT
 from runtime.checkpoint import build_checkpoint, load_checkpoint, save_checkpoint
 from runtime.devices import RESOLVED_PRECISIONS, training_dtype
 from runtime.errors import ConfigError, write_line
+from runtime.signals import StopSignals
 
 from . import budget as clock
 from .budget import Budget
@@ -26,7 +27,6 @@ from .distributed import gather
 from .evaluation import evaluate
 from .optim import Schedule, make_optimizers, make_scheduler, set_step
 from .rng import restore_rng, rng_state
-from .signals import StopSignals
 from .summaries import Summaries
 from .threads import ThreadChoice, ThreadWatch
 
