@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from data import SHAKESPEARE, PreparedData, prepare_shakespeare  # noqa: E402
-from model import GPTConfig  # noqa: E402
+from model import GPTConfig, build_model, new_cache  # noqa: E402
 from runtime.devices import choose_device, threads_refused  # noqa: E402
 from runtime.errors import USAGE, UsageError, fail, mistakes, one_line, positive_int  # noqa: E402
 from training.config import MAX_TRAINING_SEED, Settings, register, validate  # noqa: E402
@@ -38,8 +38,9 @@ def model_config(shape: str, vocab_size: int = TINY_SHAKESPEARE_VOCAB_SIZE) -> G
 
 
 def shakespeare() -> PreparedData:
-    """tiny_shakespeare, prepared where train.py prepares it (downloaded on first use)."""
-    return prepare_shakespeare(Path(settings("preset=cpu").data.root) / SHAKESPEARE)
+    """tiny_shakespeare, prepared where the benchmarks' train.py runs (in the repository) prepare it, wherever the
+    benchmark runs from (downloaded on first use)."""
+    return prepare_shakespeare(REPO / settings("preset=cpu").data.root / SHAKESPEARE)
 
 
 def host() -> str:
@@ -107,6 +108,16 @@ def check_training(option: str, *overrides: str) -> None:
     try:
         settings("preset=cpu", *overrides)
     except mistakes() as e:
+        raise UsageError(f"{option}: {one_line(e)}") from None
+
+
+def check_cache(option: str, cache: str, *overrides: str) -> None:
+    """Refuse, before any run starts, a KV cache by name (model/caches/factory.py) that the model train.py would
+    train with these overrides cannot hold: a UsageError naming option."""
+    config = dataclasses.replace(settings("preset=cpu", *overrides).model, vocab_size=TINY_SHAKESPEARE_VOCAB_SIZE)
+    try:
+        new_cache(build_model(config), cache, 1)
+    except ValueError as e:
         raise UsageError(f"{option}: {one_line(e)}") from None
 
 

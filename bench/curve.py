@@ -15,20 +15,35 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.configs import run_tool  # noqa: E402
-from training.summaries import LR, TRAIN_EVAL_LOSS, VAL_LOSS  # noqa: E402
+from training.summaries import LR, PLANNED_STEPS, TRAIN_EVAL_LOSS, VAL_LOSS  # noqa: E402
 from runtime.errors import OneLineErrorParser, UsageError  # noqa: E402
+
+
+def scalars(run_dir) -> EventAccumulator:
+    """A run's scalar events, every one of them (TensorBoard keeps a sample by default)."""
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    return events
 
 
 def read_curve(run_dir) -> list[dict]:
     """One dict per evaluation: step, wall_time, train and val loss, lr (NaN where not logged)."""
-    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
-    events.Reload()
+    events = scalars(run_dir)
     if VAL_LOSS not in events.Tags()["scalars"]:
         raise ValueError(f"no {VAL_LOSS} events in {run_dir}; give a run directory of train.py")
     train_loss = {e.step: e.value for e in events.Scalars(TRAIN_EVAL_LOSS)}
     lr = {e.step: e.value for e in events.Scalars(LR)}
     return [{"step": e.step, "wall_time": e.wall_time, "train": train_loss[e.step], "val": e.value,
              "lr": lr.get(e.step - 1, float("nan"))} for e in events.Scalars(VAL_LOSS)]
+
+
+def read_plans(run_dir) -> list[dict]:
+    """A budget run's plans, in order (none for a run of fixed length): step, wall_time and the steps planned,
+    first where the run fixed its length, then at each change of plan."""
+    events = scalars(run_dir)
+    if PLANNED_STEPS not in events.Tags()["scalars"]:
+        return []
+    return [{"step": e.step, "wall_time": e.wall_time, "steps": round(e.value)} for e in events.Scalars(PLANNED_STEPS)]
 
 
 def run_directory(text: str) -> Path:

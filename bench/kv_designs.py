@@ -6,6 +6,7 @@
     python bench/kv_designs.py train --seeds 1337 1 2     # each design trained with the cpu preset, then measured
     python bench/kv_designs.py train --runs-dir keep/     # keep the runs; a design already trained there is reused
     python bench/kv_designs.py train --designs mha int8   # only these designs
+    python bench/kv_designs.py train --plot docs/images/designs.png   # the picture too, from the same run
 
 speed: the classic shape (conf/model/classic.yaml: 6 layers, 6 heads, 384 wide, block 256), random weights, fp32,
 for n_kv_head 6, 3, 2, 1 with kv_share 1 and 2, the int8 cache, local layers, a learned sink and latent attention
@@ -20,11 +21,14 @@ train: each design trained by `python train.py preset=cpu` (same steps, each see
 parameters, cache bytes per token, best val loss (median and spread over seeds), val loss through the decoder
 (model/measuring/decoder_loss.py: the val split streamed through the real cache, 64 streams side by side) beside the
 teacher-forced loss under the same context rule, training seconds, and decode tokens/s at batch 1 and 64 with
-the context filled. The preset's own checkpoint is also decoded through the int8 cache. Every design stays in
-the table, whatever it scored.
+the context filled. The preset's own checkpoint is also decoded through the int8, int4 and int2 caches
+(model/caches/factory.py), measured the same way. Every design stays in the table, whatever it scored. --plot draws
+the loss through the decoder against cache bytes per token, one point per design and cache: the one loss that a
+lossy cache changes.
 """
 
 import dataclasses
+import datetime
 import statistics
 import subprocess
 import sys
@@ -35,30 +39,31 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.configs import (REPO, check_training, host, model_config, run_tool, shakespeare, training_seed,  # noqa: E402
-                           training_failed)
+from bench import plots  # noqa: E402
+from bench.configs import (REPO, check_cache, check_training, host, model_config, run_tool, shakespeare,  # noqa: E402
+                           training_failed, training_seed)
 from bench.curve import read_curve  # noqa: E402
-from model import GPT, build_model, kv_cache_bytes_per_token  # noqa: E402
+from model import GPT, build_model, kv_cache_bytes_per_token, new_cache, new_kv_cache  # noqa: E402
 from model.measuring.decoder_loss import decoder_loss, teacher_forced_loss  # noqa: E402
 from model.decoding.generate import prefill  # noqa: E402
 from runtime.checkpoint import load_model  # noqa: E402
 from runtime.errors import OneLineErrorParser, UsageError, positive_int  # noqa: E402
-from model.caches.factory import new_kv_cache
 
 STEPS = 16  # one-token steps timed after the prefill, the context growing from block_size - STEPS to block_size
 BATCHES = (1, 64)
 STREAMS = 64  # rows of the val split decoded side by side for the loss through the decoder
-# key: (name, model overrides, KV cache dtype): the trained designs, on the cpu preset's 4 heads and 4 layers
+# key: (name, model overrides, KV cache by name): the trained designs, on the cpu preset's 4 heads and 4 layers
 # (kv_share=2 needs an even number of layers, so --train-overrides pins 4 wherever the preset's depth is)
-TRAINED = {"mha": ("MHA (the preset)", [], None), "gqa": ("GQA, n_kv_head=2", ["model.n_kv_head=2"], None),
-           "mqa": ("MQA, n_kv_head=1", ["model.n_kv_head=1"], None),
-           "share2": ("kv_share=2", ["model.kv_share=2"], None),
-           "share2-mqa": ("kv_share=2 + MQA", ["model.kv_share=2", "model.n_kv_head=1"], None),
-           "local": ("LLLG, local_window=32", ["model.window_pattern=LLLG", "model.local_window=32"], None),
-           "sink": ("learned sink", ["model.learned_sink=true"], None),
-           "mla64": ("MLA, kv_latent=64 (MQA's cache)", ["model.kv_latent=64"], None),
-           "mla128": ("MLA, kv_latent=128 (GQA 2's cache)", ["model.kv_latent=128"], None),
-           "int8": ("MHA, int8 cache", [], torch.int8)}
+TRAINED = {"mha": ("MHA (the preset)", [], "float"), "gqa": ("GQA, n_kv_head=2", ["model.n_kv_head=2"], "float"),
+           "mqa": ("MQA, n_kv_head=1", ["model.n_kv_head=1"], "float"),
+           "share2": ("kv_share=2", ["model.kv_share=2"], "float"),
+           "share2-mqa": ("kv_share=2 + MQA", ["model.kv_share=2", "model.n_kv_head=1"], "float"),
+           "local": ("LLLG, local_window=32", ["model.window_pattern=LLLG", "model.local_window=32"], "float"),
+           "sink": ("learned sink", ["model.learned_sink=true"], "float"),
+           "mla64": ("MLA, kv_latent=64 (MQA's cache)", ["model.kv_latent=64"], "float"),
+           "mla128": ("MLA, kv_latent=128 (GQA 2's cache)", ["model.kv_latent=128"], "float"),
+           "int8": ("MHA, int8 cache", [], "int8"), "int4": ("MHA, int4 cache", [], "int4"),
+           "int2": ("MHA, int2 cache", [], "int2")}
 LOCAL = dict(window_pattern="LLLLLG", local_window=64)  # the classic shape's 6 layers, one of them global
 SMALLEST = dict(window_pattern="LLLLGG", local_window=64, n_kv_head=1, kv_share=2)  # shared layers pair L or G
 # key: (name, model overrides, KV cache dtype): the classic shape's designs
@@ -90,6 +95,11 @@ def decode_seconds(model: GPT, cache, step=None, prompt_len: int | None = None) 
     for _ in range(STEPS):
         logits = step(logits.argmax(dim=-1, keepdim=True), cache)
     return time.perf_counter() - start
+
+
+def bytes_per_token(model: GPT, cache: str) -> float:
+    """What the cache of that name (model/caches/factory.py) holds per token of a full context, as made."""
+    return new_cache(model, cache, 1).nbytes / model.config.block_size
 
 
 def median_spread(values, digits: int = 2) -> str:
@@ -154,7 +164,8 @@ def train_run(overrides: list[str], seed: int, runs_dir: Path, extra: list[str])
         return run_dir, None
     start = time.time()
     result = subprocess.run([sys.executable, str(REPO / "train.py"), "preset=cpu", *overrides, *extra,
-                             f"train.seed={seed}", f"hydra.run.dir={run_dir}"], cwd=REPO, capture_output=True, text=True)
+                             f"train.seed={seed}", f"hydra.run.dir={run_dir}"], cwd=REPO, capture_output=True,
+                            text=True)
     if result.returncode != 0:
         raise training_failed(f"training {overrides}", result)
     return run_dir, time.time() - start
@@ -163,8 +174,9 @@ def train_run(overrides: list[str], seed: int, runs_dir: Path, extra: list[str])
 def train(args) -> None:
     if args.runs_dir is not None and args.runs_dir.exists() and not args.runs_dir.is_dir():
         raise UsageError(f"--runs-dir {args.runs_dir} is a file; give a folder")
-    for key in args.designs:  # what train.py would refuse, refused before any run and any output
+    for key in args.designs:  # what train.py, or the cache, would refuse, refused before any run and any output
         check_training(f"--train-overrides, for design {key}", *TRAINED[key][1], *args.train_overrides)
+        check_cache(f"--designs {key}", TRAINED[key][2], *TRAINED[key][1], *args.train_overrides)
     runs_dir = args.runs_dir or Path(tempfile.mkdtemp(prefix="kv_designs-"))
     val = shakespeare().val
     n = len(val) // STREAMS * STREAMS
@@ -175,7 +187,9 @@ def train(args) -> None:
     print("| design | parameters | cache bytes/token | best val (median, min-max) | val through the decoder | "
           "teacher-forced, same contexts | training s | tok/s batch 1 | tok/s batch 64 |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for name, overrides, cache_dtype in (TRAINED[key] for key in args.designs):
+    points = []  # the picture's: one per design and cache
+    for key in args.designs:
+        name, overrides, cache_name = TRAINED[key]
         best, through, forced, seconds, models = [], [], [], [], []
         for seed in args.seeds:
             run_dir, took = train_run(overrides, seed, runs_dir, args.train_overrides)
@@ -183,20 +197,28 @@ def train(args) -> None:
             seconds.append(took)
             model, _, _ = load_model(run_dir / "best.pt", "cpu")
             models.append(model)
-            cache = new_kv_cache(model, STREAMS, dtype=cache_dtype)
+            cache = new_cache(model, cache_name, STREAMS)
             through.append(decoder_loss(model, streams, prompt_len=args.prompt_len, cache=cache))
             forced.append(teacher_forced_loss(model, streams, prompt_len=args.prompt_len))
         model = models[0]
-        tok_s = {b: [b * STEPS / decode_seconds(model, new_kv_cache(model, b, dtype=cache_dtype))
+        tok_s = {b: [b * STEPS / decode_seconds(model, new_cache(model, cache_name, b))
                      for _ in range(args.repeats)] for b in BATCHES}
         timed = [s for s in seconds if s is not None]
-        print(f"| {name} | {model.num_params():,} | {kv_cache_bytes_per_token(model.config, cache_dtype or torch.float32):,.0f} | "
+        per_token = bytes_per_token(model, cache_name)
+        points.append(dict(label=key, bytes=per_token, loss=statistics.median(through), low=min(through),
+                           high=max(through), cache=cache_name != "float"))
+        print(f"| {name} | {model.num_params():,} | {per_token:,.0f} | "
               f"{median_spread(best, 4)} | {median_spread(through, 4)} | {median_spread(forced, 4)} | "
               f"{median_spread(timed, 0) if timed else 'reused'} | {rate(tok_s[1])} | {rate(tok_s[64])} |", flush=True)
-        if cache_dtype is None:
+        if cache_name == "float":
             gaps = [abs(a - b) for a, b in zip(through, forced)]
             print(f"|  | decoder - teacher-forced, largest over seeds: {max(gaps):.2e} | | | | | | | |")
     print(f"\nruns in {runs_dir}")
+    if args.plot:
+        plots.designs(args.plot, points, "What a design costs and saves: KV-cache bytes against loss",
+                      f"python train.py preset=cpu {' '.join(args.train_overrides)}, seeds "
+                      f"{' '.join(map(str, args.seeds))}: {host()}, {datetime.date.today().isoformat()}")
+        print(f"picture: {args.plot}")
 
 
 def main() -> None:
@@ -212,7 +234,9 @@ def main() -> None:
     t.add_argument("--runs-dir", type=Path, help="keep the runs here; reuse those already trained")
     t.add_argument("--repeats", type=positive_int, default=5)
     t.add_argument("--designs", nargs="+", choices=list(TRAINED), default=list(TRAINED),
-                   help="the designs to train and measure (default: all; int8 decodes the preset's runs)")
+                   help="the designs to train and measure (default: all; int8, int4 and int2 decode the preset's "
+                        "runs)")
+    t.add_argument("--plot", type=plots.plot_file, metavar="FILE.png", help="draw the picture into this file")
     t.add_argument("--prompt-len", type=positive_int, default=64, help="tokens prefilled before one-token decoding")
     t.add_argument("--stream-len", type=positive_int, default=1_000_000, help="cut each stream to this many tokens")
     t.add_argument("--train-overrides", nargs="*",
