@@ -8,7 +8,6 @@ of 60 s whose length is fixed near step 35."""
 import math
 import re
 import shutil
-import signal
 
 import pytest
 import torch
@@ -19,12 +18,12 @@ import training.budget
 import training.loop
 import training.planning
 import training.threads
-from model import GPT, build_model
+from model import build_model
 from programs import assert_one_line_error, data_root, train_cli  # noqa: F401 (data_root: a fixture)
 from runtime.errors import ConfigError
 from test_clock import BUDGET, TINY_CLI, StandInClock, budget_run
 from test_sizing import timed  # noqa: F401 (a fixture)
-from test_train import AIM_AT_HALF, HOLD, config, data_overrides, events, scalars
+from test_train import AIM_AT_HALF, HOLD, config, data_overrides, events, scalars, sigterm_at
 from training.config import validate
 from training.loop import Diverged, Stopped, Trainer
 from training.summaries import Summaries
@@ -45,19 +44,6 @@ def scripted_val(patch, losses: dict[int, float]) -> None:
     patch.setattr(training.loop, "evaluate", lambda *args, **kwargs: {**evaluate(*args, **kwargs),
                                                                       "val": losses[at["step"]]})
     patch.setattr(Trainer, "evaluate_and_save", tracked)
-
-
-def stopped_at(patch, step: int) -> None:
-    """SIGTERM during the step-th training step: the run stops after it, its last.pt at that step."""
-    forward, calls = GPT.forward, []
-
-    def forward_then_sigterm(model, *args, **kwargs):
-        calls.append(model.training)
-        if calls.count(True) == step:
-            signal.raise_signal(signal.SIGTERM)
-        return forward(model, *args, **kwargs)
-
-    patch.setattr(GPT, "forward", forward_then_sigterm)
 
 
 def steps_counted(patch) -> list:
@@ -103,7 +89,7 @@ def test_patience_ends_a_resumed_budget_run_whose_length_is_still_open(tmp_path,
     run_dir = tmp_path / "runs/budget"
     with pytest.MonkeyPatch.context() as patch, pytest.raises(Stopped):
         scripted_val(patch, {0: 4.0, 10: 3.0})
-        stopped_at(patch, 12)
+        sigterm_at(patch, 12)
         budget_run(tmp_path, data_root, patch, 1, run_dir=run_dir)
     assert torch.load(run_dir / "last.pt", weights_only=True)["training"]["config"]["train"]["max_iters"] is None
     with pytest.MonkeyPatch.context() as patch:
@@ -169,7 +155,7 @@ def test_a_resumed_budget_run_that_cannot_hold_its_final_evaluation_is_refused_b
     fit: refused before any step, last.pt as it was. The advice, more steps in place of the budget, trains it on."""
     run_dir = tmp_path / "runs/budget"
     with pytest.MonkeyPatch.context() as patch, pytest.raises(Stopped):
-        stopped_at(patch, 12)
+        sigterm_at(patch, 12)
         budget_run(tmp_path, data_root, patch, 1, run_dir=run_dir)
     stopped = torch.load(run_dir / "last.pt", weights_only=True)
     stopped["training"]["seconds"] = 50.0

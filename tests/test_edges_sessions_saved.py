@@ -18,7 +18,7 @@ from runtime.checkpoint import load_model
 from sampling.session import SessionError, load_session, save_session
 from test_edges_sessions import rewritten
 from test_sample import ENV, SAMPLE, assert_usage_error
-from test_sample_sessions_and_lines import models  # noqa: F401  a fixture
+from test_sample_sessions_and_lines import models, taken_up_after_two_turns  # noqa: F401  (models: a fixture)
 from tiny_models import random_model, random_tokens
 
 TIMEOUT = 120  # seconds: a session that waits on its file fails the test, never hangs the suite
@@ -36,14 +36,7 @@ def converse(checkpoint, typed: str, *args, cwd=None) -> subprocess.CompletedPro
 def test_a_conversation_decoded_at_int8_is_saved_and_goes_on_exactly_when_taken_up(tmp_path, design):
     """The int8 model refuses state_dict (it is no fp32 model); the session's fingerprint reads its tensors."""
     model = to_precision(random_model(**design), "int8")
-    turns = [random_tokens(7, seed=s).tolist() for s in range(3)]
-    whole = Conversation(model)
-    replies = [list(whole.reply(turn, 9)) for turn in turns]  # 48 tokens: past block_size
-    first = Conversation(model)
-    for turn in turns[:2]:
-        list(first.reply(turn, 9))
-    save_session(tmp_path / "chat.pt", first.state(), "model.pt", model)
-    later = Conversation(model).restore(load_session(tmp_path / "chat.pt", "model.pt", model))
+    turns, replies, _, later = taken_up_after_two_turns(model, tmp_path)
     assert list(later.reply(turns[2], 9)) == replies[2]
 
 

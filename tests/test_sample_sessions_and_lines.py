@@ -31,18 +31,25 @@ class CountingTokens:
         return self.trunk(idx, *args, **kwargs)
 
 
-@pytest.mark.parametrize("pos_emb", ["learned", "rope"])
-def test_a_conversation_taken_up_from_a_saved_file_goes_on_exactly_and_reads_only_the_new_tokens(tmp_path,
-                                                                                                   pos_emb):
-    model = random_model(pos_emb=pos_emb)
+def taken_up_after_two_turns(model, tmp_path):
+    """Three turns, each replied to with 9 tokens (48 tokens: past block_size), in one conversation; and the first
+    two saved after their turns and taken up again from the file. (turns, replies, the first, the one taken up)"""
     turns = [random_tokens(7, seed=s).tolist() for s in range(3)]
     whole = Conversation(model)
-    replies = [list(whole.reply(turn, 9)) for turn in turns]  # 48 tokens: past block_size
+    replies = [list(whole.reply(turn, 9)) for turn in turns]
     first = Conversation(model)
     for turn in turns[:2]:
         list(first.reply(turn, 9))
     save_session(tmp_path / "chat.pt", first.state(), "model.pt", model)
-    later = Conversation(model, sampling=GREEDY).restore(load_session(tmp_path / "chat.pt", "model.pt", model))
+    return turns, replies, first, Conversation(model, sampling=GREEDY).restore(
+        load_session(tmp_path / "chat.pt", "model.pt", model))
+
+
+@pytest.mark.parametrize("pos_emb", ["learned", "rope"])
+def test_a_conversation_taken_up_from_a_saved_file_goes_on_exactly_and_reads_only_the_new_tokens(tmp_path,
+                                                                                                   pos_emb):
+    model = random_model(pos_emb=pos_emb)
+    turns, replies, first, later = taken_up_after_two_turns(model, tmp_path)
     assert later.tokens == first.tokens
     counter = CountingTokens(model)
     assert list(later.reply(turns[2], 9)) == replies[2]

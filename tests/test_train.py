@@ -466,8 +466,8 @@ def test_the_budget_counts_from_the_start_of_the_process():
     assert 1.0 - resolution <= spent < 60
 
 
-def stopped_at(tmp_path: Path, data_root: Path, step: int, overrides: list[str], run_dir: Path, named=None):
-    """Run until SIGTERM stops it after `step` steps (its last.pt holds that step)."""
+def sigterm_at(patch, step: int) -> None:
+    """SIGTERM during the step-th training step: the run stops after it, its last.pt at that step."""
     forward, calls = GPT.forward, []
 
     def forward_then_sigterm(model, *args, **kwargs):
@@ -476,8 +476,13 @@ def stopped_at(tmp_path: Path, data_root: Path, step: int, overrides: list[str],
             signal.raise_signal(signal.SIGTERM)
         return forward(model, *args, **kwargs)
 
+    patch.setattr(GPT, "forward", forward_then_sigterm)
+
+
+def stopped_at(tmp_path: Path, data_root: Path, step: int, overrides: list[str], run_dir: Path, named=None):
+    """Run until SIGTERM stops it after `step` steps (its last.pt holds that step)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(GPT, "forward", forward_then_sigterm)
+        sigterm_at(patch, step)
         with pytest.raises(Stopped):
             train.main(config(tmp_path, data_root, *overrides), run_dir, named)
 
