@@ -87,8 +87,8 @@ count = integer_in(0)
 def thread_count(text: str) -> int:
     """An argparse type: a thread count that train.py and sample.py would start (runtime/devices.py)."""
     threads = positive_int(text)
-    if threads_refused(threads):
-        raise argparse.ArgumentTypeError(threads_refused(threads))
+    if why := threads_refused(threads):
+        raise argparse.ArgumentTypeError(why)
     return threads
 
 

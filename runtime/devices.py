@@ -88,8 +88,7 @@ def environment_threads() -> int | None:
     a run will not start (threads_refused)."""
     value = os.environ.get("OMP_NUM_THREADS", "")
     threads = int(value) if value.isdigit() and int(value) > 0 else None
-    why = threads_refused(threads) if threads is not None else None
-    if why:
+    if threads is not None and (why := threads_refused(threads)):
         raise UsageError(f"OMP_NUM_THREADS {why}: set it lower, or unset it")
     return threads
 

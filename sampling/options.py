@@ -108,8 +108,8 @@ def check_options(args) -> None:
         raise UsageError(f"--seed must be in [0, {MAX_GENERATOR_SEED}], got {args.seed}")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
-    if args.threads is not None and threads_refused(args.threads):
-        raise UsageError(f"--threads {threads_refused(args.threads)}")
+    if args.threads is not None and (why := threads_refused(args.threads)):
+        raise UsageError(f"--threads {why}")
     if args.threads is None:  # the count OMP_NUM_THREADS names is obeyed then: refused before the model loads
         environment_threads()
     if args.no_kv_cache and (args.kv_cache or args.read_all_slots):

@@ -135,8 +135,8 @@ class TrainConfig:
         _require(self, lambda v: v is None or 0 < v < 1, "in (0, 1), or null for no average", "ema_decay")
         _require(self, lambda v: v in TRAINING_PRECISIONS, " or ".join(TRAINING_PRECISIONS), "precision")
         _require(self, lambda v: v is None or v >= 1, "a positive integer, or null for the fastest now", "threads")
-        if self.threads is not None and threads_refused(self.threads):
-            raise ValueError(f"threads {threads_refused(self.threads)}")
+        if self.threads is not None and (why := threads_refused(self.threads)):
+            raise ValueError(f"threads {why}")
         _require(self, lambda v: v is None or v >= 1, "a positive integer, or null to train to the end", "patience")
 
 
