@@ -1,5 +1,5 @@
 """KV caches saved to a file and taken up again: a conversation's text and cache (sample.py --interactive --session
-FILE), so that the next turn reads only the new line, or an engine's prefix blocks (Engine.export_prefix).
+FILE), so that the next turn reads only the new line, or an engine's prefix blocks (BlockPool.export_prefix).
 
 The file records which model wrote it: the checkpoint's path, the precision and device it decoded at, a
 fingerprint of its weights as decoded (the precision included) and the cache's design, and a sha256 of all it

@@ -184,9 +184,9 @@ def test_a_prefix_saved_and_loaded_into_another_engine_is_read_not_computed(tmp_
     first = Engine(model, n_blocks=16, block_tokens=4)
     first.add("a", preamble + [1], 2)
     list(first.run())
-    save_session(tmp_path / "prefix.pt", first.export_prefix(preamble), "model.pt", model)
+    save_session(tmp_path / "prefix.pt", first.pool.export_prefix(preamble), "model.pt", model)
     second = Engine(model, n_blocks=16, block_tokens=4, keep_logits=True)
-    assert second.import_prefix(load_session(tmp_path / "prefix.pt", "model.pt", model)) == 3
+    assert second.pool.import_prefix(load_session(tmp_path / "prefix.pt", "model.pt", model)) == 3
     b = second.add("b", preamble + [2, 7], 3)
     list(second.run())
     assert second.stats.reused_tokens == 12
@@ -196,7 +196,7 @@ def test_a_prefix_saved_and_loaded_into_another_engine_is_read_not_computed(tmp_
         torch.testing.assert_close(logits, full, rtol=0, atol=1e-5)
     other = Engine(random_model(block_size=BLOCK, n_kv_head=1), n_blocks=16, block_tokens=4)
     with pytest.raises(ValueError, match="do not fit this pool"):
-        other.import_prefix(first.export_prefix(preamble))
+        other.pool.import_prefix(first.pool.export_prefix(preamble))
 
 
 @pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
@@ -235,3 +235,39 @@ def test_rows_alone_computes_what_f_linear_computes():
     torch.testing.assert_close(y, F.linear(x, weight, bias), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(no_bias, F.linear(x, weight), rtol=1e-6, atol=1e-6)
     assert torch.equal(y.reshape(21, 48), alone)
+
+
+@torch.no_grad()
+def test_each_request_draws_with_its_own_sampling_and_generator():
+    """Three requests side by side, each with its own settings, each drawing what generate draws for it alone."""
+    model = random_model(block_size=BLOCK, pos_emb="rope")
+    settings = [GREEDY, Sampling(temperature=0.7, top_k=5), Sampling(temperature=1.3, top_p=0.9)]
+    prompt = [3, 1, 4, 1, 5]
+    engine = Engine(model, n_blocks=32, block_tokens=4, sampling=Sampling(temperature=2.0))
+    requests = [engine.add(i, prompt, 20, generator=torch.Generator().manual_seed(i), sampling=sampling)
+                for i, sampling in enumerate(settings)]
+    list(engine.run())
+    for i, (sampling, request) in enumerate(zip(settings, requests)):
+        alone = generate(model, torch.tensor([prompt]), 20, sampling=sampling,
+                         generator=torch.Generator().manual_seed(i))
+        assert request.tokens == alone[0].tolist(), i
+
+
+@torch.no_grad()
+def test_a_cancelled_request_gives_its_blocks_back_at_once_and_the_others_decode_as_if_alone():
+    model = random_model(block_size=BLOCK)
+    engine = Engine(model, n_blocks=12, block_tokens=4, max_batch=2)
+    kept = engine.add("kept", [5, 6, 7], 20)
+    running = engine.add("running", [1, 2, 3, 4, 5, 6], 20)
+    waiting = engine.add("waiting", [2, 2], 20)
+    for _ in range(3):
+        engine.step()
+    assert running in engine.running and waiting in engine.waiting
+    held = len(running.blocks)
+    before = engine.pool.available()
+    engine.cancel(running)
+    engine.cancel(waiting)
+    assert engine.pool.available() == before + held and not engine.waiting and engine.running == [kept]
+    list(engine.run())
+    assert kept.tokens == generate(model, torch.tensor([[5, 6, 7]]), 20, sampling=GREEDY)[0].tolist()
+    assert engine.pool.refs == [0] * 12 and engine.pool.available() == 12

@@ -18,7 +18,6 @@ Decoding is batch-invariant, to the last bit; prefill is not quite (model/servin
 """
 
 import contextlib
-import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -26,7 +25,7 @@ import torch
 
 from ..checks import is_integer
 from .buckets import DecodeBuckets
-from .paged import BlockPool, PagedPass, chain_hash
+from .paged import BlockPool, PagedPass, full_block_names
 from .rowwise import RowsAlone
 from ..decoding.sampling import GREEDY, Sampling
 
@@ -42,6 +41,8 @@ class Request:
     fed: int = 0  # tokens[:fed] are in the pool
     logits: list[torch.Tensor] = field(default_factory=list)  # each draw's, when the engine keeps them
     generator: torch.Generator | None = None  # its own draws' (else the engine's): its text as if alone
+    sampling: Sampling | None = None  # its own (else the engine's)
+    preemptions: int = 0
 
     @property
     def drawn(self) -> int:
@@ -91,7 +92,8 @@ class Engine:
         self.running: list[Request] = []  # in the order they joined
         self.stats = EngineStats()
 
-    def add(self, name, prompt: list[int], max_new_tokens: int, generator: torch.Generator | None = None) -> Request:
+    def add(self, name, prompt: list[int], max_new_tokens: int, generator: torch.Generator | None = None,
+            sampling: Sampling | None = None) -> Request:
         """Queue a request; generator: its own, for sampled text that does not depend on the others."""
         block_size, bt = self.model.config.block_size, self.pool.block_tokens
         if not prompt or not (is_integer(max_new_tokens) and max_new_tokens >= 1):
@@ -101,43 +103,17 @@ class Engine:
                              f"block_size={block_size}")
         if -(-(len(prompt) + max_new_tokens) // bt) > self.pool.n_blocks:
             raise ValueError(f"request {name!r} needs more than the pool's {self.pool.n_blocks} blocks")
-        request = Request(name, list(prompt), max_new_tokens, len(prompt), generator=generator)
+        request = Request(name, list(prompt), max_new_tokens, len(prompt), generator=generator, sampling=sampling)
         self.waiting.append(request)
         return request
 
-    def export_prefix(self, tokens: list[int]) -> dict:
-        """The cached blocks of tokens' first full blocks, as far as the pool holds them: tensors, for torch.save."""
-        bt, pool = self.pool.block_tokens, self.pool
-        names = list(itertools.takewhile(pool.by_hash.__contains__, full_block_names(tokens, bt)))
-        blocks = torch.tensor([pool.by_hash[name] for name in names], dtype=torch.long)
-        return {"tokens": torch.tensor(tokens[:len(names) * bt], dtype=torch.long),
-                **{name: torch.stack([store.view(-1, bt, *store.shape[1:])[blocks].cpu() for store in stores])
-                   for name, stores in pool.buffers.items()}}
-
-    def import_prefix(self, prefix: dict) -> int:
-        """Take an export_prefix() of the same model into the pool, as cached blocks; how many it added."""
-        bt, pool = self.pool.block_tokens, self.pool
-        tokens, n = prefix["tokens"].tolist(), len(prefix["tokens"]) // bt
-        fits = {name: (len(stores), n, bt, *stores[0].shape[1:]) for name, stores in pool.buffers.items()}
-        if len(tokens) % bt or any(name not in prefix or prefix[name].shape != shape
-                                   or prefix[name].dtype != pool.buffers[name][0].dtype
-                                   for name, shape in fits.items()):
-            raise ValueError(f"the prefix's blocks do not fit this pool's {fits['k']} in {pool.k[0].dtype}: another "
-                             f"design, block size or precision")
-        added = 0
-        for i, name in enumerate(full_block_names(tokens, bt)):
-            if name in pool.by_hash:
-                continue
-            block = pool.allocate()
-            if block is None:
-                raise ValueError(f"the pool has no room for the prefix's {len(tokens) // bt} blocks")
-            for kind, stores in pool.buffers.items():
-                for layer, store in enumerate(stores):
-                    store.view(-1, bt, *store.shape[1:])[block] = prefix[kind][layer, i]
-            pool.name(block, name)
-            pool.release(block)  # cached, read by no one yet
-            added += 1
-        return added
+    def cancel(self, request: Request) -> None:
+        """Drop a request that is waiting or running: its blocks go back to the pool at once."""
+        if request in self.running:
+            self.running.remove(request)
+            self._free(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
 
     def run(self):
         """Yield (request's name, token) until every request added has drawn its tokens."""
@@ -200,6 +176,7 @@ class Engine:
         self._free(request)
         self.waiting.appendleft(request)
         self.stats.preemptions += 1
+        request.preemptions += 1
 
     def _forward(self, requests: list[Request], counts: list[int]) -> list[tuple[object, int]]:
         """One pass: counts[b] tokens of requests[b] each, right-padded; draw for each request fed to its end."""
@@ -220,9 +197,9 @@ class Engine:
             request.fed += n
             self._name_full_blocks(request)
         ready = [b for b, r in enumerate(requests) if r.fed == len(r.tokens)]  # others are still prefilling
-        if any(requests[b].generator for b in ready):  # each draws with its own generator
-            next_ids = [int(self.sampling.next_token(logits[b, None], requests[b].generator or self.generator))
-                        for b in ready]
+        if any(requests[b].generator or requests[b].sampling for b in ready):  # each draws its own way
+            next_ids = [int((requests[b].sampling or self.sampling).next_token(
+                logits[b, None], requests[b].generator or self.generator)) for b in ready]
         else:
             next_ids = self.sampling.next_token(logits[ready], self.generator).tolist() if ready else []
         drawn = []
@@ -244,10 +221,3 @@ class Engine:
         for i in range(named, len(request.names)):
             self.pool.name(request.blocks[i], request.names[i])
 
-
-def full_block_names(tokens: list[int], bt: int, known: list[bytes] = ()) -> list[bytes]:
-    """The chain hash of each full block of tokens; known: those of its first blocks, already computed."""
-    names = list(known)
-    for start in range(len(names) * bt, len(tokens) - bt + 1, bt):
-        names.append(chain_hash(names[-1] if names else b"", tokens[start:start + bt]))
-    return names

@@ -13,6 +13,7 @@ requests over the pool.
 """
 
 import hashlib
+import itertools
 from collections import OrderedDict
 
 import torch
@@ -94,6 +95,40 @@ class BlockPool:
             else:
                 self.free.append(block)
 
+    def export_prefix(self, tokens: list[int]) -> dict:
+        """The cached blocks of tokens' first full blocks, as far as the pool holds them: tensors, for torch.save."""
+        bt = self.block_tokens
+        names = list(itertools.takewhile(self.by_hash.__contains__, full_block_names(tokens, bt)))
+        blocks = torch.tensor([self.by_hash[name] for name in names], dtype=torch.long)
+        return {"tokens": torch.tensor(tokens[:len(names) * bt], dtype=torch.long),
+                **{name: torch.stack([store.view(-1, bt, *store.shape[1:])[blocks].cpu() for store in stores])
+                   for name, stores in self.buffers.items()}}
+
+    def import_prefix(self, prefix: dict) -> int:
+        """Take an export_prefix() of the same model into this pool, as cached blocks; how many it added."""
+        bt = self.block_tokens
+        tokens, n = prefix["tokens"].tolist(), len(prefix["tokens"]) // bt
+        fits = {name: (len(stores), n, bt, *stores[0].shape[1:]) for name, stores in self.buffers.items()}
+        if len(tokens) % bt or any(name not in prefix or prefix[name].shape != shape
+                                   or prefix[name].dtype != self.buffers[name][0].dtype
+                                   for name, shape in fits.items()):
+            raise ValueError(f"the prefix's blocks do not fit this pool's {fits['k']} in {self.k[0].dtype}: another "
+                             f"design, block size or precision")
+        added = 0
+        for i, name in enumerate(full_block_names(tokens, bt)):
+            if name in self.by_hash:
+                continue
+            block = self.allocate()
+            if block is None:
+                raise ValueError(f"the pool has no room for the prefix's {len(tokens) // bt} blocks")
+            for kind, stores in self.buffers.items():
+                for layer, store in enumerate(stores):
+                    store.view(-1, bt, *store.shape[1:])[block] = prefix[kind][layer, i]
+            self.name(block, name)
+            self.release(block)  # cached, read by no one yet
+            added += 1
+        return added
+
 
 class PagedLayer:
     """One layer's view of a PagedPass: LayerKV's update, through the block tables."""
@@ -163,3 +198,11 @@ class PagedPass:
         """The pass itself: the engine counts what each sequence has fed."""
         view = Int8PagedLayer if self.pool.int8 else PagedLayer
         return CachePass(self.positions, self.mask, lambda i: view(i, self))
+
+
+def full_block_names(tokens: list[int], bt: int, known: list[bytes] = ()) -> list[bytes]:
+    """The chain hash of each full block of tokens; known: those of its first blocks, already computed."""
+    names = list(known)
+    for start in range(len(names) * bt, len(tokens) - bt + 1, bt):
+        names.append(chain_hash(names[-1] if names else b"", tokens[start:start + bt]))
+    return names
