@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-ENTRY_POINTS = ("train.py", "sample.py", "export.py")
-PACKAGES = ("model", "data", "runtime", "exporting", "sampling", "training", "bench")  # every folder of code but tests/
+ENTRY_POINTS = ("train.py", "sample.py", "export.py", "serve.py")
+PACKAGES = ("model", "data", "runtime", "exporting", "sampling", "training", "server", "bench")  # every folder of code but tests/
 # The rooms, each with the rooms it stands on. A module imports from its own room and from the rooms below it (those
 # its room stands on, theirs, and so on down), never from a room above it or beside it. A folder is a room, and so
 # is each folder inside model/; model/__init__.py, the package's face, names what the rooms inside hold.
@@ -24,10 +24,12 @@ ROOMS = {
     "exporting": ("runtime",),
     "sampling": ("runtime",),
     "training": ("runtime",),
+    "server": ("runtime",),
     "bench": ("sampling", "training"),
     "train.py": ("training",),
     "sample.py": ("sampling",),
     "export.py": ("exporting",),
+    "serve.py": ("server",),
 }
 
 

@@ -1,0 +1,72 @@
+"""Serve a kvgpt checkpoint: OpenAI's completions API, and a page that shows the KV pool at work.
+
+    python serve.py                                  # the newest run's best.pt, on http://127.0.0.1:8000
+    python serve.py --checkpoint runs/<run> --max-batch 32 --kv-cache int8
+    python serve.py --host 0.0.0.0 --api-key SECRET  # other machines too, with a key
+
+Every request of every client goes into one engine (model/serving/engine.py): one pool of KV blocks, continuous
+batching, and the prefix cache across requests. Open the URL it prints for the page; point any OpenAI client at
+URL/v1. SIGTERM or Ctrl-C stops it with status 0: running streams end with an error event. A mistake in the
+command line is one line on stderr with status 2. docs/serving.md says more.
+"""
+
+import signal
+import sys
+
+import torch
+
+from runtime.checkpoint import find_latest_checkpoint, load_model, resolve_checkpoint
+from runtime.devices import DEFAULT_THREADS, choose_device
+from runtime.errors import UsageError, fail, mistakes, ready_standard_streams
+
+try:
+    from server.app import StoppingServer, build_app
+except ImportError as missing:  # the optional extra is not installed
+    NEEDS = f"serve.py needs fastapi and uvicorn ({missing.name} is missing): pip install -r requirements-serve.txt"
+else:
+    NEEDS = ""
+from server.options import build_parser, check_options, is_loopback, listening_socket, model_name, new_engine
+from server.protocol import Limits
+from server.runner import EngineRunner
+
+
+def serve(args) -> None:
+    if NEEDS:
+        raise UsageError(NEEDS)
+    check_options(args)
+    try:
+        device = choose_device(args.device)
+    except ValueError as e:
+        raise UsageError(f"--device {e}") from None
+    torch.set_num_threads(args.threads or DEFAULT_THREADS)
+    path = resolve_checkpoint(args.checkpoint) if args.checkpoint else find_latest_checkpoint("runs")
+    model, vocab, _ = load_model(path, device, precision=args.precision)
+    runner = EngineRunner(new_engine(args, model), args.max_waiting)
+    limits = Limits(model_name(path), model.config.block_size, runner.capacity)
+    app = build_app(runner, vocab, limits, args.api_key)
+    sock = listening_socket(args.host, args.port)
+    if not is_loopback(args.host) and args.api_key is None:
+        print(f"warning: listening on {args.host} without an API key: anyone who reaches this machine can use it "
+              f"(give --api-key)", file=sys.stderr)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    print(f"serving {path} as {limits.model!r} on {device.type}: http://{shown}:{port} (the page), "
+          f"http://{shown}:{port}/v1 (the API)", flush=True)
+    runner.start()
+    StoppingServer(app, runner).run(sockets=[sock])
+
+
+def main(argv=None) -> None:
+    parser = build_parser()
+    try:
+        ready_standard_streams()
+        serve(parser.parse_args(argv))
+    except (*mistakes(), OSError, KeyboardInterrupt) as e:
+        fail(parser.prog, e)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -1,0 +1,140 @@
+"""The HTTP routes: OpenAI's completions and models, health, Prometheus metrics, and the page with the pool.
+
+Every /v1 route and the pool's picture (it shows prompts) take the API key as a bearer token when one is set.
+Every error is OpenAI's error JSON; no request names a file: the model is chosen when the server starts.
+"""
+
+import asyncio
+import hmac
+import json
+import time
+from pathlib import Path
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import HTTPException
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
+
+from data import CharVocab
+from .completions import Carried
+from .metrics import CONTENT_TYPE
+from .protocol import ApiError, Limits, parse_completion
+from .runner import EngineRunner
+
+STOP_SECONDS = 3  # how long a stopping server waits for its connections to close
+MAX_BODY_BYTES = 1 << 20  # a request body past this is refused (413)
+PAGE = Path(__file__).with_name("page.html")
+
+
+def build_app(runner: EngineRunner, vocab: CharVocab, limits: Limits, api_key: str | None) -> FastAPI:
+    app = FastAPI(title="kvgpt", docs_url=None, redoc_url=None, openapi_url=None)
+    page = PAGE.read_text(encoding="utf-8")
+    created = int(time.time())
+
+    def authorize(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if not (scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), api_key.encode())):
+            raise ApiError(401, "a valid API key is needed: send it as 'Authorization: Bearer KEY'",
+                           code="invalid_api_key")
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError):
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):  # an unknown route or method
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", kind=kind)
+                            .body(), status_code=e.status_code, headers=getattr(e, "headers", None))
+
+    @app.get("/", response_class=HTMLResponse)
+    async def index():
+        return HTMLResponse(page, headers={"Content-Security-Policy": "default-src 'self'; style-src 'unsafe-inline'; "
+                                                                      "script-src 'unsafe-inline'"})
+
+    @app.get("/health")
+    async def health():
+        if runner.failed or runner.stopping:
+            return JSONResponse({"status": runner.failed or "stopping"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(runner.metrics.render(runner.gauges()), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        authorize(request)
+        return {"object": "list", "data": [{"id": limits.model, "object": "model", "created": created,
+                                            "owned_by": "kvgpt", "max_model_len": limits.context,
+                                            "vocabulary": vocab.chars}]}
+
+    @app.get("/pool")
+    async def pool(request: Request):
+        authorize(request)
+        return runner.snapshot()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        authorize(request)
+        carried = Carried(parse_completion(await read_json(request), vocab, limits), vocab, runner, limits.model)
+        watcher = asyncio.create_task(watch_disconnect(request, carried))
+        if carried.completion.stream:
+            async def stream():
+                try:
+                    async for chunk in carried.stream():
+                        yield chunk
+                finally:
+                    watcher.cancel()
+            return StreamingResponse(stream(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            return await carried.whole()
+        finally:
+            watcher.cancel()
+            runner.cancel(carried.jobs)
+
+    return app
+
+
+async def read_json(request: Request):
+    """The body as JSON, refused past MAX_BODY_BYTES before it is all read."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_large()
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise too_large()
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+
+
+def too_large() -> ApiError:
+    return ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes", code="request_too_large")
+
+
+async def watch_disconnect(request: Request, carried: Carried) -> None:
+    """Cancel the request's completions as soon as its client disconnects: their blocks go back to the pool."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    carried.gone()
+
+
+class StoppingServer(uvicorn.Server):
+    """uvicorn's server, which first ends every running stream when told to stop, and then exits with status 0
+    (uvicorn would raise the signal again once it has stopped)."""
+
+    def __init__(self, app: FastAPI, runner: EngineRunner):
+        super().__init__(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=STOP_SECONDS))
+        self.runner = runner
+
+    def handle_exit(self, sig, frame) -> None:
+        self.runner.stop("the server is stopping")
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()

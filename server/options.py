@@ -1,0 +1,110 @@
+"""serve.py's command line, and what it sets up from it: the engine over a pool of KV blocks, and the socket."""
+
+import argparse
+import ipaddress
+import os
+import socket
+from pathlib import Path
+
+from model.decoding.quantize import DECODING_PRECISIONS
+from model.serving.engine import Engine, check_servable
+from runtime.devices import threads_refused
+from runtime.errors import OneLineErrorParser, UsageError
+
+BLOCK_TOKENS = 16  # --block-tokens's default, as vLLM's
+MAX_BATCH = 16
+MAX_WAITING = 256  # --max-waiting's default: room for a load test's clients
+KEY_VARIABLE = "KVGPT_API_KEY"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineErrorParser(description="Serve a kvgpt checkpoint: OpenAI's completions API and a page that "
+                                            "shows the KV pool at work (docs/serving.md).")
+    parser.add_argument("--checkpoint", metavar="PATH", type=Path,
+                        help="checkpoint file, run directory or exported folder (default: the newest best.pt "
+                             "under ./runs)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="the address to listen on (default: %(default)s, this machine only)")
+    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port (default: %(default)s)")
+    parser.add_argument("--api-key", metavar="KEY",
+                        help=f"the bearer token every /v1 route asks for (default: ${KEY_VARIABLE}, else none)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda", "mps"), default="auto",
+                        help="auto: cuda, else mps, else cpu (default: %(default)s)")
+    parser.add_argument("--precision", choices=DECODING_PRECISIONS, default="fp32",
+                        help="the weights as trained (fp32), in bf16, or int8 weights (default: %(default)s)")
+    parser.add_argument("--kv-cache", choices=("float", "int8"), default="float",
+                        help="the pool's keys and values: in the dtype attention computes in, or int8 with a "
+                             "scale per token and head (default: %(default)s)")
+    parser.add_argument("--max-batch", metavar="N", type=int, default=MAX_BATCH,
+                        help="completions decoded together at most (default: %(default)s)")
+    parser.add_argument("--max-waiting", metavar="N", type=int, default=MAX_WAITING,
+                        help="completions that may wait beyond those; past it a request gets 429 "
+                             "(default: %(default)s)")
+    parser.add_argument("--blocks", metavar="N", type=int,
+                        help="the pool's KV blocks (default: enough for --max-batch full contexts)")
+    parser.add_argument("--block-tokens", metavar="N", type=int, default=BLOCK_TOKENS,
+                        help="tokens per block (default: %(default)s)")
+    parser.add_argument("--threads", metavar="N", type=int, help="CPU threads (default: torch's)")
+    return parser
+
+
+def check_options(args) -> None:
+    for name in ("max_batch", "max_waiting", "blocks", "block_tokens"):
+        value = getattr(args, name)
+        if value is not None and value < (0 if name == "max_waiting" else 1):
+            raise UsageError(f"--{name.replace('_', '-')} must be >= {0 if name == 'max_waiting' else 1}, "
+                             f"got {value}")
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be from 0 to 65535, got {args.port}")
+    if args.threads is not None and (why := threads_refused(args.threads)):
+        raise UsageError(f"--threads {why}")
+    if args.api_key is None:
+        args.api_key = os.environ.get(KEY_VARIABLE) or None
+    if args.api_key is not None and not args.api_key.strip():
+        raise UsageError("--api-key is empty: give a key, or leave it out")
+
+
+def new_engine(args, model) -> Engine:
+    """The engine over a pool that holds at least one full context; by default --max-batch of them."""
+    try:
+        check_servable(model)
+    except ValueError as e:
+        raise UsageError(f"serve.py cannot serve this checkpoint: {e}; sample.py decodes it") from None
+    bt = args.block_tokens
+    per_context = -(-model.config.block_size // bt)
+    blocks = args.blocks or args.max_batch * per_context
+    if blocks < per_context:
+        raise UsageError(f"--blocks {blocks} cannot hold one full context: this model's {model.config.block_size} "
+                         f"tokens take {per_context} blocks of {bt}")
+    return Engine(model, n_blocks=blocks, block_tokens=bt, max_batch=args.max_batch, int8=args.kv_cache == "int8")
+
+
+def model_name(path: Path) -> str:
+    """What /v1/models calls the model: an exported folder's name, or a checkpoint's run and file, as 'run/best'."""
+    path = path.resolve()
+    return path.name if path.is_dir() else f"{path.parent.name}/{path.stem}"
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The socket bound before the server starts, so that a port in use is one line, and port 0 a free port."""
+    try:
+        family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    except ValueError:
+        family = socket.AF_INET  # a host name: resolved by bind
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}; give another --port or --host") \
+            from None
+    sock.listen(2048)
+    return sock
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"

@@ -1,0 +1,180 @@
+"""The engine (model/serving/engine.py) in a thread of its own, fed by a server's requests.
+
+Every completion of every client is a Job in one engine: one pool, continuous batching, the prefix cache
+across requests. The server's event loop submits and cancels jobs; the engine's thread adds them between
+passes, steps, and hands each job its tokens on the loop (loop.call_soon_threadsafe). A lock keeps the
+engine whole while the page reads a picture of it (snapshot).
+"""
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from model import Sampling
+from model.serving.engine import Engine
+from .metrics import Metrics
+
+RECENT_SECONDS = 20  # how long the page still shows a finished request
+
+
+class QueueFull(Exception):
+    """More jobs than the engine runs and queues at once."""
+
+
+class Stopping(Exception):
+    """The server is stopping, or its engine has failed: it takes no more jobs."""
+
+
+@dataclass(eq=False)
+class Job:
+    """One completion: a prompt continued once. events gets (job, tokens) for each pass's new tokens, then
+    (job, None) when the engine has drawn them all, or (job, an Exception) when the server stops."""
+    id: str
+    index: int  # its place in the answer's choices
+    prompt: str
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: Sampling
+    generator: torch.Generator
+    events: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    submitted: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+    finished: float | None = None
+    drawn: int = 0
+    outcome: str = ""  # how it ended: length, stop, cancelled, stopped
+    request: object = None  # the engine's Request, once added
+
+    def tell(self, event) -> None:  # from the engine's thread
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (self, event))
+
+
+class EngineRunner:
+    """Runs an Engine in a daemon thread; at most engine.max_batch + max_waiting jobs live at once."""
+
+    def __init__(self, engine: Engine, max_waiting: int):
+        self.engine, self.max_waiting = engine, max_waiting
+        self.capacity = engine.max_batch + max_waiting
+        self.lock = threading.Condition()  # over an RLock: stop() may be called with it held
+        self.live: dict[str, Job] = {}  # submitted, not yet ended
+        self.adding: list[Job] = []
+        self.cancelling: list[Job] = []
+        self.recent: list[Job] = []  # ended in the last RECENT_SECONDS
+        self.stopping = False
+        self.failed = ""  # why the engine stopped, if it failed
+        self.metrics = Metrics()
+        self.thread = threading.Thread(target=self.serve, name="engine", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def submit(self, jobs: list[Job]) -> None:
+        with self.lock:
+            if self.stopping:
+                raise Stopping(self.failed or "the server is stopping")
+            if len(self.live) + len(jobs) > self.capacity:
+                raise QueueFull(f"{len(self.live)} completions are running or waiting, as many as this server "
+                                f"takes at once; try again shortly")
+            for job in jobs:
+                self.live[job.id] = job
+            self.adding += jobs
+            self.lock.notify()
+
+    def cancel(self, jobs: list[Job]) -> None:
+        """Drop jobs whose client has gone or has what it asked for: their blocks go back at the next pass."""
+        with self.lock:
+            self.cancelling += [job for job in jobs if job.id in self.live]
+            self.lock.notify()
+
+    def stop(self, why: str) -> None:
+        """End every live job with an error, and the thread."""
+        with self.lock:
+            self.stopping = True
+            for job in self.live.values():
+                job.tell(RuntimeError(why))
+                self.end(job, "stopped")
+            self.live.clear()
+            self.lock.notify()
+
+    def serve(self) -> None:
+        engine = self.engine
+        while True:
+            with self.lock:
+                while not (self.adding or self.cancelling or engine.waiting or engine.running or self.stopping):
+                    self.lock.wait()
+                if self.stopping:
+                    return
+                for job in self.adding:
+                    job.request = engine.add(job.id, job.prompt_ids, job.max_tokens, job.generator, job.sampling)
+                for job in self.cancelling:
+                    if job.id in self.live:
+                        engine.cancel(job.request)
+                        self.end(self.live.pop(job.id), job.outcome or "cancelled")
+                self.adding, self.cancelling = [], []
+                try:
+                    drawn = engine.step() if engine.waiting or engine.running else []
+                except Exception as e:  # noqa: BLE001  a fault of the engine's: no client waits for ever
+                    self.failed = f"the engine failed: {type(e).__name__}: {e}"
+                    self.stop(self.failed)  # the lock is reentrant
+                    return
+                self.deliver(drawn)
+
+    def deliver(self, drawn: list[tuple[str, int]]) -> None:
+        """Hand each job its new tokens; a job with all its tokens ends."""
+        now, tokens = time.monotonic(), {}
+        for name, token in drawn:
+            tokens.setdefault(name, []).append(token)
+        for name, new in tokens.items():
+            job = self.live.get(name)
+            if job is None:
+                continue
+            if job.first_token is None:
+                job.first_token = now
+                self.metrics.first_token(now - job.submitted)
+            job.drawn += len(new)
+            self.metrics.tokens_drawn += len(new)
+            job.tell(new)
+            if job.drawn == job.max_tokens:
+                job.tell(None)
+                self.end(self.live.pop(name), "length")
+
+    def end(self, job: Job, outcome: str) -> None:
+        job.finished, job.outcome = time.monotonic(), job.outcome or outcome
+        self.metrics.ended(job.outcome)
+        self.recent = [j for j in self.recent if job.finished - j.finished < RECENT_SECONDS] + [job]
+
+    def snapshot(self) -> dict:
+        """What the page draws: every block of the pool and who holds it, and every job's state."""
+        with self.lock:
+            engine, pool, now = self.engine, self.engine.pool, time.monotonic()
+            owner = {}
+            for request in engine.running:  # the first to hold a block colours it
+                for block in request.blocks:
+                    owner.setdefault(block, request.name)
+            blocks = [[owner.get(b), pool.refs[b], b in pool.hash_of] for b in range(pool.n_blocks)]
+            states = {r.name: "preempted" if r.preemptions else "waiting" for r in engine.waiting}
+            states.update({r.name: "prefilling" if r.fed < len(r.tokens) - 1 else "decoding" for r in engine.running})
+            jobs = [job_view(job, states.get(job.id, "waiting"), now) for job in self.live.values()]
+            jobs += [job_view(job, "done", now) for job in self.recent if now - job.finished < RECENT_SECONDS]
+            return {"blocks": blocks, "block_tokens": pool.block_tokens, "jobs": jobs,
+                    "hit_rate": engine.stats.hit_rate, "preemptions": engine.stats.preemptions}
+
+    def gauges(self) -> dict:
+        with self.lock:
+            engine, pool = self.engine, self.engine.pool
+            return {"running": len(engine.running), "waiting": len(self.live) - len(engine.running),
+                    "blocks_used": sum(1 for refs in pool.refs if refs), "blocks_free": pool.available(),
+                    "blocks_cached": len(pool.idle), "prompt_tokens": engine.stats.prompt_tokens,
+                    "reused_tokens": engine.stats.reused_tokens, "hit_rate": engine.stats.hit_rate,
+                    "preemptions": engine.stats.preemptions}
+
+
+def job_view(job: Job, state: str, now: float) -> dict:
+    """A job as the page shows it: its prompt as text, its state and its speed."""
+    decoding = (job.finished or now) - job.first_token if job.first_token else 0
+    return {"id": job.id, "prompt": job.prompt[-60:], "state": state if state != "done" else job.outcome,
+            "tokens": job.drawn, "max_tokens": job.max_tokens,
+            "tokens_per_second": job.drawn / decoding if decoding > 0 else None}
