@@ -44,10 +44,10 @@ def serve(args) -> None:
     runner = EngineRunner(new_engine(args, model), args.max_waiting)
     limits = Limits(model_name(path), model.config.block_size, runner.capacity)
     app = build_app(runner, vocab, limits, args.api_key)
-    sock = listening_socket(args.host, args.port)
     if not is_loopback(args.host) and args.api_key is None:
         print(f"warning: listening on {args.host} without an API key: anyone who reaches this machine can use it "
               f"(give --api-key)", file=sys.stderr)
+    sock = listening_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     print(f"serving {path} as {limits.model!r} on {device.type}: http://{shown}:{port} (the page), "

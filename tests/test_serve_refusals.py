@@ -1,0 +1,184 @@
+"""What serve.py refuses, and how it stops: each bad request gets OpenAI's error JSON with its status and the server
+goes on; the API key; a full queue; SIGTERM and Ctrl-C mid-stream; mistakes at start-up in one line."""
+
+import http.client
+import json
+import signal
+import socket
+import subprocess
+import sys
+import urllib.parse
+
+import pytest
+
+from corpus import REPO
+from model import build_model
+from model.gpt import GPTConfig
+from programs import assert_one_line_error
+from runtime.checkpoint import build_checkpoint, save_checkpoint
+from serving import ENV, VOCAB, Served, checkpoint, server  # noqa: F401  fixtures
+
+openai = pytest.importorskip("openai", reason="the tests drive serve.py with OpenAI's client: pip install openai")
+
+
+def post(server, body, headers=None, path="/v1/completions", method="POST") -> tuple[int, object, dict]:
+    """Status, headers and JSON of one request; body is sent as it is when it is bytes."""
+    host = urllib.parse.urlsplit(server.url)
+    connection = http.client.HTTPConnection(host.hostname, host.port, timeout=30)
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    connection.request(method, path, data, {"Content-Type": "application/json", **(headers or {})})
+    response = connection.getresponse()
+    status, answer = response.status, json.loads(response.read() or b"null")
+    return status, response.headers, answer
+
+
+LONG = "a" * 250
+BAD = [  # body, status, the parameter named, a fragment of the message
+    (b"{not json", 400, None, "not valid JSON"),
+    (b"[1, 2]", 400, None, "must be a JSON object"),
+    ({"max_tokens": 5}, 400, "prompt", "has no prompt"),
+    ({"prompt": ""}, 400, "prompt", "the prompt is empty"),
+    ({"prompt": ["ok", ""]}, 400, "prompt", "the prompt is empty"),
+    ({"prompt": 42}, 400, "prompt", "a string or a non-empty list of strings"),
+    ({"prompt": "ok", "max_tokens": "9"}, 400, "max_tokens", "must be an integer"),
+    ({"prompt": "ok", "max_tokens": 0}, 400, "max_tokens", "at least 1, got 0"),
+    ({"prompt": "ok", "max_tokens": -3}, 400, "max_tokens", "at least 1, got -3"),
+    ({"prompt": LONG, "max_tokens": 7}, 400, "max_tokens", "context is 256 tokens (max_model_len), and the prompt "
+                                                           "has 250: max_tokens can be at most 6"),
+    ({"prompt": "ok", "temperature": -0.5}, 400, "temperature", "at least 0"),
+    ({"prompt": "ok", "temperature": "hot"}, 400, "temperature", "must be a number"),
+    ({"prompt": "ok", "top_p": 0}, 400, "top_p", "(0, 1]"),
+    ({"prompt": "ok", "top_p": 1.5}, 400, "top_p", "(0, 1]"),
+    ({"prompt": "ok", "top_k": 2.5}, 400, "top_k", "integer"),
+    ({"prompt": "ok", "temperature": 0, "top_k": 5}, 400, "temperature", "top_k and top_p apply to sampled text"),
+    ({"prompt": "ok", "stream": "yes"}, 400, "stream", "true or false"),
+    ({"prompt": "ok", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "at most 4"),
+    ({"prompt": "ok", "seed": -1}, 400, "seed", "seed must be an integer"),
+    ({"prompt": "ok", "n": 0}, 400, "n", "at least 1"),
+    ({"prompt": "ok", "logprobs": 3}, 400, "logprobs", "not supported"),
+    ({"prompt": "naïve café €"}, 400, "prompt", "outside the model's vocabulary: 'é', 'ï', '€'"),
+    ({"prompt": "ok", "model": "../../etc/passwd"}, 404, "model", "does not exist"),
+    ({"prompt": "ok", "checkpoint": "/etc/passwd"}, 400, "checkpoint", "unknown field 'checkpoint'"),
+    (b'{"prompt": "' + b"a" * (1 << 20) + b'"}', 413, None, "over 1048576 bytes"),
+]
+
+
+@pytest.mark.parametrize("body, status, param, fragment", BAD, ids=[str(i) for i in range(len(BAD))])
+def test_a_bad_request_gets_openai_error_json_with_its_status_and_the_server_goes_on(server, body, status, param,
+                                                                                    fragment):
+    got, _, answer = post(server, body)
+    assert got == status, answer
+    assert set(answer) == {"error"} and fragment in answer["error"]["message"], answer
+    assert answer["error"]["param"] == param and answer["error"]["type"]
+    ok, _, answer = post(server, {"prompt": "still", "max_tokens": 3, "temperature": 0})
+    assert ok == 200 and len(answer["choices"][0]["text"]) == 3
+
+
+def test_unknown_routes_and_methods_get_error_json(server):
+    assert post(server, None, path="/v2/nothing", method="GET")[0] == 404
+    status, _, answer = post(server, None, path="/v1/completions", method="GET")
+    assert status == 405 and "error" in answer
+
+
+def test_the_openai_client_raises_its_own_errors_for_refusals(server):
+    api = openai.OpenAI(base_url=server.api, api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="at most 4"):
+        api.completions.create(model=None, prompt="ok", stop=list("abcde"))
+    with pytest.raises(openai.NotFoundError):
+        api.completions.create(model="gpt-4", prompt="ok")
+
+
+def test_a_full_queue_gets_429_with_retry_after_and_serves_again_once_it_empties(checkpoint):
+    served = Served(checkpoint, "--max-batch", 1, "--max-waiting", 1)
+    try:
+        host = urllib.parse.urlsplit(served.url)
+        busy = http.client.HTTPConnection(host.hostname, host.port, timeout=30)
+        busy.request("POST", "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 250, "n": 2,
+                                                            "stream": True}), {"Content-Type": "application/json"})
+        stream = busy.getresponse()
+        assert stream.readline().startswith(b"data: {")  # one runs, one waits: the queue is full
+        status, headers, answer = post(served, {"prompt": "ok", "max_tokens": 3})
+        assert status == 429 and headers["Retry-After"] == "1" and answer["error"]["type"] == "rate_limit_error"
+        status, _, answer = post(served, {"prompt": "ok", "n": 3})
+        assert status == 400 and "at most 2 at once" in answer["error"]["message"]
+        busy.close()
+        for _ in range(100):  # the dropped stream leaves the engine; then a request runs
+            status, _, answer = post(served, {"prompt": "ok", "max_tokens": 3})
+            if status == 200:
+                break
+        assert status == 200
+    finally:
+        served.stop()
+
+
+def test_an_api_key_is_asked_on_every_v1_route_and_the_pool(checkpoint):
+    served = Served(checkpoint, env={**ENV, "KVGPT_API_KEY": "s3cret"})
+    try:
+        for path, method, body in (("/v1/models", "GET", None), ("/v1/completions", "POST", {"prompt": "ok"}),
+                                   ("/pool", "GET", None)):
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+                status, _, answer = post(served, body, headers, path, method)
+                assert status == 401 and answer["error"]["code"] == "invalid_api_key", (path, headers)
+            assert post(served, body, {"Authorization": "Bearer s3cret"}, path, method)[0] == 200, path
+        assert post(served, None, path="/health", method="GET")[0] == 200  # for a load balancer's checks
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=served.api, api_key="wrong", max_retries=0).models.list()
+        assert openai.OpenAI(base_url=served.api, api_key="s3cret", max_retries=0).models.list().data
+    finally:
+        served.stop()
+
+
+@pytest.mark.parametrize("sig, name", [(signal.SIGTERM, "SIGTERM"), (signal.SIGINT, "Ctrl-C")])
+def test_a_stop_signal_ends_running_streams_with_an_error_event_and_exits_0(checkpoint, sig, name):
+    served = Served(checkpoint)
+    assert served.url.startswith("http://127.0.0.1:")  # loopback, unless --host says otherwise
+    host = urllib.parse.urlsplit(served.url)
+    connection = http.client.HTTPConnection(host.hostname, host.port, timeout=30)
+    connection.request("POST", "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 250, "stream": True}),
+                       {"Content-Type": "application/json"})
+    stream = connection.getresponse()
+    assert stream.readline().startswith(b"data: {")
+    status, seconds, stderr = served.stop(sig)
+    events = [line for line in stream.read().decode().splitlines() if line.startswith("data: ")]
+    assert json.loads(events[-1][6:])["error"]["message"].endswith("the server is stopping"), events[-3:]
+    assert status == 0 and seconds < 5 and "Traceback" not in stderr, (status, seconds, stderr)
+
+
+def test_listening_beyond_loopback_without_a_key_is_warned(checkpoint):
+    """192.0.2.1 (an address for documentation, on no machine) cannot be bound: the warning comes first."""
+    result = subprocess.run([sys.executable, str(REPO / "serve.py"), "--checkpoint", str(checkpoint), "--host",
+                             "192.0.2.1"], env=ENV, capture_output=True, text=True, timeout=120)
+    warning, error = result.stderr.splitlines()
+    assert warning.startswith("warning: listening on 192.0.2.1 without an API key") and result.returncode == 2
+    assert error.startswith("serve.py: error: cannot listen on 192.0.2.1:8000")
+
+
+@pytest.fixture(scope="module")
+def local_window_checkpoint(tmp_path_factory):
+    model = build_model(GPTConfig(vocab_size=len(VOCAB), block_size=32, n_layer=2, n_head=2, n_embd=16,
+                                  window_pattern="LG", local_window=8))
+    return save_checkpoint(build_checkpoint(model, VOCAB), tmp_path_factory.mktemp("local") / "best.pt")
+
+
+def test_mistakes_at_start_are_one_line_with_status_2(checkpoint, local_window_checkpoint):
+    def serve(*args, env=ENV, code=None):
+        command = [sys.executable, "-c", code, *map(str, args)] if code else \
+            [sys.executable, str(REPO / "serve.py"), *map(str, args)]
+        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=120, cwd=REPO)
+
+    assert_one_line_error(serve("--checkpoint", local_window_checkpoint), "serve.py", "local layers",
+                          "sample.py decodes it")
+    assert_one_line_error(serve("--checkpoint", checkpoint, "--blocks", 3), "serve.py",
+                          "--blocks 3 cannot hold one full context")
+    assert_one_line_error(serve("--checkpoint", checkpoint, "--max-batch", 0), "serve.py", "--max-batch must be >= 1")
+    assert_one_line_error(serve("--checkpoint", checkpoint, "--api-key", " "), "serve.py", "--api-key is empty")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert_one_line_error(serve("--checkpoint", checkpoint, "--port", port), "serve.py",
+                              f"cannot listen on 127.0.0.1:{port}", "give another --port")
+    without_fastapi = ("import runpy, sys; sys.modules['fastapi'] = None; sys.argv[0] = 'serve.py'; "
+                       "runpy.run_path('serve.py', run_name='__main__')")
+    assert_one_line_error(serve("--checkpoint", checkpoint, code=without_fastapi), "serve.py",
+                          "needs fastapi and uvicorn", "pip install -r requirements-serve.txt")
