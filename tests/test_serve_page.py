@@ -1,0 +1,79 @@
+"""serve.py's page in a real browser: Debian's chromium, headless, driven by Playwright. The test types prompts, sees
+text arrive, sees the pool's cells change while they run, and sees model text shown as text, never as HTML."""
+
+import shutil
+import time
+
+import pytest
+
+from serving import checkpoint, server  # noqa: F401  fixtures
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="the page's tests drive a browser with Playwright: "
+                                                             "pip install playwright")
+CHROMIUM = shutil.which("chromium")
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no browser: apt-get install chromium (.ci/run does)")
+# No window, no sandbox (the tests may run as root), and none of the browser's own calls to the network.
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+@pytest.fixture(scope="module")
+def page(server):
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        page = browser.new_page()
+        errors = []
+        page.on("pageerror", lambda error: errors.append(error))
+        page.goto(server.url)
+        yield page
+        browser.close()
+        assert not errors, errors
+
+
+PROMPT = "ROMEO: Is the day so young? JULIET: It is, it is: "  # two full blocks of 16 and more
+
+
+def wait_until(page, expression: str, seconds: float = 30) -> None:
+    """Poll the page (its Content-Security-Policy forbids the eval that Playwright's wait_for_function uses)."""
+    deadline = time.monotonic() + seconds
+    while not page.evaluate(expression):
+        assert time.monotonic() < deadline, f"not within {seconds} s: {expression}"
+        time.sleep(0.05)
+
+
+def owners(page) -> list[str]:
+    return page.eval_on_selector_all("#pool .cell", "cells => cells.map(c => c.dataset.owner)")
+
+
+def test_two_prompts_stream_their_text_while_the_pool_shows_their_blocks(page):
+    wait_until(page, "document.querySelectorAll('#pool .cell').length > 0")
+    assert not any(owners(page))
+    page.fill("#prompt", PROMPT)
+    page.fill("#temperature", "1")
+    page.fill("#maxtokens", "200")
+    page.fill("#copies", "2")
+    page.click("#send")
+    seen, counts, deadline = set(), set(), time.monotonic() + 30
+    while time.monotonic() < deadline and (len(seen) < 2 or "2" not in counts):
+        seen |= {owner for owner in owners(page) if owner}  # each running request colours the cells it holds
+        counts |= set(page.eval_on_selector_all("#pool .cell", "cells => cells.map(c => c.textContent)"))
+        time.sleep(0.05)
+    assert len(seen) == 2 and "2" in counts, (seen, counts)  # the prompt's full blocks, read by both
+    wait_until(page, "[...document.querySelectorAll('.card pre span:last-child')]"
+                     ".every(s => s.textContent.length == 200)", 60)
+    assert page.locator(".card").count() == 2
+    wait_until(page, "[...document.querySelectorAll('#pool .cell')].every(c => !c.dataset.owner)")
+    assert page.locator("#jobs tr[data-state=length]").count() >= 2
+
+
+def test_prompts_and_model_text_are_shown_as_text(page):
+    page.fill("#prompt", "<img src=x onerror=document.title='owned'><b>bold</b>")
+    page.fill("#temperature", "0")
+    page.fill("#maxtokens", "5")
+    page.fill("#copies", "1")
+    page.click("#send")
+    wait_until(page, "document.querySelector('.card .meta').textContent.includes('done')")
+    card = page.locator(".card").first
+    assert card.locator("img, b").count() == 0
+    assert card.locator(".prompt").inner_text().startswith("<img src=x")
+    assert page.locator("#jobs img, #jobs b").count() == 0 and page.title() != "owned"
