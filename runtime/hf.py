@@ -26,6 +26,7 @@ EXPORTABLE = ("learned or rotary positions with multi-head attention, learned po
               "attention (n_kv_head=1), rotary positions with grouped queries (n_kv_head < n_head)")
 EPS = 1e-5  # torch's LayerNorm default, which kvgpt's blocks use
 ROPE_BASE = 10_000.0  # model/attention.py: rotary()
+ROLLING_POSITIONS = 1 << 20  # a rolling design's last position: engines that stop there stop far past block_size
 
 # kvgpt's weights per block, except the fused qkv, -> each class's (transformers' name per block suffix)
 BLOCK_NAMES = {
@@ -84,8 +85,9 @@ def hf_config(config: GPTConfig) -> dict:
     c, common = config, {"vocab_size": config.vocab_size, "tie_word_embeddings": True, "use_cache": True,
                          "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
     if kind in ("gpt2", "gpt_bigcode"):
-        fields = {"n_positions": c.block_size, "n_embd": c.n_embd, "n_layer": c.n_layer, "n_head": c.n_head,
-                  "n_inner": 4 * c.n_embd, "activation_function": "gelu", "layer_norm_epsilon": EPS,
+        fields = {"n_positions": c.block_size, "n_ctx": c.block_size,  # llama.cpp's converter reads n_ctx
+                  "n_embd": c.n_embd, "n_layer": c.n_layer, "n_head": c.n_head, "n_inner": 4 * c.n_embd,
+                  "activation_function": "gelu", "layer_norm_epsilon": EPS,
                   "resid_pdrop": c.dropout, "embd_pdrop": c.dropout, "attn_pdrop": c.dropout,
                   "scale_attn_weights": True}
         fields.update({"multi_query": True} if kind == "gpt_bigcode" else
@@ -100,7 +102,8 @@ def hf_config(config: GPTConfig) -> dict:
             fields["rope_parameters"]["partial_rotary_factor"] = 1.0
         else:  # kvgpt's rotary cache rolls on past block_size: each token sees block_size tokens, itself included
             fields.update(num_key_value_heads=c.n_kv_head, norm_epsilon=EPS, use_bias=True,
-                          sliding_window=c.block_size, residual_dropout=c.dropout, embedding_dropout=c.dropout)
+                          sliding_window=c.block_size, residual_dropout=c.dropout, embedding_dropout=c.dropout,
+                          max_position_embeddings=ROLLING_POSITIONS)
     return {"model_type": kind, "architectures": [CLASSES[kind][0]], **common, **fields}
 
 
@@ -179,9 +182,10 @@ def gpt_config(hf: dict) -> GPTConfig:
     if kind not in CLASSES:
         raise ValueError(f"model_type {kind!r} is none of {', '.join(CLASSES)}")
     learned = kind in ("gpt2", "gpt_bigcode")
+    window = "sliding_window" if kind == "starcoder2" else "max_position_embeddings"  # a rolling design's block_size
     n = ((lambda k: hf[{"block_size": "n_positions"}.get(k, k)]) if learned else
-         (lambda k: hf[{"block_size": "max_position_embeddings", "n_layer": "num_hidden_layers",
-                        "n_head": "num_attention_heads", "n_embd": "hidden_size"}[k]]))
+         (lambda k: hf[{"block_size": window, "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
+                        "n_embd": "hidden_size"}[k]]))
     n_head = n("n_head")
     n_kv_head = {"gpt2": n_head, "gpt_bigcode": 1 if hf.get("multi_query") else n_head, "gpt_neox": n_head,
                  "starcoder2": hf.get("num_key_value_heads", n_head)}[kind]

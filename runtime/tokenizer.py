@@ -4,7 +4,10 @@ tokenizer.json holds a BPE model with no merges, so a text splits into its chara
 normaliser, pre-tokeniser or added prefix touches the text, and the Fuse decoder joins the tokens with nothing
 between them: every text of the vocabulary, spaces and newlines included, encodes to kvgpt's ids and decodes back
 exactly. The vocabulary has no unknown token: the tokenizer drops a character outside it, so check a prompt's
-characters first where that matters."""
+characters first where that matters.
+
+Engines that read a tokenizer (CTranslate2, llama.cpp) need bos, eos and unk named. A token added for them would
+grow the vocabulary past the model's logits, so all three name the vocabulary's first character (special_token)."""
 
 import json
 from pathlib import Path
@@ -26,17 +29,25 @@ def tokenizer_json(vocab: CharVocab) -> dict:
     }
 
 
-def tokenizer_config() -> dict:
+def special_token(vocab: CharVocab) -> str:
+    """The character named bos, eos and unk: id 0, so that every id stays a character and no logit is added."""
+    return vocab.chars[0]
+
+
+def tokenizer_config(vocab: CharVocab) -> dict:
     """What AutoTokenizer reads first: the fast tokenizer of tokenizer.json, which leaves spaces as they are."""
+    special = special_token(vocab)
     return {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
-            "model_input_names": ["input_ids", "attention_mask"]}
+            "model_input_names": ["input_ids", "attention_mask"],
+            "bos_token": special, "eos_token": special, "unk_token": special}
 
 
 def write_tokenizer(vocab: CharVocab, folder: Path) -> None:
     """Write tokenizer.json and tokenizer_config.json into folder."""
     (folder / "tokenizer.json").write_text(json.dumps(tokenizer_json(vocab), ensure_ascii=False, indent=1) + "\n",
                                            encoding="utf-8")
-    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=1) + "\n", encoding="utf-8")
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(vocab), indent=1) + "\n",
+                                                  encoding="utf-8")
 
 
 def read_vocab(folder: Path) -> CharVocab:

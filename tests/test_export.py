@@ -1,6 +1,7 @@
 """export.py: each exportable design, loaded by transformers and by onnxruntime, gives kvgpt's logits and greedy
 text; an exported folder reads back into kvgpt; every refusal is one line and leaves the folder as it was."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -128,7 +129,8 @@ def test_the_pipeline_and_sample_py_give_the_greedy_text_of_the_folder(exported)
     model, folder, _ = exported["rotary grouped-query"]
     n = 2 * BLOCK_SIZE
     pipe = transformers.pipeline("text-generation", model=str(folder))
-    text = pipe(ROTARY_PROMPT, do_sample=False, max_new_tokens=n)[0]["generated_text"]
+    # the pipeline leaves special tokens out by default: the newline, named bos, eos and unk, would go
+    text = pipe(ROTARY_PROMPT, do_sample=False, max_new_tokens=n, skip_special_tokens=False)[0]["generated_text"]
     assert text == kvgpt_greedy(model, ROTARY_PROMPT, n)
     sampled = subprocess.run([sys.executable, "sample.py", "--checkpoint", str(folder), "--prompt", ROTARY_PROMPT,
                               "--temperature", "0", "--max-new-tokens", str(n)],
@@ -143,6 +145,20 @@ def test_the_tokenizer_encodes_and_decodes_every_character_exactly(exported):
     ids = tokenizer(text).input_ids
     assert ids == VOCAB.encode(text) and tokenizer.decode(ids) == text
     assert tokenizer.convert_ids_to_tokens(list(range(len(VOCAB)))) == list(VOCAB.chars)
+
+
+def test_engines_read_bos_eos_unk_and_context_from_the_folder_which_adds_no_token_and_no_cap(exported):
+    """bos, eos and unk name the first character, so no id is added past the logits (the tests above give kvgpt's
+    logits and text with them); GPT-2 has n_ctx; a rolling design's config stops nothing at block_size."""
+    for design, (_, folder, _) in exported.items():
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+        assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.unk_token) == (VOCAB.chars[0],) * 3
+        assert len(tokenizer) == len(VOCAB) and tokenizer.eos_token_id == 0
+        config = json.loads((folder / "config.json").read_text())
+        if design in ROLLS:
+            assert config["sliding_window"] == BLOCK_SIZE and config["max_position_embeddings"] >= 1 << 20
+        if config["model_type"] == "gpt2":
+            assert config["n_ctx"] == config["n_positions"] == BLOCK_SIZE
 
 
 def onnx_greedy(folder, prompt: str, n: int, block_size: int) -> tuple[str, list[np.ndarray]]:
