@@ -2,6 +2,7 @@
 
     python export.py --checkpoint runs/2024-05-01_12-00-00 exported/            # transformers' folder
     python export.py --checkpoint runs/2024-05-01_12-00-00 exported-onnx/ --format onnx
+    python export.py --checkpoint runs/2024-05-01_12-00-00 exported-gguf/ --format gguf    # llama.cpp's model.gguf
 
 The hf folder loads with AutoModelForCausalLM and AutoTokenizer, and `sample.py --checkpoint` reads it back. The onnx
 folder holds one decoder that takes and returns the KV cache. Both give kvgpt's logits; a design with no exact
@@ -27,12 +28,14 @@ from runtime.signals import StopSignals  # noqa: E402
 
 
 def build_parser() -> OneLineErrorParser:
-    parser = OneLineErrorParser(prog="export.py", description="Export a kvgpt checkpoint to transformers or ONNX.")
+    parser = OneLineErrorParser(prog="export.py",
+                                description="Export a kvgpt checkpoint to transformers, ONNX or llama.cpp.")
     parser.add_argument("out", metavar="OUT", type=Path, help="the new folder to write (absent or empty)")
     parser.add_argument("--checkpoint", metavar="RUN", type=Path, required=True,
                         help="checkpoint file or run directory (its best.pt)")
     parser.add_argument("--format", choices=FORMATS, default="hf",
-                        help="hf: a transformers folder (default); onnx: an ONNX decoder with its KV cache")
+                        help="hf: a transformers folder (default); onnx: an ONNX decoder with its KV cache; "
+                             "gguf: one GGUF file for llama.cpp")
     parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "int8"),
                         help="only fp32: the exported weights are the checkpoint's float32 ones")
     return parser
@@ -47,7 +50,8 @@ def main(argv=None) -> None:
                 args = parser.parse_args(argv)
                 if EARLY_SIGNALS:
                     raise Interrupted(EARLY_SIGNALS[0])
-                out = export(args.checkpoint, args.out, args.format, args.precision, signals)
+                out = export(args.checkpoint, args.out, args.format, args.precision, signals,
+                             warn=lambda line: print(f"{parser.prog}: warning: {line}", file=sys.stderr))
                 print(f"exported {args.checkpoint} to {out} ({args.format})")
             finally:  # --help's text too: a write that fails is one line, here
                 flush_standard_output()

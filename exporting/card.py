@@ -36,9 +36,12 @@ def model_card(config, kind: str, fmt: str, contents: dict) -> str:
     """README.md of an exported folder."""
     f = facts(contents)
     c, sha = config, f" (sha256 {f['data_sha256'][:12]})" if f["data_sha256"] else ""
-    past = ("Learned positions stop at block_size." if c.pos_emb == "learned" else
+    engine = {"hf": "transformers", "onnx": "onnxruntime", "gguf": "llama.cpp"}[fmt]
+    past = (f"In {engine} learned positions stop at block_size; kvgpt's sample.py refills its context there."
+            if c.pos_emb == "learned" else
             "Past block_size it keeps a sliding window of block_size tokens, as kvgpt does."
-            if rolls(c) or fmt == "onnx" else "Past block_size transformers attends every earlier token, where kvgpt sees the last block_size.")
+            if (rolls(c) and fmt == "hf") or fmt == "onnx" else
+            f"Past block_size {engine} attends every earlier token, where kvgpt sees the last block_size.")
     if fmt == "hf":
         use = (f"```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
                f"tokenizer = AutoTokenizer.from_pretrained(\"PATH\")\n"
@@ -46,14 +49,20 @@ def model_card(config, kind: str, fmt: str, contents: dict) -> str:
                f"ids = tokenizer(\"ROMEO:\", return_tensors=\"pt\").input_ids\n"
                f"print(tokenizer.decode(model.generate(ids, max_new_tokens=100)[0]))\n```\n")
         head = "---\nlibrary_name: transformers\npipeline_tag: text-generation\n---\n\n"
+    elif fmt == "gguf":
+        use = ("```bash\nllama-cli -m PATH/model.gguf -p \"ROMEO:\" -n 100 --temp 0\n```\n"
+               "llama.cpp ends its text at the eos character, the vocabulary's first; docs/export.md says more.\n")
+        head = ""
     else:
         use = ("model.onnx takes input_ids, position_ids and each layer's past keys and values, and returns the "
                "logits and each layer's present keys and values. kvgpt's docs/export.md shows the loop.\n")
         head = ""
+    close = " up to llama.cpp's arithmetic (docs/export.md)" if fmt == "gguf" else ""
+    where = f"llama.cpp, {kind}" if fmt == "gguf" else f"transformers, {CLASSES[kind][0]}"
     return (f"{head}# A character-level GPT trained with kvgpt\n\n"
             f"- design: {design(c)}, {c.n_layer} layers, {c.n_head} heads, {c.n_embd} wide, "
-            f"block_size {c.block_size}; in transformers, {CLASSES[kind][0]}\n"
+            f"block_size {c.block_size}; in {where}\n"
             f"- data: {f['data']}{sha}\n"
             f"- training steps: {f['steps']}\n- best val loss: {f['best_val_loss']}\n"
             f"- tokenizer: one token per character, {c.vocab_size} characters\n\n"
-            f"Weights are float32 and give kvgpt's logits. {past}\n\n{use}")
+            f"Weights are float32 and give kvgpt's logits{close}. {past}\n\n{use}")

@@ -18,8 +18,9 @@ from runtime.hf import check_layers, model_type, to_hf
 from runtime.tokenizer import write_tokenizer
 
 from .card import facts, generation_config, model_card
+from .gguf import gguf_arch, gguf_warning, write_gguf
 
-FORMATS = ("hf", "onnx")
+FORMATS = ("hf", "onnx", "gguf")
 PRECISIONS = ("fp32",)  # exports hold float32 weights: kvgpt's bf16 and int8 are conversions made when sampling
 
 
@@ -54,10 +55,11 @@ def check_precision(precision: str) -> None:
                          f"give kvgpt's logits exactly; drop --precision (bf16 and int8 apply when sampling)")
 
 
-def export(checkpoint, out, fmt: str = "hf", precision: str = "fp32", signals=None) -> Path:
-    """Write checkpoint's model into the new or empty folder out, in format fmt ("hf": transformers; "onnx").
-    signals: a StopSignals (runtime/signals.py), whose first stop signal ends the export at its next step and a
-    second at once; either way what was written goes, and the export raises Interrupted."""
+def export(checkpoint, out, fmt: str = "hf", precision: str = "fp32", signals=None, warn=None) -> Path:
+    """Write checkpoint's model into the new or empty folder out, in format fmt ("hf": transformers; "onnx";
+    "gguf": llama.cpp). signals: a StopSignals (runtime/signals.py), whose first stop signal ends the export at its
+    next step and a second at once; either way what was written goes, and the export raises Interrupted.
+    warn: called with a line where the export runs kvgpt's model only in part (a GGUF past block_size)."""
     out = Path(out)
     if fmt not in FORMATS:
         raise UsageError(f"--format {fmt} is not one of {', '.join(FORMATS)}")
@@ -66,10 +68,12 @@ def export(checkpoint, out, fmt: str = "hf", precision: str = "fp32", signals=No
     path = resolve_checkpoint(checkpoint)
     model, vocab, contents = load_model(path)
     try:
-        kind = model_type(model.config)
+        kind = model_type(model.config) if fmt != "gguf" else gguf_arch(model)
         check_layers(model)
     except ValueError as e:
         raise UsageError(f"{path} cannot be exported: {e}") from None
+    if fmt == "gguf" and warn is not None and gguf_warning(model):
+        warn(gguf_warning(model))
     inside = target.is_dir()  # an empty folder that exists is kept, and its files are moved into it at the end
     temporary = (target if inside else target.parent) / f".{target.name[:64]}.{uuid.uuid4().hex}.partial"
     try:
@@ -127,13 +131,15 @@ def writes(model, vocab, contents: dict, kind: str, fmt: str) -> list:
     def model_files(folder: Path) -> None:
         if fmt == "hf":
             write_hf(model, contents, folder)
+        elif fmt == "gguf":  # one file, its tokenizer inside
+            write_gguf(model, vocab, folder / "model.gguf")
         else:
             from .onnx import write_onnx
             write_onnx(model, folder / "model.onnx")
 
     card = model_card(model.config, kind, fmt, contents)
-    return [model_files, lambda folder: write_tokenizer(vocab, folder),
-            lambda folder: (folder / "README.md").write_text(card, encoding="utf-8")]
+    tokenizer = [] if fmt == "gguf" else [lambda folder: write_tokenizer(vocab, folder)]
+    return [model_files, *tokenizer, lambda folder: (folder / "README.md").write_text(card, encoding="utf-8")]
 
 
 def write_hf(model, contents: dict, folder: Path) -> None:

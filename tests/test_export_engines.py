@@ -1,0 +1,95 @@
+"""Other engines load the exports with no change by hand and give kvgpt's greedy text: CTranslate2 converts the
+transformers folder, llama.cpp (through llama-cpp-python) loads the GGUF file. Each test is skipped, with its
+reason, where its engine is not installed; docs/export.md says how to install each. `python -m pytest -m engines`."""
+
+import importlib.util
+import shutil
+
+import pytest
+import torch
+
+from data import CharVocab
+from exporting.folder import export
+from model import GREEDY, generate
+from runtime.checkpoint import build_checkpoint, save_checkpoint
+from tiny_models import BLOCK_SIZE, random_model
+
+pytestmark = pytest.mark.engines
+VOCAB = CharVocab("\n !abcdefghij")
+# design -> (GPTConfig fields, seed): seeds whose greedy text holds newlines, the character named eos
+DESIGNS = {"learned multi-head": ({}, 9), "learned multi-head, no biases": ({"bias": False}, 9),
+           "learned multi-query": ({"n_kv_head": 1}, 9), "rotary multi-head": ({"pos_emb": "rope"}, 9),
+           "rotary grouped-query": ({"pos_emb": "rope", "n_head": 4, "n_kv_head": 2}, 9)}
+PROMPTS = ("a", "j!", "hi", "ab ba\n")
+
+
+def missing(module: str) -> bool:
+    return importlib.util.find_spec(module) is None
+
+
+def kvgpt_greedy(model, prompt: str, n: int) -> str:
+    return VOCAB.decode(generate(model, torch.tensor([VOCAB.encode(prompt)]), n, sampling=GREEDY)[0].tolist())
+
+
+def checkpoint(tmp_path, design: str):
+    fields, seed = DESIGNS[design]
+    model = random_model(seed, **fields)
+    save_checkpoint(build_checkpoint(model, VOCAB), tmp_path / "best.pt")
+    return model
+
+
+@pytest.mark.skipif(missing("ctranslate2") or missing("transformers"),
+                    reason="CTranslate2 is not installed: pip install ctranslate2 (docs/export.md)")
+@pytest.mark.parametrize("design", DESIGNS)
+def test_ctranslate2_converts_the_folder_unpatched_and_gives_kvgpt_greedy_text(tmp_path, design):
+    import ctranslate2
+    from ctranslate2.converters import TransformersConverter
+    from transformers import AutoConfig
+
+    model = checkpoint(tmp_path, design)
+    folder = export(tmp_path, tmp_path / "hf")
+    from ctranslate2.converters import transformers as loaders
+    kind = type(AutoConfig.from_pretrained(folder)).__name__
+    if kind not in loaders._MODEL_LOADERS:
+        pytest.skip(f"CTranslate2 {ctranslate2.__version__} converts no {kind}")
+    try:
+        TransformersConverter(str(folder)).convert(str(tmp_path / "ct2"))
+    except AttributeError as e:  # its GPT-NeoX converter reads rotary_pct, which transformers 5 keeps no more
+        if "rotary_pct" not in str(e):
+            raise
+        pytest.skip(f"CTranslate2 {ctranslate2.__version__}'s converter fails on transformers' {kind}: {e}")
+    generator = ctranslate2.Generator(str(tmp_path / "ct2"))
+    for prompt in PROMPTS:
+        n = BLOCK_SIZE - len(prompt)  # within block_size, where every design is kvgpt's
+        want = kvgpt_greedy(model, prompt, n)
+        # end_token=[]: the newline, named eos, does not end the text; max_length counts all but the first token
+        result = generator.generate_batch([list(prompt)], max_length=len(prompt) - 1 + n, sampling_topk=1,
+                                          end_token=[])
+        assert "".join(result[0].sequences[0]) == want, (design, prompt)
+        if design == "learned multi-head" and prompt == "a":
+            assert "\n" in want[len(prompt):]  # this text goes on past the character named eos
+
+
+@pytest.mark.skipif(missing("llama_cpp"),
+                    reason="llama.cpp's Python binding is not installed: pip install llama-cpp-python (docs/export.md)")
+@pytest.mark.parametrize("design", ["learned multi-head", "learned multi-head, no biases", "rotary grouped-query"])
+def test_llama_cpp_loads_the_gguf_file_and_gives_kvgpt_greedy_text_and_tokens(tmp_path, design):
+    import llama_cpp
+
+    model = checkpoint(tmp_path, design)
+    export(tmp_path, tmp_path / "gguf", "gguf")
+    llm = llama_cpp.Llama(str(tmp_path / "gguf" / "model.gguf"), n_ctx=BLOCK_SIZE, logits_all=False, verbose=False)
+    for char in VOCAB.chars:  # llama.cpp's own tokenizer, both ways, space and newline included
+        assert llm.tokenize(char.encode(), add_bos=False, special=False) == VOCAB.encode(char), repr(char)
+        assert llm.detokenize(VOCAB.encode(char)) == char.encode(), repr(char)
+    for prompt in PROMPTS:
+        n = BLOCK_SIZE - len(prompt)
+        ids = llm.tokenize(prompt.encode(), add_bos=False, special=False)
+        assert ids == VOCAB.encode(prompt)
+        llm.reset()
+        for _ in range(n):  # greedy, one token at a time; the eos character does not stop this loop
+            llm.eval(ids[len(ids) - 1:] if llm.n_tokens else ids)
+            ids.append(int(llm.scores[llm.n_tokens - 1].argmax()))
+        assert llm.detokenize(ids).decode() == kvgpt_greedy(model, prompt, n), (design, prompt)
+    del llm
+    shutil.rmtree(tmp_path / "gguf")
