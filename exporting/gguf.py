@@ -7,7 +7,7 @@
 Other designs are refused: llama.cpp's GPT-NeoX and StarCoder graphs are not exported (docs/export.md).
 Weights are kvgpt's float32 ones, a zero bias where kvgpt has none; the head is tied, so no output tensor is
 written and llama.cpp uses the token embedding. llama.cpp computes GELU with its tanh approximation, not
-kvgpt's erf, and caches keys and values in float16 by default: its logits differ in the third decimal.
+kvgpt's erf, and caches keys and values in float16 by default: its logits are close to kvgpt's, not equal.
 
 The tokenizer is GPT-2's byte-level BPE ("gpt2"): each character is written as its UTF-8 bytes through GPT-2's
 byte-to-unicode table (space is "Ġ", newline "Ċ"), and merges rebuild the characters of more than one byte."""
