@@ -6,21 +6,19 @@ import time
 
 import pytest
 
+from bench.page_screenshot import CHROMIUM_FLAGS
 from serving import checkpoint, server  # noqa: F401  fixtures
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="the page's tests drive a browser with Playwright: "
                                                              "pip install playwright")
 CHROMIUM = shutil.which("chromium")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no browser: apt-get install chromium (.ci/run does)")
-# No window, no sandbox (the tests may run as root), and none of the browser's own calls to the network.
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
 @pytest.fixture(scope="module")
 def page(server):
     with sync_api.sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
         page = browser.new_page()
         errors = []
         page.on("pageerror", lambda error: errors.append(error))

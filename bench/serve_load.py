@@ -1,0 +1,145 @@
+"""serve.py under load: many clients at once against the same requests one at a time through generate.
+
+    python bench/serve_load.py                          # the classic shape (block 256), random weights
+    python bench/serve_load.py --checkpoint runs/RUN    # a trained model
+
+--requests requests, each a line of the play's val split continued by --new greedy tokens, are sent to a serve.py
+started on a free loopback port, streamed, by 1, 8 and 64 clients at once (each sends its next request when its
+last one has ended). Reported per concurrency, median (min-max) of --repeats: requests and new tokens per second
+over the wall time, and the time to first token, median and p99 over the requests. The same requests are then
+decoded one at a time through generate in this process, with as many threads, and every text is compared.
+The clients are plain asyncio HTTP, so that the machine's time goes to the server, not to a client library.
+"""
+
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.configs import REPO, host, integer_in, model_config, run_tool, shakespeare  # noqa: E402
+from model import GREEDY, build_model, generate  # noqa: E402
+from runtime.checkpoint import build_checkpoint, existing_checkpoint, load_model, save_checkpoint, \
+    training_text  # noqa: E402
+from runtime.errors import OneLineErrorParser, UsageError, positive_int  # noqa: E402
+
+CONCURRENCY = (1, 8, 64)
+
+
+async def complete(port: int, prompt: str, new: int) -> tuple[float, str]:
+    """One streamed completion over its own connection: seconds to its first token, and its text."""
+    start = time.perf_counter()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    body = json.dumps({"prompt": prompt, "max_tokens": new, "temperature": 0, "stream": True}).encode()
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    status = await reader.readline()
+    if b" 200 " not in status:
+        raise UsageError(f"serve.py answered {status.decode().strip()}: {(await reader.read()).decode()[:300]}")
+    first, text = None, []
+    async for line in reader:  # chunked transfer: the size lines and blank lines are skipped
+        if line.startswith(b"data: {"):
+            first = first or time.perf_counter() - start
+            text.append(json.loads(line[6:])["choices"][0]["text"])
+    writer.close()
+    return first, "".join(text)
+
+
+async def load(port: int, prompts: list[str], new: int, clients: int):
+    """Every prompt sent by `clients` clients at once: the wall time, each request's first-token time and text."""
+    queue = list(enumerate(prompts))
+    results = [None] * len(prompts)
+
+    async def client():
+        while queue:
+            i, prompt = queue.pop(0)
+            results[i] = await complete(port, prompt, new)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(clients)))
+    return time.perf_counter() - start, [first for first, _ in results], [text for _, text in results]
+
+
+def start_server(checkpoint: Path, threads: int, max_batch: int) -> tuple[subprocess.Popen, int]:
+    process = subprocess.Popen([sys.executable, str(REPO / "serve.py"), "--checkpoint", str(checkpoint), "--port",
+                                "0", "--threads", str(threads), "--max-batch", str(max_batch)],
+                               stdout=subprocess.PIPE, text=True)
+    line = process.stdout.readline()
+    if "http://" not in line:
+        process.kill()
+        raise UsageError("serve.py did not start (its error is above)")
+    return process, int(line.split("http://")[1].split()[0].rsplit(":", 1)[1])
+
+
+def spread(values: list[float], digits: int = 0) -> str:
+    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
+def main() -> None:
+    parser = OneLineErrorParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", type=existing_checkpoint, help="a run directory or .pt file")
+    parser.add_argument("--requests", type=positive_int, default=128)
+    parser.add_argument("--new", type=positive_int, default=64)
+    parser.add_argument("--repeats", type=positive_int, default=3)
+    parser.add_argument("--threads", type=integer_in(1), default=1, help="the server's and generate's CPU threads")
+    parser.add_argument("--max-batch", type=positive_int, default=64, help="serve.py's --max-batch")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as folder:
+        if args.checkpoint:
+            model, vocab, contents = load_model(args.checkpoint, "cpu")
+            data, checkpoint = training_text(contents), args.checkpoint
+        else:
+            data = shakespeare()
+            torch.manual_seed(0)
+            model, vocab = build_model(model_config("classic")).eval(), data.vocab
+            checkpoint = save_checkpoint(build_checkpoint(model, vocab), Path(folder) / "best.pt")
+        val = vocab.decode(data.val.tolist())
+        longest = model.config.block_size - args.new
+        lines = [line[:longest] for line in val.splitlines() if len(line) >= 10][:args.requests]
+        if len(lines) < args.requests:
+            raise UsageError(f"--requests {args.requests}: the val split has {len(lines)} lines to send")
+        server, port = start_server(checkpoint, args.threads, args.max_batch)
+        try:
+            print(f"# {args.requests} requests, {args.new} new tokens each, serve.py --max-batch {args.max_batch}: "
+                  f"{host()}, torch {torch.__version__}, {args.threads} thread(s); median (min-max) of "
+                  f"{args.repeats}")
+            print("| clients | requests/s | tokens/s | first token, median (s) | first token, p99 (s) | vs one at a "
+                  "time |")
+            print("|---|---|---|---|---|---|")
+            runs = {clients: [] for clients in CONCURRENCY}
+            alone = []
+            texts = {}
+            for _ in range(args.repeats):  # the ways alternate, so that a slower spell of the machine hits each
+                for clients in CONCURRENCY:
+                    runs[clients].append(asyncio.run(load(port, lines, args.new, clients)))
+                start = time.perf_counter()
+                for line in lines:
+                    ids = torch.tensor([vocab.encode(line)])
+                    texts[line] = vocab.decode(generate(model, ids, args.new, sampling=GREEDY)[0, ids.size(1):]
+                                               .tolist())
+                alone.append(time.perf_counter() - start)
+        finally:
+            server.terminate()
+            server.wait(30)
+        tokens = args.requests * args.new
+        for clients, results in runs.items():
+            ttft = [statistics.median(first) for _, first, _ in results]
+            p99 = [sorted(first)[int(0.99 * (len(first) - 1))] for _, first, _ in results]
+            ratios = [tokens / seconds / (tokens / one) for (seconds, _, _), one in zip(results, alone)]
+            same = all(result_texts == [texts[line] for line in lines] for _, _, result_texts in results)
+            print(f"| {clients} | {spread([args.requests / s for s, _, _ in results], 1)} | "
+                  f"{spread([tokens / s for s, _, _ in results])} | {spread(ttft, 3)} | {spread(p99, 3)} | "
+                  f"{spread(ratios, 2)}x{'' if same else ', OTHER TEXT'} |", flush=True)
+        print(f"| one at a time (generate) | {spread([args.requests / s for s in alone], 1)} | "
+              f"{spread([tokens / s for s in alone])} | | | 1x |")
+
+
+if __name__ == "__main__":
+    run_tool(main)
