@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from model import Sampling, generate
-from serving import VOCAB, checkpoint, greedy_alone, local_model, server  # noqa: F401  fixtures
+from serving import VOCAB, Served, checkpoint, greedy_alone, local_model, server  # noqa: F401  fixtures
 
 openai = pytest.importorskip("openai", reason="the tests drive serve.py with OpenAI's client: pip install openai")
 PROMPTS = ["ROMEO:", "ROMEO: Is the day so young?", "JULIET:", "JULIET: Wherefore art thou", "<b>no</b> & yes"]
@@ -165,3 +165,16 @@ def test_models_health_and_metrics_say_what_is_served(server):
     for name in ("requests_running", "requests_waiting", "tokens_drawn_total", "blocks_used", "blocks_free",
                  "prefix_cache_hit_rate", "preemptions_total", "time_to_first_token_seconds_bucket"):
         assert re.search(rf"^kvgpt_{name}(\{{.*\}})? \d", text, re.M), name
+
+
+def test_an_exported_folder_is_served_with_the_checkpoints_text(checkpoint, local_model, tmp_path):
+    pytest.importorskip("transformers", reason="export.py's packages are not installed")
+    from exporting.folder import export
+    served = Served(export(checkpoint, tmp_path / "exported"))
+    try:
+        api = client(served)
+        assert [m.id for m in api.models.list().data] == ["exported"]
+        answer = api.completions.create(model="exported", prompt=PROMPTS[3], max_tokens=30, temperature=0)
+        assert answer.choices[0].text == greedy_alone(local_model, PROMPTS[3], 30)
+    finally:
+        served.stop()

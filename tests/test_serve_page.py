@@ -1,8 +1,11 @@
 """serve.py's page in a real browser: Debian's chromium, headless, driven by Playwright. The test types prompts, sees
 text arrive, sees the pool's cells change while they run, and sees model text shown as text, never as HTML."""
 
+import http.client
+import json
 import shutil
 import time
+import urllib.parse
 
 import pytest
 
@@ -75,3 +78,16 @@ def test_prompts_and_model_text_are_shown_as_text(page):
     assert card.locator("img, b").count() == 0
     assert card.locator(".prompt").inner_text().startswith("<img src=x")
     assert page.locator("#jobs img, #jobs b").count() == 0 and page.title() != "owned"
+
+
+def test_a_request_from_another_client_shows_on_the_page(page, server):
+    host = urllib.parse.urlsplit(server.url)
+    connection = http.client.HTTPConnection(host.hostname, host.port, timeout=30)
+    connection.request("POST", "/v1/completions", json.dumps({"prompt": "from elsewhere", "max_tokens": 240,
+                                                              "stream": True}), {"Content-Type": "application/json"})
+    first = connection.getresponse().readline()
+    job = json.loads(first[6:])["id"] + "-0"
+    wait_until(page, f"document.querySelector('#jobs tr[data-id=\"{job}\"]') !== null")
+    row = page.locator(f'#jobs tr[data-id="{job}"]')
+    assert "from elsewhere" in row.inner_text()
+    connection.close()
