@@ -62,7 +62,7 @@ def build_app(runner: EngineRunner, vocab: CharVocab, limits: Limits, api_key: s
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(runner.metrics.render(runner.gauges()), media_type=CONTENT_TYPE)
+        return PlainTextResponse(runner.metrics.render(runner.gauges), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -74,7 +74,7 @@ def build_app(runner: EngineRunner, vocab: CharVocab, limits: Limits, api_key: s
     @app.get("/pool")
     async def pool(request: Request):
         authorize(request)
-        return runner.snapshot()
+        return runner.snapshot
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -2,8 +2,8 @@
 
 Every completion of every client is a Job in one engine: one pool, continuous batching, the prefix cache
 across requests. The server's event loop submits and cancels jobs; the engine's thread adds them between
-passes, steps, and hands each job its tokens on the loop (loop.call_soon_threadsafe). A lock keeps the
-engine whole while the page reads a picture of it (snapshot).
+passes, steps, and hands each job its tokens on the loop (loop.call_soon_threadsafe). The thread also draws a
+picture of the engine now and then, which the page and /metrics read: nothing but that thread touches the engine.
 """
 
 import asyncio
@@ -18,6 +18,7 @@ from model.serving.engine import Engine
 from .metrics import Metrics
 
 RECENT_SECONDS = 20  # how long the page still shows a finished request
+PICTURE_SECONDS = 0.05  # the engine's picture is drawn again after a pass at most this often
 
 
 class QueueFull(Exception):
@@ -66,6 +67,8 @@ class EngineRunner:
         self.stopping = False
         self.failed = ""  # why the engine stopped, if it failed
         self.metrics = Metrics()
+        self.drawn_at = 0.0
+        self.draw()  # snapshot and gauges: what the page and /metrics read, redrawn as the engine runs
         self.thread = threading.Thread(target=self.serve, name="engine", daemon=True)
 
     def start(self) -> None:
@@ -100,10 +103,13 @@ class EngineRunner:
             self.lock.notify()
 
     def serve(self) -> None:
+        """Between passes, take the new and cancelled jobs; the pass itself runs without the lock, so that the
+        server's event loop never waits for one."""
         engine = self.engine
         while True:
             with self.lock:
                 while not (self.adding or self.cancelling or engine.waiting or engine.running or self.stopping):
+                    self.draw()  # idle: the picture shows it
                     self.lock.wait()
                 if self.stopping:
                     return
@@ -114,13 +120,16 @@ class EngineRunner:
                         engine.cancel(job.request)
                         self.end(self.live.pop(job.id), job.outcome or "cancelled")
                 self.adding, self.cancelling = [], []
-                try:
-                    drawn = engine.step() if engine.waiting or engine.running else []
-                except Exception as e:  # noqa: BLE001  a fault of the engine's: no client waits for ever
-                    self.failed = f"the engine failed: {type(e).__name__}: {e}"
-                    self.stop(self.failed)  # the lock is reentrant
-                    return
+            try:
+                drawn = engine.step() if engine.waiting or engine.running else []
+            except Exception as e:  # noqa: BLE001  a fault of the engine's: no client waits for ever
+                self.failed = f"the engine failed: {type(e).__name__}: {e}"
+                self.stop(self.failed)
+                return
+            with self.lock:
                 self.deliver(drawn)
+                if time.monotonic() - self.drawn_at >= PICTURE_SECONDS:
+                    self.draw()
 
     def deliver(self, drawn: list[tuple[str, int]]) -> None:
         """Hand each job its new tokens; a job with all its tokens ends."""
@@ -146,35 +155,32 @@ class EngineRunner:
         self.metrics.ended(job.outcome)
         self.recent = [j for j in self.recent if job.finished - j.finished < RECENT_SECONDS] + [job]
 
-    def snapshot(self) -> dict:
-        """What the page draws: every block of the pool and who holds it, and every job's state."""
-        with self.lock:
-            engine, pool, now = self.engine, self.engine.pool, time.monotonic()
-            owner = {}
-            for request in engine.running:  # the first to hold a block colours it
-                for block in request.blocks:
-                    owner.setdefault(block, request.name)
-            blocks = [[owner.get(b), pool.refs[b], b in pool.hash_of] for b in range(pool.n_blocks)]
-            states = {r.name: "preempted" if r.preemptions else "waiting" for r in engine.waiting}
-            states.update({r.name: "prefilling" if r.fed < len(r.tokens) - 1 else "decoding" for r in engine.running})
-            jobs = [job_view(job, states.get(job.id, "waiting"), now) for job in self.live.values()]
-            jobs += [job_view(job, "done", now) for job in self.recent if now - job.finished < RECENT_SECONDS]
-            return {"blocks": blocks, "block_tokens": pool.block_tokens, "jobs": jobs,
-                    "hit_rate": engine.stats.hit_rate, "preemptions": engine.stats.preemptions}
-
-    def gauges(self) -> dict:
-        with self.lock:
-            engine, pool = self.engine, self.engine.pool
-            return {"running": len(engine.running), "waiting": len(self.live) - len(engine.running),
-                    "blocks_used": sum(1 for refs in pool.refs if refs), "blocks_free": pool.available(),
-                    "blocks_cached": len(pool.idle), "prompt_tokens": engine.stats.prompt_tokens,
-                    "reused_tokens": engine.stats.reused_tokens, "hit_rate": engine.stats.hit_rate,
-                    "preemptions": engine.stats.preemptions}
+    def draw(self) -> None:
+        """The picture of the engine that the page and /metrics read: every block and who holds it, every job's
+        state, and the gauges. Drawn by the engine's thread, which alone touches the engine."""
+        engine, pool, now = self.engine, self.engine.pool, time.monotonic()
+        owner = {}
+        for request in engine.running:  # the first to hold a block colours it
+            for block in request.blocks:
+                owner.setdefault(block, request.name)
+        states = {r.name: "preempted" if r.preemptions else "waiting" for r in engine.waiting}
+        states.update({r.name: "prefilling" if r.fed < len(r.tokens) - 1 else "decoding" for r in engine.running})
+        jobs = [job_view(job, states.get(job.id, "waiting"), now) for job in self.live.values()]
+        jobs += [job_view(job, "done", now) for job in self.recent if now - job.finished < RECENT_SECONDS]
+        stats = engine.stats
+        self.snapshot = {"blocks": [[owner.get(b), pool.refs[b], b in pool.hash_of] for b in range(pool.n_blocks)],
+                         "block_tokens": pool.block_tokens, "jobs": jobs, "hit_rate": stats.hit_rate,
+                         "preemptions": stats.preemptions}
+        self.gauges = {"running": len(engine.running), "waiting": len(self.live) - len(engine.running),
+                       "blocks_used": sum(1 for refs in pool.refs if refs), "blocks_free": pool.available(),
+                       "blocks_cached": len(pool.idle), "prompt_tokens": stats.prompt_tokens,
+                       "reused_tokens": stats.reused_tokens, "hit_rate": stats.hit_rate,
+                       "preemptions": stats.preemptions}
+        self.drawn_at = now
 
 
 def job_view(job: Job, state: str, now: float) -> dict:
     """A job as the page shows it: its prompt as text, its state and its speed."""
     decoding = (job.finished or now) - job.first_token if job.first_token else 0
-    return {"id": job.id, "prompt": job.prompt[-60:], "state": state if state != "done" else job.outcome,
-            "tokens": job.drawn, "max_tokens": job.max_tokens,
-            "tokens_per_second": job.drawn / decoding if decoding > 0 else None}
+    return {"id": job.id, "prompt": job.prompt[-60:], "state": state, "outcome": job.outcome, "tokens": job.drawn,
+            "max_tokens": job.max_tokens, "tokens_per_second": job.drawn / decoding if decoding > 0 else None}

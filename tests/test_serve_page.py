@@ -64,7 +64,7 @@ def test_two_prompts_stream_their_text_while_the_pool_shows_their_blocks(page):
                      ".every(s => s.textContent.length == 200)", 60)
     assert page.locator(".card").count() == 2
     wait_until(page, "[...document.querySelectorAll('#pool .cell')].every(c => !c.dataset.owner)")
-    assert page.locator("#jobs tr[data-state=length]").count() >= 2
+    assert page.locator("#jobs tr[data-state=done]", has_text="done (length)").count() >= 2
 
 
 def test_prompts_and_model_text_are_shown_as_text(page):
