@@ -13,8 +13,6 @@ command line is one line on stderr with status 2. docs/serving.md says more.
 import signal
 import sys
 
-import torch
-
 from runtime.checkpoint import find_latest_checkpoint, load_model, resolve_checkpoint
 from runtime.devices import DEFAULT_THREADS, choose_device
 from runtime.errors import UsageError, fail, mistakes, ready_standard_streams
@@ -38,10 +36,9 @@ def serve(args) -> None:
         device = choose_device(args.device)
     except ValueError as e:
         raise UsageError(f"--device {e}") from None
-    torch.set_num_threads(args.threads or DEFAULT_THREADS)
     path = resolve_checkpoint(args.checkpoint) if args.checkpoint else find_latest_checkpoint("runs")
     model, vocab, _ = load_model(path, device, precision=args.precision)
-    runner = EngineRunner(new_engine(args, model), args.max_waiting)
+    runner = EngineRunner(new_engine(args, model), args.max_waiting, args.threads or DEFAULT_THREADS)
     limits = Limits(model_name(path), model.config.block_size, runner.capacity)
     app = build_app(runner, vocab, limits, args.api_key)
     if not is_loopback(args.host) and args.api_key is None:

@@ -50,7 +50,8 @@ class Carried:
         pairs = [(prompt, ids) for prompt, ids in zip(completion.prompts, completion.prompt_ids)
                  for _ in range(completion.n)]
         self.jobs = [Job(f"{self.id}-{i}", i, prompt, ids, completion.max_tokens, completion.sampling,
-                         seeded(device, completion.seed, i), self.events, loop) for i, (prompt, ids) in enumerate(pairs)]
+                         seeded(device, completion.seed, i), self.events, loop)
+                     for i, (prompt, ids) in enumerate(pairs)]
         self.drawn = [0] * len(self.jobs)
         try:
             runner.submit(self.jobs)

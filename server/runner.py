@@ -56,8 +56,8 @@ class Job:
 class EngineRunner:
     """Runs an Engine in a daemon thread; at most engine.max_batch + max_waiting jobs live at once."""
 
-    def __init__(self, engine: Engine, max_waiting: int):
-        self.engine, self.max_waiting = engine, max_waiting
+    def __init__(self, engine: Engine, max_waiting: int, threads: int):
+        self.engine, self.max_waiting, self.threads = engine, max_waiting, threads
         self.capacity = engine.max_batch + max_waiting
         self.lock = threading.Condition()  # over an RLock: stop() may be called with it held
         self.live: dict[str, Job] = {}  # submitted, not yet ended
@@ -106,6 +106,7 @@ class EngineRunner:
         """Between passes, take the new and cancelled jobs; the pass itself runs without the lock, so that the
         server's event loop never waits for one."""
         engine = self.engine
+        torch.set_num_threads(self.threads)  # OpenMP keeps a count per thread: this one would not inherit it
         while True:
             with self.lock:
                 while not (self.adding or self.cancelling or engine.waiting or engine.running or self.stopping):
