@@ -83,7 +83,8 @@ class Engine:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         check_servable(model)
         self.model, self.sampling, self.generator, self.keep_logits = model, sampling, generator, keep_logits
-        self.pool = BlockPool(model, n_blocks, block_tokens, int8)  # int8: keys and values in int8 (model/caches/int8.py)
+        # int8: keys and values in int8 (model/caches/int8.py)
+        self.pool = BlockPool(model, n_blocks, block_tokens, int8, max_rows=max_batch)
         self.max_batch, self.chunk = max_batch, chunk
         on_cuda = self.pool.k[0].device.type == "cuda"
         padded = buckets if buckets is not None else on_cuda

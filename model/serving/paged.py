@@ -31,7 +31,7 @@ def chain_hash(parent: bytes, tokens) -> bytes:
 class BlockPool:
     """n_blocks blocks of block_tokens slots, for every layer's keys and values, and their bookkeeping."""
 
-    def __init__(self, model, n_blocks: int, block_tokens: int, int8: bool = False):
+    def __init__(self, model, n_blocks: int, block_tokens: int, int8: bool = False, max_rows: int = 1):
         shape = cache_shape(model, 1)
         # one block more than the pool hands out: its first slot takes the keys of rows' padding (PagedPass)
         slots, heads, width = (n_blocks + 1) * block_tokens, shape["n_kv_head"], shape["head_dim"]
@@ -48,6 +48,11 @@ class BlockPool:
         self.n_blocks, self.block_tokens = n_blocks, block_tokens
         self.scratch = n_blocks * block_tokens
         self.table_width = -(-model.config.block_size // block_tokens)  # the most blocks a request holds
+        # What a pass reads, gathered into buffers made once: a fresh one each layer costs more than the gather.
+        # One serves every layer in turn, as a layer's attention is done with its keys before the next reads.
+        self.gathered = {name: torch.empty(max_rows * self.table_width, block_tokens, *tensors[0].shape[1:],
+                                           dtype=tensors[0].dtype, device=device)
+                         for name, tensors in self.buffers.items()}
         self.refs = [0] * n_blocks
         self.free = list(range(n_blocks - 1, -1, -1))  # never named, or named no longer
         self.idle: OrderedDict[int, None] = OrderedDict()  # named blocks nobody reads, least recently used first
@@ -154,7 +159,9 @@ class PagedLayer:
         b = self.batch
         B, n = b.table.shape
         bt = b.pool.block_tokens  # whole blocks at once: each a contiguous run of slots
-        rows = {name: store.view(-1, bt, *store.shape[1:]).index_select(0, b.table.flatten())
+        blocks = b.table.flatten()
+        rows = {name: torch.index_select(store.view(-1, bt, *store.shape[1:]), 0, blocks,
+                                         out=b.pool.gathered[name][:B * n])
                 .view(B, n * bt, *store.shape[1:]).transpose(1, 2) for name, store in self.stores.items()}
         if not b.pool.int8:
             return rows["k"], rows["v"]
