@@ -3,7 +3,7 @@
     python bench/page_screenshot.py --checkpoint runs/RUN --out docs/serving_page.png
 
 It starts serve.py on a free loopback port, opens the page in Debian's chromium (headless, through Playwright),
-sends one prompt three times, and takes the picture once each of them has drawn a third of its tokens.
+sends one prompt three times, and takes the picture as soon as the page shows all three decoding.
 """
 
 import shutil
@@ -20,14 +20,32 @@ from runtime.errors import OneLineErrorParser, UsageError  # noqa: E402
 # No window, no sandbox (it may run as root), and none of the browser's own calls to the network.
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-PAGE_PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\n"
+ATTEMPTS = 20
+PAGE_PROMPT = "ROMEO:\nBut soft, what light through yonder"  # two full blocks of 16, which the copies share
+
+
+def attempt(page) -> bytes | None:
+    """Send the three requests and take a picture once the pool shows them all decoding; None where a text had
+    already ended when it was taken."""
+    page.evaluate("document.getElementById('outputs').replaceChildren()")
+    page.click("#send")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and page.evaluate(
+            "document.querySelectorAll('#jobs tr[data-state=decoding]').length") < 3:
+        time.sleep(0.005)
+    picture = page.screenshot()
+    drawing = page.evaluate("[...document.querySelectorAll('.card .meta')].filter(m => "
+                            "m.textContent.endsWith('drawing')).length")
+    while page.evaluate("document.querySelectorAll('#jobs tr[data-state=decoding]').length"):
+        time.sleep(0.05)  # the next attempt starts on an idle pool
+    return picture if drawing == 3 else None
 
 
 def main() -> None:
     parser = OneLineErrorParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", type=existing_checkpoint, required=True, help="a run directory or .pt file")
     parser.add_argument("--out", type=Path, required=True, help="the PNG file to write")
-    parser.add_argument("--max-tokens", type=int, default=300)
+    parser.add_argument("--max-tokens", type=int, default=85)
     args = parser.parse_args()
     try:
         from playwright.sync_api import sync_playwright
@@ -46,13 +64,14 @@ def main() -> None:
             page.fill("#prompt", PAGE_PROMPT)
             page.fill("#maxtokens", str(args.max_tokens))
             page.fill("#copies", "3")
-            page.click("#send")
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and page.evaluate(
-                    f"[...document.querySelectorAll('.card pre span:last-child')]"
-                    f".filter(s => s.textContent.length > {args.max_tokens // 3}).length") < 3:
-                time.sleep(0.02)
-            page.screenshot(path=str(args.out))
+            for _ in range(ATTEMPTS):  # the page polls the pool: a picture may catch it behind the texts
+                picture = attempt(page)
+                if picture:
+                    args.out.write_bytes(picture)
+                    break
+            else:
+                raise UsageError(f"no picture in {ATTEMPTS} attempts showed the three requests decoding: give a "
+                                 f"larger --max-tokens, or a larger model")
             browser.close()
     finally:
         server.terminate()
