@@ -177,3 +177,17 @@ def test_an_exported_folder_is_served_with_the_checkpoints_text(checkpoint, loca
         assert answer.choices[0].text == greedy_alone(local_model, PROMPTS[3], 30)
     finally:
         served.stop()
+
+
+def test_int8_weights_and_an_int8_pool_serve_the_text_the_engine_gives_alone(checkpoint):
+    from model.serving.engine import Engine
+    from runtime.checkpoint import load_model
+    engine = Engine(load_model(checkpoint, precision="int8")[0], n_blocks=16, block_tokens=16, int8=True)
+    alone = engine.add("alone", VOCAB.encode(PROMPTS[1]), 40)
+    list(engine.run())
+    served = Served(checkpoint, "--precision", "int8", "--kv-cache", "int8")
+    try:
+        answer = client(served).completions.create(model=None, prompt=PROMPTS[1], max_tokens=40, temperature=0)
+        assert answer.choices[0].text == VOCAB.decode(alone.tokens[len(PROMPTS[1]):])
+    finally:
+        served.stop()
