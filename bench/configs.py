@@ -3,6 +3,7 @@
 import argparse
 import dataclasses
 import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -55,6 +56,11 @@ def host() -> str:
         return fields["Model name"] + family + (f" ({vector})" if vector else "")
     except (OSError, KeyError):
         return "unknown host"
+
+
+def median_spread(values, digits: int = 2) -> str:
+    """The median of values, then their lowest and highest: `299.0 (293.0-306.0)`, as every table prints them."""
+    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
 
 
 def present_device(text: str) -> str:

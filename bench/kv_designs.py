@@ -40,8 +40,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import plots  # noqa: E402
-from bench.configs import (REPO, check_cache, check_training, host, model_config, run_tool, shakespeare,  # noqa: E402
-                           training_failed, training_seed)
+from bench.configs import (REPO, check_cache, check_training, host, median_spread, model_config, run_tool,  # noqa: E402
+                           shakespeare, training_failed, training_seed)
 from bench.curve import read_curve  # noqa: E402
 from model import GPT, build_model, kv_cache_bytes_per_token, new_cache, new_kv_cache  # noqa: E402
 from model.measuring.decoder_loss import decoder_loss, teacher_forced_loss  # noqa: E402
@@ -102,12 +102,8 @@ def bytes_per_token(model: GPT, cache: str) -> float:
     return new_cache(model, cache, 1).nbytes / model.config.block_size
 
 
-def median_spread(values, digits: int = 2) -> str:
-    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
-
-
 def rate(values) -> str:
-    return f"{statistics.median(values):.0f} ({min(values):.0f}-{max(values):.0f})"
+    return median_spread(values, 0)
 
 
 def speed(args) -> None:

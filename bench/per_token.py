@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import plots  # noqa: E402
-from bench.configs import MODEL_SHAPES, host, model_config, run_tool  # noqa: E402
+from bench.configs import MODEL_SHAPES, host, median_spread, model_config, run_tool  # noqa: E402
 from bench.decode import matmul_bound  # noqa: E402
 from model import GREEDY, build_model, generate_tokens  # noqa: E402
 from model.decoding.generate import default_keep  # noqa: E402
@@ -62,11 +62,8 @@ def bucket_row(first: int, last: int, cached: list[list[float]], uncached: list[
         return [of(row[first - 1:last]) * 1e3 for row in rows]
     fast, slow = each_repeat(cached), each_repeat(uncached)
     ratios = [s / f for s, f in zip(slow, fast)]
-    return f"| {first}-{last} | {fmt(fast)} | {fmt(each_repeat(cached, max))} | {fmt(slow)} | {fmt(ratios, 1)} |"
-
-
-def fmt(values: list[float], digits: int = 3) -> str:
-    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+    return (f"| {first}-{last} | {median_spread(fast, 3)} | {median_spread(each_repeat(cached, max), 3)} | "
+            f"{median_spread(slow, 3)} | {median_spread(ratios, 1)} |")
 
 
 def main() -> None:

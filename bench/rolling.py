@@ -18,7 +18,6 @@ each one (the crop). A third figure is the loss as training measures it: every p
 """
 
 import dataclasses
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.configs import model_config, run_tool  # noqa: E402
+from bench.configs import median_spread, model_config, run_tool  # noqa: E402
 from bench.decode import PROMPT_LEN  # noqa: E402
 from model import GREEDY, build_model, generate_tokens  # noqa: E402
 from model.decoding.quantize import DECODING_PRECISIONS, to_precision  # noqa: E402
@@ -82,14 +81,10 @@ def speed(precision: str, repeats: int) -> None:
     }
     print("| decoding | tok/s |\n|---|---|")
     for key, values in rows.items():
-        print(f"| {key} | {fmt(values)} |")
+        print(f"| {key} | {median_spread(values, 1)} |")
     print("\n| ratio, within each repeat | median (min-max) |\n|---|---|")
     for name, (a, b) in ratios.items():
-        print(f"| {name} | {fmt([x / y for x, y in zip(rows[a], rows[b])], 2)} |")
-
-
-def fmt(values: list[float], digits: int = 1) -> str:
-    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+        print(f"| {name} | {median_spread([x / y for x, y in zip(rows[a], rows[b])], 2)} |")
 
 
 def rope_model(checkpoint: Path) -> tuple:

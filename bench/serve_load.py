@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.configs import REPO, host, integer_in, model_config, run_tool, shakespeare  # noqa: E402
+from bench.configs import (REPO, host, median_spread, model_config, run_tool, shakespeare,  # noqa: E402
+                           thread_count)
 from model import GREEDY, build_model, generate  # noqa: E402
 from runtime.checkpoint import build_checkpoint, existing_checkpoint, load_model, save_checkpoint, \
     training_text  # noqa: E402
@@ -77,17 +78,13 @@ def start_server(checkpoint: Path, threads: int, max_batch: int) -> tuple[subpro
     return process, int(line.split("http://")[1].split()[0].rsplit(":", 1)[1])
 
 
-def spread(values: list[float], digits: int = 0) -> str:
-    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
-
-
 def main() -> None:
     parser = OneLineErrorParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", type=existing_checkpoint, help="a run directory or .pt file")
     parser.add_argument("--requests", type=positive_int, default=128)
     parser.add_argument("--new", type=positive_int, default=64)
     parser.add_argument("--repeats", type=positive_int, default=3)
-    parser.add_argument("--threads", type=integer_in(1), default=1, help="the server's and generate's CPU threads")
+    parser.add_argument("--threads", type=thread_count, default=1, help="the server's and generate's CPU threads")
     parser.add_argument("--max-batch", type=positive_int, default=64, help="serve.py's --max-batch")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -134,11 +131,12 @@ def main() -> None:
             p99 = [sorted(first)[int(0.99 * (len(first) - 1))] for _, first, _ in results]
             ratios = [tokens / seconds / (tokens / one) for (seconds, _, _), one in zip(results, alone)]
             same = all(result_texts == [texts[line] for line in lines] for _, _, result_texts in results)
-            print(f"| {clients} | {spread([args.requests / s for s, _, _ in results], 1)} | "
-                  f"{spread([tokens / s for s, _, _ in results])} | {spread(ttft, 3)} | {spread(p99, 3)} | "
-                  f"{spread(ratios, 2)}x{'' if same else ', OTHER TEXT'} |", flush=True)
-        print(f"| one at a time (generate) | {spread([args.requests / s for s in alone], 1)} | "
-              f"{spread([tokens / s for s in alone])} | | | 1x |")
+            print(f"| {clients} | {median_spread([args.requests / s for s, _, _ in results], 1)} | "
+                  f"{median_spread([tokens / s for s, _, _ in results], 0)} | {median_spread(ttft, 3)} | "
+                  f"{median_spread(p99, 3)} | {median_spread(ratios, 2)}x{'' if same else ', OTHER TEXT'} |",
+                  flush=True)
+        print(f"| one at a time (generate) | {median_spread([args.requests / s for s in alone], 1)} | "
+              f"{median_spread([tokens / s for s in alone], 0)} | | | 1x |")
 
 
 if __name__ == "__main__":
