@@ -165,6 +165,7 @@ def test_an_engine_bucket_pass_makes_no_read_back_to_the_host(int8):
     weights = {f"model.{name}": mode.from_tensor(t) for name, t in [*model.named_parameters(), *model.named_buffers()]}
     pool = engine.pool
     pool.buffers = {name: [mode.from_tensor(t) for t in tensors] for name, tensors in pool.buffers.items()}
+    pool.gathered = {name: mode.from_tensor(t) for name, t in pool.gathered.items()}
     inputs = [mode.from_tensor(t) for t in engine.buckets.inputs[4]]
     with mode:
         logits = torch.func.functional_call(Call(model, engine.buckets.run), weights, tuple(inputs), strict=False)
