@@ -51,7 +51,8 @@ def model_card(config, kind: str, fmt: str, contents: dict) -> str:
         head = "---\nlibrary_name: transformers\npipeline_tag: text-generation\n---\n\n"
     elif fmt == "gguf":
         use = ("```bash\nllama-cli -m PATH/model.gguf -p \"ROMEO:\" -n 100 --temp 0\n```\n"
-               "llama.cpp ends its text at the eos character, the vocabulary's first; docs/export.md says more.\n")
+               "The file names no end-of-text token, so no character ends llama.cpp's text "
+               "(docs/export.md).\n")
         head = ""
     else:
         use = ("model.onnx takes input_ids, position_ids and each layer's past keys and values, and returns the "

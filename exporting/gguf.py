@@ -9,8 +9,10 @@ Weights are kvgpt's float32 ones, a zero bias where kvgpt has none; the head is 
 written and llama.cpp uses the token embedding. llama.cpp computes GELU with its tanh approximation, not
 kvgpt's erf, and caches keys and values in float16 by default: its logits are close to kvgpt's, not equal.
 
-The tokenizer is GPT-2's byte-level BPE ("gpt2"): each character is written as its UTF-8 bytes through GPT-2's
-byte-to-unicode table (space is "Ġ", newline "Ċ"), and merges rebuild the characters of more than one byte."""
+The tokenizer is llama.cpp's "rwkv" one: a list of token texts, of which the longest that matches is taken, so
+a text splits into its characters with kvgpt's ids. Its defaults name no end-of-text token, and none is named
+here, so llama.cpp never ends kvgpt's text early. GPT-2's byte-level BPE would name id 11 by default, and any id
+named is a character the model writes: llama.cpp would stop there."""
 
 from pathlib import Path
 
@@ -19,7 +21,6 @@ import numpy as np
 from data import CharVocab
 from model import GPT
 from runtime.hf import EPS, ROPE_BASE, check_layers, model_type, with_zero_biases
-from runtime.tokenizer import special_token
 
 GGUF_DESIGNS = "learned positions with multi-head attention, rotary positions with grouped queries (n_kv_head < n_head)"
 ARCH = {"gpt2": "gpt2", "starcoder2": "starcoder2"}  # transformers' model_type -> llama.cpp's architecture
@@ -50,26 +51,10 @@ def gguf_warning(model: GPT) -> str | None:
     return None
 
 
-def byte_to_unicode() -> dict[int, str]:
-    """GPT-2's table: each byte as a printable character, so that no token holds a space or a control byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table, extra = {b: chr(b) for b in printable}, 0
-    for b in range(256):
-        if b not in table:
-            table[b], extra = chr(256 + extra), extra + 1
-    return table
-
-
-def bpe_vocabulary(vocab: CharVocab) -> tuple[list[str], list[str]]:
-    """(tokens in id order, merges): each character as its bytes through byte_to_unicode, and for a character of
-    several bytes the merges that join its bytes from the left, so that BPE makes it one token."""
-    table, tokens, merges = byte_to_unicode(), [], []
-    for char in vocab.chars:
-        parts = [table[b] for b in char.encode("utf-8")]
-        tokens.append("".join(parts))
-        merges += [f"{''.join(parts[:i])} {parts[i]}" for i in range(1, len(parts))]
-    # llama.cpp refuses a "gpt2" vocabulary with no merges; byte 0xFF is in no UTF-8 text, so this one never applies
-    return tokens, list(dict.fromkeys(merges)) or [f"{table[0xFF]} {table[0xFF]}"]  # characters share first bytes
+def rwkv_token(char: str) -> str:
+    """A character as llama.cpp's rwkv tokenizer reads it: a backslash or control character as a lowercase \\xHH
+    escape, which it turns back into that byte; any other character as itself."""
+    return f"\\x{ord(char):02x}" if char == "\\" or ord(char) < 0x20 or ord(char) == 0x7F else char
 
 
 def write_gguf(model: GPT, vocab: CharVocab, path: Path, name: str = "kvgpt") -> None:
@@ -99,18 +84,11 @@ def write_gguf(model: GPT, vocab: CharVocab, path: Path, name: str = "kvgpt") ->
 
 
 def write_tokenizer(writer, vocab: CharVocab, gguf) -> None:
-    """GPT-2's byte-level BPE, its pre-tokeniser named "gpt-2" (which splits words only: no merge crosses a
-    character). bos, eos and unk are the character the transformers folder names; nothing is added to a text."""
-    tokens, merges = bpe_vocabulary(vocab)
-    special = vocab.chars.index(special_token(vocab))
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.NORMAL] * len(tokens))
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(special)
-    writer.add_eos_token_id(special)
-    writer.add_unk_token_id(special)
+    """llama.cpp's rwkv tokenizer over kvgpt's characters, in id order. No bos, eos or unk is named, so nothing
+    ends the text but its length; nothing is added to a prompt."""
+    writer.add_tokenizer_model("rwkv")
+    writer.add_token_list([rwkv_token(char) for char in vocab.chars])
+    writer.add_token_types([gguf.TokenType.NORMAL] * len(vocab))
     writer.add_add_bos_token(False)
     writer.add_add_eos_token(False)
 

@@ -1,20 +1,20 @@
 """export.py --format gguf: the file read back with the gguf package holds every tensor and metadata field that
-llama.cpp's GPT-2 and StarCoder2 graphs load, with kvgpt's weights; its tokenizer, read by the tokenizers library's
-own byte-level BPE, gives kvgpt's ids for every character; designs llama.cpp cannot run are refused in one line."""
+llama.cpp's GPT-2 and StarCoder2 graphs load, with kvgpt's weights; its tokenizer, read as llama.cpp reads an rwkv
+one (written out here), gives kvgpt's ids for every character and names no end of text; designs llama.cpp cannot run
+are refused in one line."""
 
 import numpy as np
 import pytest
 import torch
 
 gguf = pytest.importorskip("gguf")  # requirements-dev.txt installs it; kvgpt runs without it
-tokenizers = pytest.importorskip("tokenizers")
 
 import export as export_py  # noqa: E402
 from data import CharVocab  # noqa: E402
 from runtime.checkpoint import build_checkpoint, save_checkpoint  # noqa: E402
 from tiny_models import BLOCK_SIZE, random_model  # noqa: E402
 
-VOCAB = CharVocab("\n !abcdefghijé—…")  # space, newline and characters of two and three UTF-8 bytes
+VOCAB = CharVocab("\t\n !\\abcdefghijé—…")  # tab, newline, space, backslash, characters of two and three bytes
 GPT2 = {}
 STARCODER2 = {"pos_emb": "rope", "n_head": 4, "n_kv_head": 2}
 # llama.cpp's graphs (src/models/gpt2.cpp, starcoder2.cpp): each tensor they load, with its shape in ggml's order
@@ -85,35 +85,56 @@ def test_every_metadata_field_llama_cpp_reads_is_there(tmp_path, capsys, arch, f
     want = {"general.architecture": arch, f"{arch}.context_length": BLOCK_SIZE, f"{arch}.embedding_length": C,
             f"{arch}.feed_forward_length": FF, f"{arch}.block_count": c.n_layer,
             f"{arch}.attention.head_count": c.n_head, "general.file_type": 0,  # all float32
-            "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2", "tokenizer.ggml.add_bos_token": False,
-            "tokenizer.ggml.add_eos_token": False, "tokenizer.ggml.bos_token_id": 0,
-            "tokenizer.ggml.eos_token_id": 0, "tokenizer.ggml.unknown_token_id": 0}
+            "tokenizer.ggml.model": "rwkv", "tokenizer.ggml.add_bos_token": False,
+            "tokenizer.ggml.add_eos_token": False}
     if arch == "starcoder2":
         want.update({f"{arch}.attention.head_count_kv": 2, f"{arch}.rope.freq_base": 10_000.0,
                      f"{arch}.rope.dimension_count": c.head_dim})
     assert {key: field(reader, key) for key in want} == want
     assert field(reader, f"{arch}.attention.layer_norm_epsilon") == pytest.approx(1e-5)
     assert field(reader, "tokenizer.ggml.token_type") == [gguf.TokenType.NORMAL] * V
-    assert len(field(reader, "tokenizer.ggml.tokens")) == V and field(reader, "tokenizer.ggml.merges")
+    assert len(field(reader, "tokenizer.ggml.tokens")) == V
+    named = [key for key in reader.fields if key.startswith("tokenizer.ggml.") and key.endswith("_token_id")]
+    assert named == []  # no bos, eos or unk: llama.cpp's rwkv tokenizer then has no end-of-text token
 
 
-def test_the_tokenizer_read_as_gpt2_byte_level_bpe_gives_kvgpt_ids_for_every_character(tmp_path, capsys):
-    """The tokenizers library's own byte-level BPE (GPT-2's byte table, its regex split) over the file's tokens
-    and merges: every character, and a text of them, is kvgpt's ids and decodes back exactly."""
+def llama_cpp_unescape(token: str) -> bytes:
+    """llama.cpp's llama_unescape_rwkv_token (src/llama-vocab.cpp), written out: a backslash starts \\t, \\n,
+    \\r, \\x and two lowercase hex digits, or stands before a character that is then itself."""
+    out, chars = bytearray(), iter(token)
+    for c in chars:
+        if c != "\\":
+            out += c.encode()
+            continue
+        c = next(chars)
+        if c == "x":  # its digits: c - 'a' + 10 from 'a' on, else c - '0' (so lowercase only)
+            digits = [ord(d) - ord("a") + 10 if d >= "a" else ord(d) - ord("0") for d in (next(chars), next(chars))]
+            out.append(16 * digits[0] + digits[1])
+        else:
+            out += {"t": b"\t", "n": b"\n", "r": b"\r"}.get(c, c.encode())
+    return bytes(out)
+
+
+def llama_cpp_tokenize(tokens: list[bytes], text: bytes) -> list[int]:
+    """llama.cpp's rwkv tokenizer: at each place, the longest token whose bytes come next."""
+    ids, at = [], 0
+    while at < len(text):
+        best = max((i for i, t in enumerate(tokens) if t and text.startswith(t, at)), key=lambda i: len(tokens[i]))
+        ids.append(best)
+        at += len(tokens[best])
+    return ids
+
+
+def test_the_tokenizer_read_as_llama_cpp_reads_it_gives_kvgpt_ids_for_every_character(tmp_path, capsys):
+    """The file's tokens, unescaped and matched as llama.cpp does: every character, and a text of them, is kvgpt's
+    ids, and their bytes joined give the text back."""
     _, reader, _ = exported(tmp_path, capsys, GPT2)
-    tokens, merges = field(reader, "tokenizer.ggml.tokens"), field(reader, "tokenizer.ggml.merges")
-    assert tokens[:2] == ["Ċ", "Ġ"]  # newline and space as GPT-2 writes them
-    pairs = [tuple(m.split(" ")) for m in merges]
-    ids = {t: i for i, t in enumerate(tokens)}
-    for part in (p for pair in pairs for p in pair):  # this BPE wants each merge's halves in its vocabulary:
-        ids.setdefault(part, len(ids))  # past kvgpt's ids, so that one left unmerged would show
-    bpe = tokenizers.Tokenizer(tokenizers.models.BPE(ids, pairs))
-    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    bpe.decoder = tokenizers.decoders.ByteLevel()
-    text = "é—a… b\n\n  j!é\né…—" + VOCAB.chars
+    tokens = [llama_cpp_unescape(t) for t in field(reader, "tokenizer.ggml.tokens")]
+    assert tokens == [c.encode() for c in VOCAB.chars]
+    text = "é—a… b\n\n \\ j!\té\né…—\\a\\j" + VOCAB.chars
     for piece in [*VOCAB.chars, text]:
-        ids = bpe.encode(piece).ids
-        assert ids == VOCAB.encode(piece) and bpe.decode(ids) == piece, repr(piece)
+        ids = llama_cpp_tokenize(tokens, piece.encode())
+        assert ids == VOCAB.encode(piece) and b"".join(tokens[i] for i in ids) == piece.encode(), repr(piece)
 
 
 def test_a_design_that_runs_exactly_only_up_to_block_size_is_exported_with_a_warning(tmp_path, capsys):
