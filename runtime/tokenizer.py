@@ -6,8 +6,10 @@ between them: every text of the vocabulary, spaces and newlines included, encode
 exactly. The vocabulary has no unknown token: the tokenizer drops a character outside it, so check a prompt's
 characters first where that matters.
 
-Engines that read a tokenizer (CTranslate2, llama.cpp) need bos, eos and unk named. A token added for them would
-grow the vocabulary past the model's logits, so all three name the vocabulary's first character (special_token)."""
+CTranslate2 needs bos, eos and unk named, and its converter refuses a tokenizer larger than the model's logits. A
+token added for them (transformers adds any it does not find) would be one more, so all three name the vocabulary's
+first character (special_token): every id stays a character and the logits are kvgpt's. Engines that end the text at
+eos (CTranslate2, vLLM) then stop at that character unless told not to (docs/export.md)."""
 
 import json
 from pathlib import Path

@@ -1,9 +1,13 @@
 """Other engines load the exports with no change by hand and give kvgpt's greedy text: CTranslate2 converts the
-transformers folder, llama.cpp (through llama-cpp-python) loads the GGUF file. Each test is skipped, with its
-reason, where its engine is not installed; docs/export.md says how to install each. `python -m pytest -m engines`."""
+transformers folder, vLLM runs it, llama.cpp (through llama-cpp-python) loads the GGUF file. Each test is skipped,
+with its reason, where its engine is not installed; docs/export.md says how to install each.
+`python -m pytest -m engines`."""
 
 import importlib.util
+import json
+import os
 import shutil
+import subprocess
 
 import pytest
 import torch
@@ -19,7 +23,7 @@ VOCAB = CharVocab("\n !abcdefghij")
 # design -> (GPTConfig fields, seed): seeds whose greedy text holds newlines, the character named eos
 DESIGNS = {"learned multi-head": ({}, 9), "learned multi-head, no biases": ({"bias": False}, 9),
            "learned multi-query": ({"n_kv_head": 1}, 9), "rotary multi-head": ({"pos_emb": "rope"}, 9),
-           "rotary grouped-query": ({"pos_emb": "rope", "n_head": 4, "n_kv_head": 2}, 9)}
+           "rotary grouped-query": ({"pos_emb": "rope", "n_head": 4, "n_kv_head": 2}, 2)}
 PROMPTS = ("a", "j!", "hi", "ab ba\n")
 
 
@@ -82,17 +86,65 @@ def test_llama_cpp_loads_the_gguf_file_and_gives_kvgpt_greedy_text_and_tokens(tm
     for char in VOCAB.chars:  # llama.cpp's own tokenizer, both ways, space and newline included
         assert llm.tokenize(char.encode(), add_bos=False, special=False) == VOCAB.encode(char), repr(char)
         assert llm.detokenize(VOCAB.encode(char)) == char.encode(), repr(char)
+    newlines = 0
     for prompt in PROMPTS:
         n = BLOCK_SIZE - len(prompt)
-        ids = llm.tokenize(prompt.encode(), add_bos=False, special=False)
-        assert ids == VOCAB.encode(prompt)
+        assert llm.tokenize(prompt.encode(), add_bos=False, special=False) == VOCAB.encode(prompt)
+        want = kvgpt_greedy(model, prompt, n)
+        newlines += "\n" in want[len(prompt):]
         llm.reset()
-        for _ in range(n):  # greedy, one token at a time; the eos character does not stop this loop
-            llm.eval(ids[len(ids) - 1:] if llm.n_tokens else ids)
-            ids.append(int(llm.scores[llm.n_tokens - 1].argmax()))
-        assert llm.detokenize(ids).decode() == kvgpt_greedy(model, prompt, n), (design, prompt)
+        # llama.cpp's own loop at its defaults, as llama-cli's: it ends the text at an end-of-text token, if any
+        out = llm.create_completion(prompt, max_tokens=n, temperature=0)["choices"][0]
+        assert (prompt + out["text"], out["finish_reason"]) == (want, "length"), (design, prompt)
+        ids = VOCAB.encode(want)
+        llm.reset()
+        llm.eval(ids[:-1])
         with torch.no_grad():  # close, not equal: llama.cpp's tanh GELU and float16 cache (docs/export.md)
-            want = model(torch.tensor([ids[:-1]]))[0][0].numpy()
-        assert abs(llm.scores[:len(ids) - 1] - want).max() < 1e-2
+            logits = model(torch.tensor([ids[:-1]]))[0][0].numpy()
+        assert abs(llm.scores[:len(ids) - 1] - logits).max() < 1e-2
+    assert newlines  # the newline, the transformers folder's eos, is in the text and ends nothing
     del llm
     shutil.rmtree(tmp_path / "gguf")
+
+
+VLLM = os.environ.get("KVGPT_VLLM_PYTHON", "")
+# vLLM's CPU attention takes heads of 32 channels or more: design -> (GPTConfig fields, seed, prompt, new tokens)
+VLLM_DESIGNS = {"learned multi-head": ({"n_embd": 64, "n_head": 2}, 1, "ab ba\n", 32 - 6),
+                "rotary grouped-query": ({"n_embd": 128, "n_head": 4, "n_kv_head": 2, "pos_emb": "rope"}, 8, "a", 200)}
+VLLM_RUN = """
+import json, sys
+from vllm import LLM, SamplingParams
+if __name__ == "__main__":  # vLLM starts its engine in processes of its own
+    folder, prompt, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    llm = LLM(model=folder, dtype="float32")
+    out = {}
+    for name, extra in (("default", {}), ("documented", {"ignore_eos": True, "skip_special_tokens": False})):
+        o = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, **extra))[0].outputs[0]
+        out[name] = [prompt + o.text, o.finish_reason]
+    import vllm
+    print("KVGPT " + json.dumps({"version": vllm.__version__, **out}))
+"""
+
+
+@pytest.mark.skipif(not os.access(VLLM, os.X_OK), reason="vLLM is not set up: set KVGPT_VLLM_PYTHON to the python "
+                    "of a virtual environment where vLLM is installed (docs/export.md)")
+@pytest.mark.parametrize("design", VLLM_DESIGNS)
+def test_vllm_gives_kvgpt_greedy_text_past_block_size_where_the_design_rolls(tmp_path, design):
+    """With ignore_eos and skip_special_tokens=False, vLLM's greedy text is kvgpt's: for learned positions up to
+    block_size, for rotary grouped queries far past it. At its defaults it ends at the first newline, eos."""
+    fields, seed, prompt, n = VLLM_DESIGNS[design]
+    model = random_model(seed, block_size=32, **fields)
+    save_checkpoint(build_checkpoint(model, VOCAB), tmp_path / "best.pt")
+    folder = export(tmp_path, tmp_path / "hf")
+    (tmp_path / "run.py").write_text(VLLM_RUN)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    done = subprocess.run([VLLM, str(tmp_path / "run.py"), str(folder), prompt, str(n)], capture_output=True,
+                          text=True, timeout=900, env=env)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("KVGPT ")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    got = json.loads(lines[-1][len("KVGPT "):])
+    want = kvgpt_greedy(model, prompt, n)
+    assert len(want) - len(prompt) == n and (n > 32) == (design == "rotary grouped-query")
+    assert got["documented"] == [want, "length"], got
+    cut = want.index("\n", len(prompt))  # the first newline written: eos, so vLLM stops there and leaves it out
+    assert got["default"] == [want[:cut], "stop"], got
