@@ -72,8 +72,8 @@ def export(checkpoint, out, fmt: str = "hf", precision: str = "fp32", signals=No
         check_layers(model)
     except ValueError as e:
         raise UsageError(f"{path} cannot be exported: {e}") from None
-    if fmt == "gguf" and warn is not None and gguf_warning(model):
-        warn(gguf_warning(model))
+    if fmt == "gguf" and warn is not None and (line := gguf_warning(model)):
+        warn(line)
     inside = target.is_dir()  # an empty folder that exists is kept, and its files are moved into it at the end
     temporary = (target if inside else target.parent) / f".{target.name[:64]}.{uuid.uuid4().hex}.partial"
     try:

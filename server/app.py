@@ -94,7 +94,6 @@ def build_app(runner: EngineRunner, vocab: CharVocab, limits: Limits, api_key: s
             return await carried.whole()
         finally:
             watcher.cancel()
-            runner.cancel(carried.jobs)
 
     return app
 

@@ -106,9 +106,12 @@ class Carried:
     async def whole(self) -> dict:
         """The answer in one JSON object, after every choice has ended."""
         texts, reasons = [""] * len(self.jobs), [None] * len(self.jobs)
-        async for index, text, reason in self.pieces():
-            texts[index] += text
-            reasons[index] = reason or reasons[index]
+        try:
+            async for index, text, reason in self.pieces():
+                texts[index] += text
+                reasons[index] = reason or reasons[index]
+        finally:  # a client gone, or the server stopping: the jobs leave the engine
+            self.runner.cancel(self.jobs)
         return self.answer([choice(i, texts[i], reasons[i]) for i in range(len(self.jobs))], self.usage())
 
     async def stream(self):

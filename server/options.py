@@ -49,11 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_options(args) -> None:
-    for name in ("max_batch", "max_waiting", "blocks", "block_tokens"):
+    for name, least in (("max_batch", 1), ("max_waiting", 0), ("blocks", 1), ("block_tokens", 1)):
         value = getattr(args, name)
-        if value is not None and value < (0 if name == "max_waiting" else 1):
-            raise UsageError(f"--{name.replace('_', '-')} must be >= {0 if name == 'max_waiting' else 1}, "
-                             f"got {value}")
+        if value is not None and value < least:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be from 0 to 65535, got {args.port}")
     if args.threads is not None and (why := threads_refused(args.threads)):

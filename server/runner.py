@@ -57,7 +57,7 @@ class EngineRunner:
     """Runs an Engine in a daemon thread; at most engine.max_batch + max_waiting jobs live at once."""
 
     def __init__(self, engine: Engine, max_waiting: int, threads: int):
-        self.engine, self.max_waiting, self.threads = engine, max_waiting, threads
+        self.engine, self.threads = engine, threads
         self.capacity = engine.max_batch + max_waiting
         self.lock = threading.Condition()  # over an RLock: stop() may be called with it held
         self.live: dict[str, Job] = {}  # submitted, not yet ended
