@@ -7,19 +7,19 @@ sends one prompt three times, and takes the picture as soon as the page shows al
 """
 
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.configs import REPO, run_tool  # noqa: E402
+from bench.configs import run_tool  # noqa: E402
+from bench.serve_load import start_server  # noqa: E402
 from runtime.checkpoint import existing_checkpoint  # noqa: E402
 from runtime.errors import OneLineErrorParser, UsageError  # noqa: E402
 
 # No window, no sandbox (it may run as root), and none of the browser's own calls to the network.
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 ATTEMPTS = 20
 PAGE_PROMPT = "ROMEO:\nBut soft, what light through yonder"  # two full blocks of 16, which the copies share
 
@@ -53,10 +53,8 @@ def main() -> None:
         raise UsageError("the picture needs Playwright: pip install playwright") from None
     if shutil.which("chromium") is None:
         raise UsageError("the picture needs a browser: apt-get install chromium")
-    server = subprocess.Popen([sys.executable, str(REPO / "serve.py"), "--checkpoint", str(args.checkpoint),
-                               "--port", "0", "--threads", "1"], stdout=subprocess.PIPE, text=True)
+    server, url = start_server(args.checkpoint, "--threads", "1")
     try:
-        url = "http://" + server.stdout.readline().split("http://")[1].split()[0]
         with sync_playwright() as playwright:
             browser = playwright.chromium.launch(executable_path=shutil.which("chromium"), args=CHROMIUM_FLAGS)
             page = browser.new_page(viewport={"width": 1280, "height": 720})

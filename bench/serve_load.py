@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 from pathlib import Path
 
 import torch
@@ -67,15 +68,15 @@ async def load(port: int, prompts: list[str], new: int, clients: int):
     return time.perf_counter() - start, [first for first, _ in results], [text for _, text in results]
 
 
-def start_server(checkpoint: Path, threads: int, max_batch: int) -> tuple[subprocess.Popen, int]:
+def start_server(checkpoint: Path, *options: str) -> tuple[subprocess.Popen, str]:
+    """serve.py on a free loopback port, and the URL it prints once it listens."""
     process = subprocess.Popen([sys.executable, str(REPO / "serve.py"), "--checkpoint", str(checkpoint), "--port",
-                                "0", "--threads", str(threads), "--max-batch", str(max_batch)],
-                               stdout=subprocess.PIPE, text=True)
+                                "0", *options], stdout=subprocess.PIPE, text=True)
     line = process.stdout.readline()
     if "http://" not in line:
         process.kill()
         raise UsageError("serve.py did not start (its error is above)")
-    return process, int(line.split("http://")[1].split()[0].rsplit(":", 1)[1])
+    return process, "http://" + line.split("http://")[1].split()[0]
 
 
 def main() -> None:
@@ -102,7 +103,8 @@ def main() -> None:
         lines = [line[:longest] for line in val.splitlines() if len(line) >= 10][:args.requests]
         if len(lines) < args.requests:
             raise UsageError(f"--requests {args.requests}: the val split has {len(lines)} lines to send")
-        server, port = start_server(checkpoint, args.threads, args.max_batch)
+        server, url = start_server(checkpoint, "--threads", str(args.threads), "--max-batch", str(args.max_batch))
+        port = urllib.parse.urlsplit(url).port
         try:
             print(f"# {args.requests} requests, {args.new} new tokens each, serve.py --max-batch {args.max_batch}: "
                   f"{host()}, torch {torch.__version__}, {args.threads} thread(s); median (min-max) of "
