@@ -50,7 +50,7 @@ def model_card(config, kind: str, fmt: str, contents: dict) -> str:
                f"print(tokenizer.decode(model.generate(ids, max_new_tokens=100)[0]))\n```\n")
         head = "---\nlibrary_name: transformers\npipeline_tag: text-generation\n---\n\n"
     elif fmt == "gguf":
-        use = ("```bash\nllama-cli -m PATH/model.gguf -p \"ROMEO:\" -n 100 --temp 0\n```\n"
+        use = ("```bash\nllama-completion -m PATH/model.gguf -p \"ROMEO:\" -n 100 --temp 0\n```\n"
                "The file names no end-of-text token, so no character ends llama.cpp's text "
                "(docs/export.md).\n")
         head = ""

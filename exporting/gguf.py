@@ -1,6 +1,6 @@
 """kvgpt's model as one GGUF file for llama.cpp, written with gguf, the package llama.cpp's authors publish.
 
-    learned positions, multi-head          gpt2        llama.cpp's GPT-2 graph: kvgpt's text for any length
+    learned positions, multi-head          gpt2        llama.cpp's GPT-2 graph, up to its arithmetic (below)
     rotary positions, grouped queries      starcoder2  its rotary halves match, but it has no window: kvgpt's
                                                        text up to block_size tokens only, so a warning says so
 
@@ -8,6 +8,7 @@ Other designs are refused: llama.cpp's GPT-NeoX and StarCoder graphs are not exp
 Weights are kvgpt's float32 ones, a zero bias where kvgpt has none; the head is tied, so no output tensor is
 written and llama.cpp uses the token embedding. llama.cpp computes GELU with its tanh approximation, not
 kvgpt's erf, and caches keys and values in float16 by default: its logits are close to kvgpt's, not equal.
+No llama.cpp architecture computes the erf GELU, so no design is exported without this difference.
 
 The tokenizer is llama.cpp's "rwkv" one: a list of token texts, of which the longest that matches is taken, so
 a text splits into its characters with kvgpt's ids. Its defaults name no end-of-text token, and none is named

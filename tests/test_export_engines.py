@@ -5,6 +5,7 @@ with its reason, where its engine is not installed; docs/export.md says how to i
 
 import importlib.util
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -24,7 +25,7 @@ VOCAB = CharVocab("\n !abcdefghij")
 DESIGNS = {"learned multi-head": ({}, 9), "learned multi-head, no biases": ({"bias": False}, 9),
            "learned multi-query": ({"n_kv_head": 1}, 9), "rotary multi-head": ({"pos_emb": "rope"}, 9),
            "rotary grouped-query": ({"pos_emb": "rope", "n_head": 4, "n_kv_head": 2}, 2)}
-PROMPTS = ("a", "j!", "hi", "ab ba\n")
+PROMPTS = ("a", "j!", "hi", "ab ba\n", "\nab")  # the last begins with bos
 
 
 def missing(module: str) -> bool:
@@ -66,10 +67,11 @@ def test_ctranslate2_converts_the_folder_unpatched_and_gives_kvgpt_greedy_text(t
     for prompt in PROMPTS:
         n = BLOCK_SIZE - len(prompt)  # within block_size, where every design is kvgpt's
         want = kvgpt_greedy(model, prompt, n)
-        # end_token=[]: the newline, named eos, does not end the text; max_length counts all but the first token
-        result = generator.generate_batch([list(prompt)], max_length=len(prompt) - 1 + n, sampling_topk=1,
-                                          end_token=[])
-        assert "".join(result[0].sequences[0]) == want, (design, prompt)
+        # end_token=[]: the newline, named eos, does not end the text. A result with its prompt leaves out a
+        # first newline, named bos: the prompt is not asked back
+        result = generator.generate_batch([list(prompt)], max_length=n, sampling_topk=1, end_token=[],
+                                          include_prompt_in_result=False)
+        assert prompt + "".join(result[0].sequences[0]) == want, (design, prompt)
         if design == "learned multi-head" and prompt == "a":
             assert "\n" in want[len(prompt):]  # this text goes on past the character named eos
 
@@ -93,7 +95,7 @@ def test_llama_cpp_loads_the_gguf_file_and_gives_kvgpt_greedy_text_and_tokens(tm
         want = kvgpt_greedy(model, prompt, n)
         newlines += "\n" in want[len(prompt):]
         llm.reset()
-        # llama.cpp's own loop at its defaults, as llama-cli's: it ends the text at an end-of-text token, if any
+        # llama.cpp's own loop at its defaults, as llama-completion's: an end-of-text token would end the text
         out = llm.create_completion(prompt, max_tokens=n, temperature=0)["choices"][0]
         assert (prompt + out["text"], out["finish_reason"]) == (want, "length"), (design, prompt)
         ids = VOCAB.encode(want)
@@ -103,6 +105,41 @@ def test_llama_cpp_loads_the_gguf_file_and_gives_kvgpt_greedy_text_and_tokens(tm
             logits = model(torch.tensor([ids[:-1]]))[0][0].numpy()
         assert abs(llm.scores[:len(ids) - 1] - logits).max() < 1e-2
     assert newlines  # the newline, the transformers folder's eos, is in the text and ends nothing
+    del llm
+    shutil.rmtree(tmp_path / "gguf")
+
+
+def ggml_gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """GELU as ggml computes it on the CPU: the tanh approximation, read from a float16 table at x in float16."""
+    h = x.half().float()
+    y = (0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * h * (1 + 0.044715 * h * h)))).half().float()
+    return torch.where(x <= -10, torch.zeros_like(x), torch.where(x >= 10, x, y))
+
+
+@pytest.mark.skipif(missing("llama_cpp"),
+                    reason="llama.cpp's Python binding is not installed: pip install llama-cpp-python (docs/export.md)")
+@pytest.mark.parametrize("design", ["learned multi-head", "learned multi-head, no biases", "rotary grouped-query"])
+def test_llama_cpp_with_a_float32_cache_differs_from_kvgpt_by_its_gelu_alone(tmp_path, design, monkeypatch):
+    """With its cache in float32, llama.cpp's logits and greedy text are those of kvgpt's model with ggml's GELU:
+    every weight, position and attention in the file is kvgpt's, and the GELU is all that is not."""
+    import llama_cpp
+
+    model = checkpoint(tmp_path, design)
+    export(tmp_path, tmp_path / "gguf", "gguf")
+    llm = llama_cpp.Llama(str(tmp_path / "gguf" / "model.gguf"), n_ctx=BLOCK_SIZE, logits_all=True, verbose=False,
+                          type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32)
+    ids = VOCAB.encode("ab ba\nhij  ajb\n" * 3)[:BLOCK_SIZE]
+    llm.eval(ids)
+    with torch.no_grad():
+        kvgpt_own = model(torch.tensor([ids]))[0][0].numpy()
+        monkeypatch.setattr(torch.nn.functional, "gelu", ggml_gelu)
+        with_ggml_gelu = model(torch.tensor([ids]))[0][0].numpy()
+    assert abs(llm.scores[:len(ids)] - with_ggml_gelu).max() < 1e-4
+    assert abs(llm.scores[:len(ids)] - kvgpt_own).max() > 1e-4  # the GELU alone moves them by more
+    for prompt in PROMPTS:  # its greedy text is that of kvgpt's model with ggml's GELU, still patched in
+        llm.reset()
+        out = llm.create_completion(prompt, max_tokens=BLOCK_SIZE - len(prompt), temperature=0)["choices"][0]
+        assert prompt + out["text"] == kvgpt_greedy(model, prompt, BLOCK_SIZE - len(prompt)), (design, prompt)
     del llm
     shutil.rmtree(tmp_path / "gguf")
 
