@@ -45,6 +45,8 @@ def runs(tmp_path_factory) -> Path:
     ("rolling.py", ["--no-speed", "--checkpoint", "RUNS/rope", "--precision", "int8"], ["--precision", "--no-speed"]),
     ("speculative.py", ["--ceiling-only", "--context", "1000"], ["--context 1000", "block_size 256"]),
     ("engines.py", ["--vllm-python", "/nonexistent"], ["is not a program"]),
+    ("engines.py", ["--checkpoint", "RUNS/plain", "--design", "gpt2"], ["--design", "--checkpoint"]),
+    ("engines.py", ["--prompts", "0"], ["--prompts", "got 0"]),
     ("serve_load.py", ["--threads", "0"], ["--threads", "got 0"]),
 ])
 def test_a_benchmark_refuses_a_mistake_in_one_line_with_status_2_before_any_output(runs, tmp_path, script, args,

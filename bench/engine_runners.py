@@ -1,0 +1,123 @@
+"""How each other engine decodes kvgpt's export greedily, for bench/engines.py. Each engine runs in a process of its
+own, so that no engine's threads or libraries slow another's:
+
+    python bench/engine_runners.py ENGINE SPEC
+
+SPEC is JSON: the exported folders, the (prompt, new tokens) jobs, the repeats, the vocabulary's characters,
+block_size and the thread count. The one line printed, `KVGPT {...}`, holds the engine's version, the setting
+docs/export.md names for kvgpt's text, its text for each job and its best seconds on the first job, or its error.
+vLLM's runs from the python of vLLM's own environment; it imports nothing of kvgpt's."""
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def timed(run, jobs: list, repeats: int) -> tuple[list[str], float]:
+    """(run's text for each (prompt, n) job, the best seconds of the first job): one warm-up, repeats timed."""
+    seconds = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        run(*jobs[0])
+        seconds.append(time.perf_counter() - start)
+    return [run(*job) for job in jobs], min(seconds[1:])
+
+
+def transformers_engine(spec: dict):
+    import torch
+    import transformers
+    torch.set_num_threads(spec["threads"])
+    tokenizer = transformers.AutoTokenizer.from_pretrained(spec["hf"])
+    model = transformers.AutoModelForCausalLM.from_pretrained(spec["hf"]).eval()
+
+    def run(prompt: str, n: int) -> str:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            return tokenizer.decode(model.generate(ids, do_sample=False, max_new_tokens=n)[0])
+    return transformers.__version__, "generate(do_sample=False)", *timed(run, spec["jobs"], spec["repeats"])
+
+
+def onnxruntime_engine(spec: dict):
+    import numpy as np
+    import onnxruntime
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = spec["threads"]
+    session = onnxruntime.InferenceSession(str(Path(spec["onnx"]) / "model.onnx"), options)
+    pasts, chars, keep = session.get_inputs()[2:], spec["chars"], spec["block_size"] - 1
+
+    def run(prompt: str, n: int) -> str:  # docs/export.md's loop: the cache fed back, kept to block_size - 1
+        past = {p.name: np.zeros((1, p.shape[1], 0, p.shape[3]), np.float32) for p in pasts}
+        ids = [chars.index(char) for char in prompt]
+        feed, position = ids, 0
+        for _ in range(n):
+            out = session.run(None, {"input_ids": np.array([feed]),
+                                     "position_ids": np.arange(position, position + len(feed))[None], **past})
+            position += len(feed)
+            past = {p.name: present[:, :, -keep:] for p, present in zip(pasts, out[1:])}
+            feed = [int(out[0][0, -1].argmax())]
+            ids = ids + feed
+        return "".join(chars[i] for i in ids)
+    return onnxruntime.__version__, "docs/export.md's loop", *timed(run, spec["jobs"], spec["repeats"])
+
+
+def ctranslate2_engine(spec: dict):
+    import ctranslate2
+    from ctranslate2.converters import TransformersConverter
+    out = Path(spec["hf"]).parent / "ct2"
+    TransformersConverter(spec["hf"]).convert(str(out), force=True)
+    generator = ctranslate2.Generator(str(out), intra_threads=spec["threads"])
+
+    def run(prompt: str, n: int) -> str:  # a result with its prompt would leave out a first character named bos
+        result = generator.generate_batch([list(prompt)], max_length=n, sampling_topk=1, end_token=[],
+                                          include_prompt_in_result=False)
+        return prompt + "".join(result[0].sequences[0])
+    setting = "end_token=[], include_prompt_in_result=False"
+    return ctranslate2.__version__, setting, *timed(run, spec["jobs"], spec["repeats"])
+
+
+def llama_cpp_engine(spec: dict, float32_cache: bool = False):
+    import llama_cpp
+    cache = {"type_k": llama_cpp.GGML_TYPE_F32, "type_v": llama_cpp.GGML_TYPE_F32} if float32_cache else {}
+    longest = max(len(prompt) + n for prompt, n in spec["jobs"])
+    llm = llama_cpp.Llama(str(Path(spec["gguf"]) / "model.gguf"), n_ctx=longest, n_threads=spec["threads"],
+                          n_threads_batch=spec["threads"], verbose=False, **cache)
+
+    def run(prompt: str, n: int) -> str:
+        return prompt + llm.create_completion(prompt, max_tokens=n, temperature=0)["choices"][0]["text"]
+    setting = "create_completion(temperature=0)" + (", type_k and type_v f32" if float32_cache else "")
+    return llama_cpp.__version__, setting, *timed(run, spec["jobs"], spec["repeats"])
+
+
+def vllm_engine(spec: dict):
+    """All prompts in one generate call, as vLLM serves them; the first alone is timed."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: the default takes a large share of memory
+    import vllm
+    llm = vllm.LLM(model=spec["hf"], dtype="float32")
+    jobs = spec["jobs"]
+    params = [vllm.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, skip_special_tokens=False)
+              for _, n in jobs]
+    _, seconds = timed(lambda prompt, n: llm.generate([prompt], params[0], use_tqdm=False), jobs[:1], spec["repeats"])
+    outs = llm.generate([prompt for prompt, _ in jobs], params, use_tqdm=False)
+    texts = [prompt + out.outputs[0].text for (prompt, _), out in zip(jobs, outs)]
+    return vllm.__version__, "ignore_eos=True, skip_special_tokens=False", texts, seconds
+
+
+RUNNERS = {"transformers": transformers_engine, "onnxruntime": onnxruntime_engine,
+           "ctranslate2": ctranslate2_engine, "llama.cpp": llama_cpp_engine,
+           "llama.cpp-f32": lambda spec: llama_cpp_engine(spec, float32_cache=True), "vllm": vllm_engine}
+
+
+def main() -> None:
+    name, spec = sys.argv[1], json.loads(sys.argv[2])
+    try:
+        version, setting, texts, seconds = RUNNERS[name](spec)
+        result = {"version": version, "setting": setting, "texts": texts, "seconds": seconds}
+    except Exception as e:  # an engine that cannot load or run this design: its error is the finding
+        result = {"error": f"{type(e).__name__}: {e}"}
+    print("KVGPT " + json.dumps(result))
+
+
+if __name__ == "__main__":  # vLLM starts its engine in processes of its own, which import this file again
+    main()
