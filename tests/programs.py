@@ -1,6 +1,7 @@
 """train.py and sample.py run as a user runs them: the commands, their one-line errors, a tiny run and model."""
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,15 @@ REPO = corpus.REPO
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 SHORT = ["train.max_iters=4", "train.eval_interval=2", "train.eval_iters=1", "train.log_interval=1",
          "optim.warmup_iters=1"]
+
+
+def child_signal(signum: int, handler=signal.SIG_DFL):
+    """A preexec_fn: in the child, signum delivered and handled by handler, whatever the parent left (a disposition
+    of SIG_IGN, as nohup or a shell's background job leaves it, or a blocked mask, is inherited across exec)."""
+    def preexec() -> None:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
+        signal.signal(signum, handler)
+    return preexec
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from model.decoding.quantize import to_precision
 from model.serving.engine import Engine
 from runtime.checkpoint import build_checkpoint, load_model, save_checkpoint
 from sampling.output import SAMPLE_SEPARATOR, continue_lines, write_samples
+from programs import child_signal
 from test_sample import ENV, SAMPLE, assert_usage_error
 from test_sample_sessions_and_lines import chat, models  # noqa: F401  models: a fixture
 from tiny_models import random_model, random_tokens
@@ -128,7 +129,7 @@ def run_sample_with(checkpoint, script: str, *args, typed: str = "") -> subproce
     argv = ["sample.py", "--checkpoint", str(checkpoint), *map(str, args)]
     code = f"import runpy, sys\n{script}\nsys.argv = {argv!r}\nrunpy.run_path({str(SAMPLE)!r}, run_name='__main__')\n"
     return subprocess.run([sys.executable, "-c", code], input=typed, env=ENV, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, preexec_fn=child_signal(signal.SIGINT))  # Ctrl-C as at a terminal
 
 
 def test_ctrl_c_between_two_replies_saves_the_session_so_far(models, tmp_path):

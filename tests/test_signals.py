@@ -17,16 +17,7 @@ import torch
 
 import corpus
 from test_train import TINY, data_overrides
-from programs import ENV, REPO, SHORT, checkpoint, data_root, sample_command
-
-
-def child_signal(signum: int, handler=signal.SIG_DFL):
-    """A preexec_fn: in the child, signum delivered and handled by handler, whatever the parent left (a disposition
-    of SIG_IGN, as nohup or a shell's background job leaves it, or a blocked mask, is inherited across exec)."""
-    def preexec() -> None:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
-        signal.signal(signum, handler)
-    return preexec
+from programs import ENV, REPO, SHORT, checkpoint, child_signal, data_root, sample_command
 
 
 @pytest.mark.parametrize("output", ["pipes", "a closed terminal", "nohup"])
