@@ -92,7 +92,8 @@ def compared(texts: list[str], wants: list[str], block_size: int) -> str:
 
 
 def the_model(args) -> tuple:
-    """(model, vocab, its validation text as ids, what it is): the checkpoint's, or a random classic model."""
+    """(model, vocab, a function that prepares its validation text as ids, what it is): the checkpoint's model, or a
+    random classic one. The text is prepared only where prompts are drawn from it."""
     if args.checkpoint:
         model, vocab, contents = load_model(args.checkpoint)
         return model, vocab, (lambda: training_text(contents).val), f"{args.checkpoint}'s model"
