@@ -7,9 +7,9 @@ kvgpt's, and how fast is it at batch 1, beside sample.py.
 
 By default a random model of the classic shape, its weights drawn wide so that its text depends on its context,
 is saved as a checkpoint; --checkpoint names a trained one instead. export.py exports it to each format. Every
-engine decodes each prompt greedily, batch 1: up to block_size characters with learned positions, twice as many
-with rotary grouped queries (past block_size, where kvgpt's window rolls). An engine's texts are compared with
-kvgpt's own greedy texts. The first prompt is PROMPT; --prompts N adds N - 1 slices of the validation text (the
+engine decodes each prompt greedily, batch 1: up to block_size characters, twice as many where the export rolls
+past block_size as kvgpt's window does (rotary grouped queries). An engine's texts are compared with kvgpt's own
+greedy texts. The first prompt is PROMPT; --prompts N adds N - 1 slices of the validation text (the
 checkpoint's own, else tiny_shakespeare), so that one near-tie does not decide the verdict.
 sample.py runs as the real command, at fp32, on the first prompt; its tokens/s is its own summary line's. Other
 engines are timed on the first prompt around their own generate call, after loading and one warm-up, the best
@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.configs import REPO, host, model_config, run_tool, shakespeare  # noqa: E402
 from bench.sample_speed import PROMPT, SUMMARY, VOCAB  # noqa: E402
+from exporting.card import rolls  # noqa: E402
 from model import GREEDY, build_model, generate  # noqa: E402
 from runtime.checkpoint import build_checkpoint, load_model, save_checkpoint, training_text  # noqa: E402
 from runtime.errors import OneLineErrorParser, UsageError, one_line, positive_int  # noqa: E402
@@ -138,7 +139,7 @@ def main() -> None:
 
     model, vocab, val, what = the_model(args)
     block_size = model.config.block_size
-    length = block_size if model.config.pos_emb == "learned" else 2 * block_size  # each text's, prompt included
+    length = 2 * block_size if rolls(model.config) else block_size  # each text's, prompt included
     prompts = the_prompts(vocab, val, args.prompts)
     jobs = [(prompt, length - len(prompt)) for prompt in prompts]
     wants = [vocab.decode(generate(model, torch.tensor([vocab.encode(prompt)]), n, sampling=GREEDY)[0].tolist())
