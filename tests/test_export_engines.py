@@ -109,7 +109,7 @@ def test_llama_cpp_loads_the_gguf_file_and_gives_kvgpt_greedy_text_and_tokens(tm
     shutil.rmtree(tmp_path / "gguf")
 
 
-def ggml_gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+def ggml_gelu(x: torch.Tensor) -> torch.Tensor:
     """GELU as ggml computes it on the CPU: the tanh approximation, read from a float16 table at x in float16."""
     h = x.half().float()
     y = (0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * h * (1 + 0.044715 * h * h)))).half().float()
