@@ -34,10 +34,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.configs import REPO, host, model_config, run_tool, shakespeare  # noqa: E402
 from bench.sample_speed import PROMPT, SUMMARY, VOCAB  # noqa: E402
-from exporting.card import rolls  # noqa: E402
 from model import GREEDY, build_model, generate  # noqa: E402
 from runtime.checkpoint import build_checkpoint, load_model, save_checkpoint, training_text  # noqa: E402
 from runtime.errors import OneLineErrorParser, UsageError, one_line, positive_int  # noqa: E402
+from runtime.hf import rolls  # noqa: E402
 
 DESIGNS = {"gpt2": {}, "starcoder2": {"pos_emb": "rope", "n_kv_head": 2}}  # the classic shape's fields changed
 MAX_PROMPT = 32  # the validation slices' longest

@@ -1,7 +1,7 @@
 """The exported folder's model card (README.md) and generation_config.json: what the model is, what it was trained
 on, how far it was trained, and how to load it."""
 
-from runtime.hf import CLASSES
+from runtime.hf import CLASSES, rolls
 
 
 def facts(contents: dict) -> dict[str, str]:
@@ -18,11 +18,6 @@ def design(config) -> str:
     heads = ("multi-head" if config.n_kv_head == config.n_head else
              "multi-query" if config.n_kv_head == 1 else f"grouped-query ({config.n_kv_head} key/value heads)")
     return f"{positions}, {heads} attention"
-
-
-def rolls(config) -> bool:
-    """Whether the transformers model goes on past block_size as kvgpt does: a sliding window of block_size."""
-    return config.pos_emb == "rope" and config.n_kv_head < config.n_head
 
 
 def generation_config(config) -> dict:

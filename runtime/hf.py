@@ -69,6 +69,11 @@ def model_type(config: GPTConfig) -> str:
     return "gpt_neox" if config.n_kv_head == config.n_head else "starcoder2"
 
 
+def rolls(config) -> bool:
+    """Whether the transformers model goes on past block_size as kvgpt does: a sliding window of block_size."""
+    return config.pos_emb == "rope" and config.n_kv_head < config.n_head
+
+
 def check_layers(model: GPT) -> None:
     """A ValueError if a block's attention is not the plain or grouped one its config names (say the textbook
     MultiHeadAttention), or turns fewer channels than the whole head."""
