@@ -38,7 +38,7 @@ def serve(args) -> None:
         raise UsageError(f"--device {e}") from None
     path = resolve_checkpoint(args.checkpoint) if args.checkpoint else find_latest_checkpoint("runs")
     model, vocab, _ = load_model(path, device, precision=args.precision)
-    runner = EngineRunner(new_engine(args, model), args.max_waiting, args.threads or DEFAULT_THREADS)
+    runner = EngineRunner(new_engine(args, model), vocab.decode, args.max_waiting, args.threads or DEFAULT_THREADS)
     limits = Limits(model_name(path), model.config.block_size, runner.capacity)
     app = build_app(runner, vocab, limits, args.api_key)
     if not is_loopback(args.host) and args.api_key is None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from data import CharVocab
@@ -41,13 +41,13 @@ def build_app(runner: EngineRunner, vocab: CharVocab, limits: Limits, api_key: s
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        return error_response(e)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):  # an unknown route or method
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", kind=kind)
-                            .body(), status_code=e.status_code, headers=getattr(e, "headers", None))
+        return error_response(ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", kind=kind,
+                                       headers=getattr(e, "headers", None)))
 
     @app.get("/", response_class=HTMLResponse)
     async def index():
@@ -64,12 +64,21 @@ def build_app(runner: EngineRunner, vocab: CharVocab, limits: Limits, api_key: s
     async def metrics():
         return PlainTextResponse(runner.metrics.render(runner.gauges), media_type=CONTENT_TYPE)
 
+    served = {"id": limits.model, "object": "model", "created": created, "owned_by": "kvgpt",
+              "max_model_len": limits.context, "vocabulary": vocab.chars}
+
     @app.get("/v1/models")
     async def models(request: Request):
         authorize(request)
-        return {"object": "list", "data": [{"id": limits.model, "object": "model", "created": created,
-                                            "owned_by": "kvgpt", "max_model_len": limits.context,
-                                            "vocabulary": vocab.chars}]}
+        return {"object": "list", "data": [served]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(request: Request, model: str):
+        authorize(request)
+        if model != limits.model:
+            raise ApiError(404, f"the model {model!r} does not exist: this server serves {limits.model!r}", "model",
+                           "model_not_found")
+        return served
 
     @app.get("/pool")
     async def pool(request: Request):
@@ -79,7 +88,7 @@ def build_app(runner: EngineRunner, vocab: CharVocab, limits: Limits, api_key: s
     @app.post("/v1/completions")
     async def completions(request: Request):
         authorize(request)
-        carried = Carried(parse_completion(await read_json(request), vocab, limits), vocab, runner, limits.model)
+        carried = Carried(parse_completion(await read_json(request), vocab, limits), runner, limits.model)
         watcher = asyncio.create_task(watch_disconnect(request, carried))
         if carried.completion.stream:
             async def stream():
@@ -112,6 +121,13 @@ async def read_json(request: Request):
         return json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ApiError(400, "the request body's JSON nests too deep to read") from None
+
+
+def error_response(e: ApiError) -> Response:
+    """OpenAI's error JSON, in ASCII: a field's name from the request may hold characters UTF-8 cannot write."""
+    return Response(json.dumps(e.body()), e.status, e.headers, media_type="application/json")
 
 
 def too_large() -> ApiError:

@@ -1,5 +1,5 @@
-"""One completions request carried out: its jobs submitted to the engine's runner, their tokens turned into
-text and cut at a stop string, and the answer written as OpenAI writes it, whole or as server-sent events."""
+"""One completions request carried out: its jobs submitted to the engine's runner, and their text written as
+OpenAI writes an answer, whole or as server-sent events."""
 
 import asyncio
 import json
@@ -8,51 +8,26 @@ import uuid
 
 import torch
 
-from data import CharVocab
 from .protocol import ApiError, Completion
 from .runner import EngineRunner, Job, QueueFull, Stopping
+from .stops import StopScan
 
 GONE = object()  # put in a request's events when its client has disconnected
-
-
-class StopScan:
-    """A choice's text as it grows: what is safe to send, held back while it could still begin a stop string."""
-
-    def __init__(self, stops: list[str]):
-        self.stops, self.text, self.sent = stops, "", 0
-
-    def feed(self, new: str) -> tuple[str, bool]:
-        """The text now safe to send, and whether a stop string ended the choice (the stop is never sent)."""
-        self.text += new
-        found = [at for at in (self.text.find(stop, self.sent) for stop in self.stops) if at >= 0]
-        if found:
-            self.text = self.text[:min(found)]
-            return self.flush(), True
-        hold = max((k for stop in self.stops for k in range(1, len(stop)) if self.text.endswith(stop[:k])),
-                   default=0)
-        safe = len(self.text) - hold
-        out, self.sent = self.text[self.sent:safe], max(self.sent, safe)
-        return out, False
-
-    def flush(self) -> str:
-        out, self.sent = self.text[self.sent:], len(self.text)
-        return out
 
 
 class Carried:
     """A request's jobs in the engine, and the pieces of text they yield: (choice index, text, finish_reason)."""
 
-    def __init__(self, completion: Completion, vocab: CharVocab, runner: EngineRunner, model: str):
-        self.completion, self.vocab, self.runner, self.model = completion, vocab, runner, model
+    def __init__(self, completion: Completion, runner: EngineRunner, model: str):
+        self.completion, self.runner, self.model = completion, runner, model
         self.id, self.created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         self.events: asyncio.Queue = asyncio.Queue()
         loop, device = asyncio.get_running_loop(), runner.engine.pool.k[0].device
         pairs = [(prompt, ids) for prompt, ids in zip(completion.prompts, completion.prompt_ids)
                  for _ in range(completion.n)]
         self.jobs = [Job(f"{self.id}-{i}", i, prompt, ids, completion.max_tokens, completion.sampling,
-                         seeded(device, completion.seed, i), self.events, loop)
+                         seeded(device, completion.seed, i), StopScan(completion.stop), self.events, loop)
                      for i, (prompt, ids) in enumerate(pairs)]
-        self.drawn = [0] * len(self.jobs)
         try:
             runner.submit(self.jobs)
         except QueueFull as e:
@@ -64,29 +39,16 @@ class Carried:
     async def pieces(self):
         """Each choice's text as it is drawn; ends when every choice has finished. Raises ApiError(503) when the
         server stops under it."""
-        scans = [StopScan(self.completion.stop) for _ in self.jobs]
-        open_jobs = set(range(len(self.jobs)))
-        while open_jobs:
+        running = len(self.jobs)
+        while running:
             job, event = await self.events.get()
             if job is GONE:
                 return
-            if job.index not in open_jobs:  # the engine's last tokens for a choice that a stop string ended
-                continue
             if isinstance(event, Exception):
                 raise ApiError(503, f"the server stopped before the completion ended: {event}", kind="server_error")
-            scan = scans[job.index]
-            if event is None:
-                open_jobs.discard(job.index)
-                yield job.index, scan.flush(), "length"
-                continue
-            self.drawn[job.index] += len(event)
-            text, stopped = scan.feed(self.vocab.decode(event))
-            if stopped:
-                open_jobs.discard(job.index)
-                job.outcome = "stop"
-                self.runner.cancel([job])
-            if text or stopped:
-                yield job.index, text, "stop" if stopped else None
+            text, finish_reason = event
+            running -= finish_reason is not None
+            yield job.index, text, finish_reason
 
     def gone(self) -> None:
         """The client disconnected: its jobs leave the engine, and pieces() ends."""
@@ -94,9 +56,8 @@ class Carried:
         self.events.put_nowait((GONE, None))
 
     def usage(self) -> dict:
-        prompt = sum(len(ids) for ids in self.completion.prompt_ids)
-        return {"prompt_tokens": prompt, "completion_tokens": sum(self.drawn),
-                "total_tokens": prompt + sum(self.drawn)}
+        prompt, drawn = sum(len(ids) for ids in self.completion.prompt_ids), sum(job.drawn for job in self.jobs)
+        return {"prompt_tokens": prompt, "completion_tokens": drawn, "total_tokens": prompt + drawn}
 
     def answer(self, choices: list[dict], usage: dict | None = None) -> dict:
         body = {"id": self.id, "object": "text_completion", "created": self.created,

@@ -15,8 +15,8 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's own default for completions
 MAX_STOPS = 4  # as many stop strings as OpenAI takes
 MAX_SEED = 2**63 - 1
 # Fields OpenAI defines that change nothing at these values; any other value is refused.
-INERT = {"echo": (False,), "logprobs": (None, 0), "best_of": (None, 1), "frequency_penalty": (None, 0),
-         "presence_penalty": (None, 0), "logit_bias": (None, {}), "suffix": (None, "")}
+INERT = {"echo": (None, False), "logprobs": (None,), "best_of": (None, 1), "frequency_penalty": (None, 0, 0.0),
+         "presence_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "suffix": (None, "")}
 FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
           "stream_options", "user", *INERT}
 
@@ -77,14 +77,22 @@ def parse_completion(body, vocab: CharVocab, limits: Limits) -> Completion:
     if len(prompts) * n > limits.max_choices:
         raise ApiError(400, f"{len(prompts)} prompts times n={n} ask for {len(prompts) * n} completions; this "
                             f"server runs and queues at most {limits.max_choices} at once", "n")
-    max_tokens = integer(body, "max_tokens", DEFAULT_MAX_TOKENS, minimum=1)
     longest = max(len(ids) for ids in prompt_ids)
+    if longest >= limits.context:
+        raise ApiError(400, f"this model's context is {limits.context} tokens (max_model_len), and the prompt has "
+                            f"{longest}: a prompt can have at most {limits.context - 1}, so that one new token fits",
+                       "prompt", "context_length_exceeded")
+    max_tokens = integer(body, "max_tokens", DEFAULT_MAX_TOKENS, minimum=1)
     if longest + max_tokens > limits.context:
         raise ApiError(400, f"this model's context is {limits.context} tokens (max_model_len), and the prompt has "
-                            f"{longest}: max_tokens can be at most {max(limits.context - longest, 0)}, got "
+                            f"{longest}: max_tokens can be at most {limits.context - longest}, got "
                             f"{max_tokens}", "max_tokens", "context_length_exceeded")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise ApiError(400, f"user must be a string, got {user!r}", "user")
     return Completion(prompts, prompt_ids, n, max_tokens, parse_sampling(body), parse_seed(body),
-                      parse_stop(body.get("stop")), flag(body, "stream"), parse_stream_options(body))
+                      parse_stop(body.get("stop"), vocab, limits.context), flag(body, "stream"),
+                      parse_stream_options(body))
 
 
 def parse_prompts(prompt) -> list[str]:
@@ -126,11 +134,12 @@ def number(body: dict, name: str):
     return value
 
 
-def flag(body: dict, name: str) -> bool:
-    value = body.get(name, False)
-    if not isinstance(value, bool):
-        raise ApiError(400, f"{name} must be true or false, got {value!r}", name)
-    return value
+def flag(body: dict, name: str, param: str | None = None) -> bool:
+    """A true or false field, false when absent or null; param: the name errors give, name by default."""
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise ApiError(400, f"{name} must be true or false, got {value!r}", param or name)
+    return bool(value)
 
 
 def parse_sampling(body: dict) -> Sampling:
@@ -143,11 +152,11 @@ def parse_sampling(body: dict) -> Sampling:
         raise ApiError(400, f"temperature must be at least 0, got {temperature}", "temperature")
     if top_p is not None and not 0 < top_p <= 1:
         raise ApiError(400, f"top_p must be in (0, 1], got {top_p}", "top_p")
+    top_k, top_p = top_k if top_k and top_k > 0 else None, top_p if top_p not in (None, 1) else None
     try:
-        return Sampling(temperature=1.0 if temperature is None else temperature,
-                        top_k=top_k if top_k and top_k > 0 else None, top_p=top_p if top_p not in (None, 1) else None)
-    except ValueError as e:  # a temperature too small to divide by, or top_k with greedy text
-        raise ApiError(400, str(e), "temperature") from None
+        return Sampling(temperature=1.0 if temperature is None else temperature, top_k=top_k, top_p=top_p)
+    except ValueError as e:  # a temperature too small to divide by, or top_k or top_p with greedy text
+        raise ApiError(400, str(e), ("top_k" if top_k else "top_p") if temperature == 0 else "temperature") from None
 
 
 def parse_seed(body: dict) -> int | None:
@@ -157,10 +166,20 @@ def parse_seed(body: dict) -> int | None:
     return seed
 
 
-def parse_stop(stop) -> list[str]:
+def parse_stop(stop, vocab: CharVocab, context: int) -> list[str]:
+    """The stop strings, each one the model could write: no longer than its context, in its vocabulary."""
     stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not (isinstance(stops, list) and len(stops) <= MAX_STOPS and all(isinstance(s, str) and s for s in stops)):
         raise ApiError(400, f"stop must be a non-empty string or a list of at most {MAX_STOPS} of them", "stop")
+    for s in stops:
+        if len(s) > context:
+            raise ApiError(400, f"a stop string of {len(s)} characters can never end a text: this model's context "
+                                f"is {context} tokens (max_model_len)", "stop")
+        try:
+            vocab.encode(s)
+        except UnknownCharacterError as e:
+            raise ApiError(400, f"a stop string has characters outside the model's vocabulary, so it can never end "
+                                f"a text: {', '.join(map(repr, e.chars))} (GET /v1/models)", "stop") from None
     return stops
 
 
@@ -173,4 +192,4 @@ def parse_stream_options(body: dict) -> bool:
         raise ApiError(400, "stream_options takes only include_usage", "stream_options")
     if not flag(body, "stream"):
         raise ApiError(400, "stream_options applies to a stream: set stream, or leave it out", "stream_options")
-    return flag(options, "include_usage")
+    return flag(options, "include_usage", "stream_options")

@@ -2,13 +2,15 @@
 
 Every completion of every client is a Job in one engine: one pool, continuous batching, the prefix cache
 across requests. The server's event loop submits and cancels jobs; the engine's thread adds them between
-passes, steps, and hands each job its tokens on the loop (loop.call_soon_threadsafe). The thread also draws a
-picture of the engine now and then, which the page and /metrics read: nothing but that thread touches the engine.
+passes, steps, and hands each job its text on the loop (loop.call_soon_threadsafe). The thread cuts the text at
+a stop string, so that a job ends, and says how, in one place. It also draws a picture of the engine now and
+then, which the page and /metrics read: nothing but that thread touches the engine.
 """
 
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +18,7 @@ import torch
 from model import Sampling
 from model.serving.engine import Engine
 from .metrics import Metrics
+from .stops import StopScan
 
 RECENT_SECONDS = 20  # how long the page still shows a finished request
 PICTURE_SECONDS = 0.05  # the engine's picture is drawn again after a pass at most this often
@@ -31,8 +34,8 @@ class Stopping(Exception):
 
 @dataclass(eq=False)
 class Job:
-    """One completion: a prompt continued once. events gets (job, tokens) for each pass's new tokens, then
-    (job, None) when the engine has drawn them all, or (job, an Exception) when the server stops."""
+    """One completion: a prompt continued once. events gets (job, (text, finish_reason)) for each pass's new
+    text, finish_reason "stop" or "length" with the last, or (job, an Exception) when the server stops."""
     id: str
     index: int  # its place in the answer's choices
     prompt: str
@@ -40,6 +43,7 @@ class Job:
     max_tokens: int
     sampling: Sampling
     generator: torch.Generator
+    stops: StopScan
     events: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     submitted: float = field(default_factory=time.monotonic)
@@ -54,10 +58,11 @@ class Job:
 
 
 class EngineRunner:
-    """Runs an Engine in a daemon thread; at most engine.max_batch + max_waiting jobs live at once."""
+    """Runs an Engine in a daemon thread; at most engine.max_batch + max_waiting jobs live at once. decode turns
+    token ids into text."""
 
-    def __init__(self, engine: Engine, max_waiting: int, threads: int):
-        self.engine, self.threads = engine, threads
+    def __init__(self, engine: Engine, decode: Callable[[list[int]], str], max_waiting: int, threads: int):
+        self.engine, self.decode, self.threads = engine, decode, threads
         self.capacity = engine.max_batch + max_waiting
         self.lock = threading.Condition()  # over an RLock: stop() may be called with it held
         self.live: dict[str, Job] = {}  # submitted, not yet ended
@@ -87,7 +92,7 @@ class EngineRunner:
             self.lock.notify()
 
     def cancel(self, jobs: list[Job]) -> None:
-        """Drop jobs whose client has gone or has what it asked for: their blocks go back at the next pass."""
+        """Drop jobs whose client has gone: their blocks go back at the next pass."""
         with self.lock:
             self.cancelling += [job for job in jobs if job.id in self.live]
             self.lock.notify()
@@ -119,7 +124,7 @@ class EngineRunner:
                 for job in self.cancelling:
                     if job.id in self.live:
                         engine.cancel(job.request)
-                        self.end(self.live.pop(job.id), job.outcome or "cancelled")
+                        self.end(self.live.pop(job.id), "cancelled")
                 self.adding, self.cancelling = [], []
             try:
                 drawn = engine.step() if engine.waiting or engine.running else []
@@ -133,7 +138,7 @@ class EngineRunner:
                     self.draw()
 
     def deliver(self, drawn: list[tuple[str, int]]) -> None:
-        """Hand each job its new tokens; a job with all its tokens ends."""
+        """Hand each job its new text; a job ends at a stop string or with all its tokens."""
         now, tokens = time.monotonic(), {}
         for name, token in drawn:
             tokens.setdefault(name, []).append(token)
@@ -146,13 +151,18 @@ class EngineRunner:
                 self.metrics.first_token(now - job.submitted)
             job.drawn += len(new)
             self.metrics.tokens_drawn += len(new)
-            job.tell(new)
-            if job.drawn == job.max_tokens:
-                job.tell(None)
-                self.end(self.live.pop(name), "length")
+            text, stopped = job.stops.feed(self.decode(new))
+            ended = "stop" if stopped else "length" if job.drawn == job.max_tokens else None
+            if ended == "length":
+                text += job.stops.flush()
+            if text or ended:
+                job.tell((text, ended))
+            if ended:
+                self.engine.cancel(job.request)  # a stopped job's blocks go back now (a finished one holds none)
+                self.end(self.live.pop(name), ended)
 
     def end(self, job: Job, outcome: str) -> None:
-        job.finished, job.outcome = time.monotonic(), job.outcome or outcome
+        job.finished, job.outcome = time.monotonic(), outcome
         self.metrics.ended(job.outcome)
         self.recent = [j for j in self.recent if job.finished - j.finished < RECENT_SECONDS] + [job]
 

@@ -4,6 +4,7 @@
 import asyncio
 import http.client
 import json
+import random
 import re
 import time
 import urllib.parse
@@ -67,12 +68,48 @@ def test_a_stop_string_ends_the_text_before_it(server, local_model):
     stop = full[20:23]  # three characters the text reaches
     cut = full[:full.index(stop)]
     whole = client(server).completions.create(model=None, prompt=PROMPTS[0], max_tokens=60, temperature=0,
-                                              stop=[stop, "never in this text \x7f"])
+                                              stop=[stop, "never in this text |~|"])
     assert (whole.choices[0].text, whole.choices[0].finish_reason) == (cut, "stop")
     streamed = list(client(server).completions.create(model=None, prompt=PROMPTS[0], max_tokens=60, temperature=0,
                                                       stop=stop, stream=True))
     assert "".join(c.choices[0].text for c in streamed) == cut
     assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_a_stop_string_that_ends_at_the_last_token_is_a_stop_in_the_answer_and_the_metrics(server, local_model):
+    full = greedy_alone(local_model, PROMPTS[0], 20)
+    cut = next(k for k in range(19, -1, -1) if full.index(full[k:]) == k)  # the shortest end found nowhere before
+    before = metrics(server)
+    answer = client(server).completions.create(model=None, prompt=PROMPTS[0], max_tokens=20, temperature=0,
+                                               stop=full[cut:], n=4)
+    assert {(c.text, c.finish_reason) for c in answer.choices} == {(full[:cut], "stop")}
+    after = metrics(server)
+    assert [after[f'kvgpt_requests_total{{outcome="{outcome}"}}'] - before[f'kvgpt_requests_total{{outcome="{outcome}"}}']
+            for outcome in ("stop", "length")] == [4, 0]
+
+
+def test_stop_strings_cut_the_text_where_a_written_out_search_cuts_it():
+    """Random texts over two letters, fed a character at a time as the engine draws them: what is sent is the text up
+    to the stop that ends first, and what is held back is the longest end of the text so far that begins a stop,
+    found by trying every length."""
+    from server.stops import StopScan
+    rng = random.Random(0)
+    for _ in range(3000):
+        text = "".join(rng.choice("ab") for _ in range(rng.randint(1, 30)))
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 3))]
+        end = next((e for e in range(len(text) + 1) if any(text[:e].endswith(stop) for stop in stops)), None)
+        cut = None if end is None else end - max(len(stop) for stop in stops if text[:end].endswith(stop))
+        scan, sent, stopped = StopScan(stops), "", False
+        for at in range(len(text)):
+            out, stopped = scan.feed(text[at])
+            sent += out
+            if stopped:
+                break
+            fed = text[:at + 1]
+            held = max(k for k in range(len(fed) + 1) for stop in stops if k < len(stop) and fed.endswith(stop[:k]))
+            assert sent == fed[:len(fed) - held], (text, stops, fed)
+        sent += "" if stopped else scan.flush()
+        assert (sent, stopped) == ((text[:cut], True) if end is not None else (text, False)), (text, stops)
 
 
 def test_sixteen_clients_at_once_sharing_prefixes_each_get_their_text_alone(server, local_model):
@@ -157,6 +194,9 @@ def test_clients_that_drop_mid_stream_are_cancelled_and_their_blocks_freed(serve
 def test_models_health_and_metrics_say_what_is_served(server):
     models = client(server).models.list().data
     assert len(models) == 1 and models[0].id.endswith("/best") and models[0].owned_by == "kvgpt"
+    assert client(server).models.retrieve(models[0].id) == models[0]
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client(server).models.retrieve("gpt-4")
     assert get_json(server.url + "/health") == {"status": "ok"}
     with urllib.request.urlopen(server.url + "/metrics", timeout=30) as response:
         assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")

@@ -45,21 +45,34 @@ BAD = [  # body, status, the parameter named, a fragment of the message
     ({"prompt": "ok", "max_tokens": -3}, 400, "max_tokens", "at least 1, got -3"),
     ({"prompt": LONG, "max_tokens": 7}, 400, "max_tokens", "context is 256 tokens (max_model_len), and the prompt "
                                                            "has 250: max_tokens can be at most 6"),
+    ({"prompt": "a" * 256}, 400, "prompt", "has 256: a prompt can have at most 255"),
     ({"prompt": "ok", "temperature": -0.5}, 400, "temperature", "at least 0"),
     ({"prompt": "ok", "temperature": "hot"}, 400, "temperature", "must be a number"),
     ({"prompt": "ok", "top_p": 0}, 400, "top_p", "(0, 1]"),
     ({"prompt": "ok", "top_p": 1.5}, 400, "top_p", "(0, 1]"),
     ({"prompt": "ok", "top_k": 2.5}, 400, "top_k", "integer"),
-    ({"prompt": "ok", "temperature": 0, "top_k": 5}, 400, "temperature", "top_k and top_p apply to sampled text"),
+    ({"prompt": "ok", "temperature": 0, "top_k": 5}, 400, "top_k", "top_k and top_p apply to sampled text"),
+    ({"prompt": "ok", "temperature": 0, "top_p": 0.5}, 400, "top_p", "top_k and top_p apply to sampled text"),
     ({"prompt": "ok", "stream": "yes"}, 400, "stream", "true or false"),
+    ({"prompt": "ok", "stream": True, "stream_options": {"include_usage": "yes"}}, 400, "stream_options",
+     "include_usage must be true or false"),
     ({"prompt": "ok", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "at most 4"),
+    ({"prompt": "ok", "stop": ["ok", "x" * 257]}, 400, "stop", "of 257 characters can never end a text"),
+    ({"prompt": "ok", "stop": "x" * 1_000_000}, 400, "stop", "of 1000000 characters can never end a text"),
+    ({"prompt": "ok", "stop": ["ok", "café"]}, 400, "stop", "outside the model's vocabulary, so it can never end a "
+                                                            "text: 'é'"),
+    ({"prompt": "ok", "user": 5}, 400, "user", "user must be a string"),
     ({"prompt": "ok", "seed": -1}, 400, "seed", "seed must be an integer"),
     ({"prompt": "ok", "n": 0}, 400, "n", "at least 1"),
     ({"prompt": "ok", "logprobs": 3}, 400, "logprobs", "not supported"),
+    ({"prompt": "ok", "logprobs": 0}, 400, "logprobs", "not supported"),  # OpenAI's 0 still gives the drawn token's
     ({"prompt": "naïve café €"}, 400, "prompt", "outside the model's vocabulary: 'é', 'ï', '€'"),
     ({"prompt": "ok", "model": "../../etc/passwd"}, 404, "model", "does not exist"),
     ({"prompt": "ok", "checkpoint": "/etc/passwd"}, 400, "checkpoint", "unknown field 'checkpoint'"),
     (b'{"prompt": "' + b"a" * (1 << 20) + b'"}', 413, None, "over 1048576 bytes"),
+    (b"[" * 100_000 + b"]" * 100_000, 400, None, "nests too deep"),
+    (b'{"prompt": "ok", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None, "nests too deep"),
+    (b'{"prompt": "ok", "\\ud800": 1}', 400, "\ud800", "unknown field '\\ud800'"),  # a lone surrogate as a name
 ]
 
 
@@ -72,6 +85,14 @@ def test_a_bad_request_gets_openai_error_json_with_its_status_and_the_server_goe
     assert answer["error"]["param"] == param and answer["error"]["type"]
     ok, _, answer = post(server, {"prompt": "still", "max_tokens": 3, "temperature": 0})
     assert ok == 200 and len(answer["choices"][0]["text"]) == 3
+
+
+def test_fields_at_the_values_that_change_nothing_are_taken(server):
+    """OpenAI's defaults, null included, and a zero penalty written as a float, as OpenAI's own client writes it."""
+    for field, value in (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("frequency_penalty", 0),
+                         ("echo", None), ("echo", False), ("logprobs", None), ("stream", None), ("user", "me")):
+        status, _, answer = post(server, {"prompt": "ok", "max_tokens": 3, "temperature": 0, field: value})
+        assert status == 200 and len(answer["choices"][0]["text"]) == 3, (field, value, answer)
 
 
 def test_unknown_routes_and_methods_get_error_json(server):
