@@ -56,7 +56,7 @@ texts_rc=1
 if [ "$train_rc" = 0 ]; then
     for way in cached uncached captured; do
         flags=(); [ $way = uncached ] && flags=(--no-kv-cache); [ $way = cached ] && flags=(--no-compile)
-        bounded 20 "$python" sample.py --checkpoint "$run" --device cuda --seed 1 --temperature 0 --max-new-tokens 600 \
+        bounded 20 "$python" sample.py --checkpoint "$run" --device cuda --temperature 0 --max-new-tokens 600 \
             --prompt "ROMEO:" "${flags[@]}" >"$out/text-$way.txt" 2>>"$out/texts.log"
     done
     if cmp -s "$out/text-cached.txt" "$out/text-uncached.txt" && cmp -s "$out/text-cached.txt" "$out/text-captured.txt"

@@ -106,6 +106,12 @@ def check_options(args) -> None:
         raise UsageError(f"--num-samples must be >= 1, got {args.num_samples}")
     if args.seed is not None and not 0 <= args.seed <= MAX_GENERATOR_SEED:
         raise UsageError(f"--seed must be in [0, {MAX_GENERATOR_SEED}], got {args.seed}")
+    if args.temperature == 0 and args.seed is not None:
+        raise UsageError("--seed applies to sampled text: temperature 0 takes the likeliest token, drawing nothing; "
+                         "drop --seed, or give a temperature")
+    if args.temperature == 0 and args.num_samples > 1:
+        raise UsageError(f"--num-samples {args.num_samples} at temperature 0 would print one greedy text "
+                         f"{args.num_samples} times; drop --num-samples, or give a temperature")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
     if args.threads is not None and (why := threads_refused(args.threads)):
