@@ -23,7 +23,7 @@ from pathlib import Path  # noqa: E402
 
 from exporting.folder import FORMATS, export  # noqa: E402
 from runtime.errors import (Interrupted, OneLineErrorParser, OutputError, fail, flush_standard_output,  # noqa: E402
-                            mistakes, ready_standard_streams, silence)
+                            mistakes, one_line, ready_standard_streams, silence)
 from runtime.signals import StopSignals  # noqa: E402
 
 
@@ -41,6 +41,18 @@ def build_parser() -> OneLineErrorParser:
     return parser
 
 
+def say_exported(line: str) -> None:
+    """The export's last line. The export is whole by then: if the line cannot be written, the error says so."""
+    try:
+        print(line)
+        flush_standard_output()
+    except BrokenPipeError:  # the reader stopped early: nothing more is wanted
+        raise
+    except (OSError, OutputError) as e:
+        silence(sys.stdout)  # what it still holds would fail again, and hide this error
+        raise OutputError(f"{line}, but could not say so on standard output ({one_line(e)})") from None
+
+
 def main(argv=None) -> None:
     parser = build_parser()
     try:
@@ -52,7 +64,7 @@ def main(argv=None) -> None:
                     raise Interrupted(EARLY_SIGNALS[0])
                 out = export(args.checkpoint, args.out, args.format, args.precision, signals,
                              warn=lambda line: print(f"{parser.prog}: warning: {line}", file=sys.stderr))
-                print(f"exported {args.checkpoint} to {out} ({args.format})")
+                say_exported(f"exported {args.checkpoint} to {out} ({args.format})")
             finally:  # --help's text too: a write that fails is one line, here
                 flush_standard_output()
     except BrokenPipeError:  # the reader stopped early (`--help | head`): nothing more is wanted

@@ -76,3 +76,14 @@ def test_a_program_whose_text_is_cut_short_does_not_end_with_success(tmp_path, p
     assert line in (f"{program}: error: cannot write to standard output (File too large)",
                     f"{program}: error: File too large: standard output")
     assert written == whole[:len(whole) - SPARE]
+
+
+@pytest.mark.parametrize("unbuffered", [True, False], ids=["unbuffered", "buffered"])
+def test_an_export_whose_last_line_cannot_be_written_says_it_is_whole(checkpoint, tmp_path, unbuffered):
+    """The folder is written before the line that says so: a script told only "failed" would retry, and be refused."""
+    pytest.importorskip("transformers", reason="export.py's packages are not installed")
+    command = [sys.executable, str(REPO / "export.py"), "--checkpoint", str(checkpoint), str(tmp_path / "out")]
+    result, written = run_near_limit(command, tmp_path, 10, unbuffered)
+    assert_one_line_error(result, "export.py", f"exported {checkpoint} to {tmp_path / 'out'} (hf), but could not say "
+                                               "so on standard output", "File too large", status=1)
+    assert (tmp_path / "out" / "config.json").is_file() and (tmp_path / "out" / "model.safetensors").is_file()
