@@ -14,7 +14,7 @@ from pathlib import Path
 from runtime.checkpoint import load_model, resolve_checkpoint
 from runtime.errors import Interrupted, OutputError, UsageError, one_line
 from runtime.files import cannot_make_a_file_in
-from runtime.hf import check_layers, model_type, to_hf
+from runtime.hf import GGUF_FILE, ONNX_FILE, check_layers, model_type, to_hf
 from runtime.tokenizer import write_tokenizer
 
 from .card import facts, generation_config, model_card
@@ -132,10 +132,10 @@ def writes(model, vocab, contents: dict, kind: str, fmt: str) -> list:
         if fmt == "hf":
             write_hf(model, contents, folder)
         elif fmt == "gguf":  # one file, its tokenizer inside
-            write_gguf(model, vocab, folder / "model.gguf")
+            write_gguf(model, vocab, folder / GGUF_FILE)
         else:
             from .onnx import write_onnx
-            write_onnx(model, folder / "model.onnx")
+            write_onnx(model, folder / ONNX_FILE)
 
     card = model_card(model.config, kind, fmt, contents)
     tokenizer = [] if fmt == "gguf" else [lambda folder: write_tokenizer(vocab, folder)]

@@ -34,8 +34,8 @@ from model.checks import is_integer
 from model.decoding.quantize import to_precision
 
 from .errors import CheckpointError, OutputError, one_line
-from .files import write_atomically
-from .hf import is_export, read_export
+from .files import special_kind, write_atomically
+from .hf import is_export, read_export, unreadable_export
 
 FORMAT = "kvgpt-checkpoint"
 VERSION = 2  # bump when the layout changes; older files then get a clear error instead of a wrong model
@@ -100,8 +100,17 @@ def resolve_checkpoint(path, prefer: str = "best.pt") -> Path:
         if runs:  # a folder of runs, such as runs/
             raise CheckpointError(f"{path} is no run directory but holds {len(runs)} below it ({runs[0]}"
                                   f"{f' ... {runs[-1]}' if len(runs) > 1 else ''}); pass one of them")
+        if kind := unreadable_export(path):
+            raise CheckpointError(f"{path} is {kind}, which kvgpt does not read back; pass the checkpoint it was "
+                                  f"exported from, or an export in the hf format (export.py's default)")
         raise CheckpointError(f"run directory {path} holds neither {prefer} nor {fallback}; "
                               f"train with `python train.py` or pass a checkpoint file")
+    try:
+        kind = special_kind(path.resolve())
+    except (OSError, RuntimeError) as e:  # a loop of links
+        raise CheckpointError(f"{path}: cannot follow its links ({one_line(e)}); pass a checkpoint file") from None
+    if kind:
+        raise CheckpointError(f"{path} is {kind}, not a checkpoint file; pass a checkpoint file or a run directory")
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}; train one with `python train.py` or pass an existing file")
     return path

@@ -229,9 +229,18 @@ def from_hf(hf: dict, tensors: dict[str, torch.Tensor]) -> tuple[GPTConfig, dict
     return config, {name: w.contiguous() for name, w in state.items()}
 
 
+ONNX_FILE, GGUF_FILE = "model.onnx", "model.gguf"  # the model's file in export.py's onnx and gguf folders
+UNREADABLE_EXPORTS = {ONNX_FILE: "an ONNX export", GGUF_FILE: "a GGUF export (llama.cpp's)"}  # not read back
+
+
 def is_export(path: Path) -> bool:
     """Whether path is a folder that `export.py --format hf` wrote."""
     return path.is_dir() and (path / "config.json").is_file() and (path / "model.safetensors").is_file()
+
+
+def unreadable_export(path: Path) -> str | None:
+    """What export path is when export.py wrote it in a format kvgpt does not read back, else None."""
+    return next((kind for name, kind in UNREADABLE_EXPORTS.items() if (path / name).is_file()), None)
 
 
 def read_export(folder: Path) -> tuple[GPTConfig, dict[str, torch.Tensor], CharVocab, dict]:

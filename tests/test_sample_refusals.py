@@ -83,3 +83,18 @@ def test_the_memory_check_counts_the_cache_the_decoder_really_builds(monkeypatch
         else:
             with pytest.raises(UsageError, match="need 0.0 GiB of KV cache and tokens"):
                 check_samples_fit_memory(args, 1, model, torch.device("cpu"))
+
+
+def test_a_checkpoint_that_is_no_file_or_an_export_not_read_back_says_what_it_is(tmp_path):
+    os.mkfifo(tmp_path / "fifo")  # opening it would wait for a writer
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    for fmt, name, kind in (("onnx", "model.onnx", "an ONNX export"), ("gguf", "model.gguf", "a GGUF export")):
+        (tmp_path / fmt).mkdir()
+        (tmp_path / fmt / name).write_bytes(b"\0")
+        result = subprocess.run(sample_command(tmp_path / fmt), env=ENV, capture_output=True, text=True, timeout=120)
+        assert_one_line_error(result, "sample.py", f"{tmp_path / fmt} is {kind}", "pass the checkpoint it was "
+                              "exported from, or an export in the hf format")
+    result = subprocess.run(sample_command(tmp_path / "fifo"), env=ENV, capture_output=True, text=True, timeout=120)
+    assert_one_line_error(result, "sample.py", f"{tmp_path / 'fifo'} is a pipe (FIFO), not a checkpoint file")
+    result = subprocess.run(sample_command(tmp_path / "loop"), env=ENV, capture_output=True, text=True, timeout=120)
+    assert_one_line_error(result, "sample.py", f"{tmp_path / 'loop'}: cannot follow its links")
