@@ -52,6 +52,10 @@ def memory_needed(config: GPTConfig, batch_size: int) -> int:
     return 16 * n_params + 2 * batch_size * config.block_size * config.n_layer * config.n_embd
 
 
+# The largest share of the device's memory a KV cache may take: sample.py's samples with their tokens, serve.py's pool.
+MEMORY_SHARE = 0.5
+
+
 def memory_of(device: torch.device) -> int:
     """The device's total memory in bytes (the machine's for cpu and mps)."""
     if device.type == "cuda":

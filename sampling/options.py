@@ -15,13 +15,12 @@ from model.decoding.quantize import DECODING_PRECISIONS
 from model.caches.factory import kv_cache_dtype
 from model.serving.engine import check_servable
 from .compiled_step import COMPILE_PAYS_AFTER, DEVICES as STEP_DEVICES
-from runtime.devices import environment_threads, memory_of, threads_refused
+from runtime.devices import MEMORY_SHARE, environment_threads, memory_of, threads_refused
 from runtime.errors import OneLineErrorParser, UsageError, one_line
 from runtime.files import cannot_write_atomically, special_kind
 
 MAX_NEW_TOKENS = 500  # --max-new-tokens's default
 MAX_GENERATOR_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
-MEMORY_SHARE = 0.5  # the largest share of the device's memory that the samples' KV cache and tokens may take
 SPECULATE_K = 4  # --speculate-k's default
 
 

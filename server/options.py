@@ -8,7 +8,8 @@ from pathlib import Path
 
 from model.decoding.quantize import DECODING_PRECISIONS
 from model.serving.engine import Engine, check_servable
-from runtime.devices import threads_refused
+from model.serving.paged import BlockPool
+from runtime.devices import MEMORY_SHARE, memory_of, threads_refused
 from runtime.errors import OneLineErrorParser, UsageError
 
 BLOCK_TOKENS = 16  # --block-tokens's default, as vLLM's
@@ -75,7 +76,27 @@ def new_engine(args, model) -> Engine:
     if blocks < per_context:
         raise UsageError(f"--blocks {blocks} cannot hold one full context: this model's {model.config.block_size} "
                          f"tokens take {per_context} blocks of {bt}")
+    check_pool_fits(args, model, blocks)
     return Engine(model, n_blocks=blocks, block_tokens=bt, max_batch=args.max_batch, int8=args.kv_cache == "int8")
+
+
+def check_pool_fits(args, model, blocks: int) -> None:
+    """Refuse, before allocating it, a pool larger than the share of memory a KV cache may take (MEMORY_SHARE)."""
+    bt, int8, device = args.block_tokens, args.kv_cache == "int8", next(model.parameters()).device
+    memory = memory_of(device)
+
+    def fits(n_blocks: int, rows: int) -> bool:
+        return BlockPool.bytes_needed(model, n_blocks, bt, int8, rows) <= MEMORY_SHARE * memory
+
+    if fits(blocks, args.max_batch):
+        return
+    # the option to lower: the first whose least value still leaves the pool too large
+    lower = "--block-tokens" if not fits(-(-model.config.block_size // bt), 1) else \
+        "--blocks" if args.blocks is not None and not fits(blocks, 1) else "--max-batch"
+    needed = BlockPool.bytes_needed(model, blocks, bt, int8, args.max_batch)
+    raise UsageError(f"a pool of {blocks} blocks of {bt} tokens for --max-batch {args.max_batch} needs "
+                     f"{needed / 2**30:.1f} GiB, more than {MEMORY_SHARE:.0%} of the {memory / 2**30:.1f} GiB of "
+                     f"{device.type} memory; lower {lower}")
 
 
 def model_name(path: Path) -> str:

@@ -192,6 +192,8 @@ def test_mistakes_at_start_are_one_line_with_status_2(checkpoint, local_window_c
     assert_one_line_error(serve("--checkpoint", checkpoint, "--blocks", 3), "serve.py",
                           "--blocks 3 cannot hold one full context")
     assert_one_line_error(serve("--checkpoint", checkpoint, "--max-batch", 0), "serve.py", "--max-batch must be >= 1")
+    assert_one_line_error(serve("--checkpoint", checkpoint, "--max-batch", 10**8), "serve.py",
+                          "GiB of cpu memory; lower --max-batch")  # refused before it is allocated
     assert_one_line_error(serve("--checkpoint", checkpoint, "--api-key", " "), "serve.py", "--api-key is empty")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

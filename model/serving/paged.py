@@ -14,6 +14,7 @@ requests over the pool.
 
 import hashlib
 import itertools
+import math
 from collections import OrderedDict
 
 import torch
@@ -32,32 +33,48 @@ class BlockPool:
     """n_blocks blocks of block_tokens slots, for every layer's keys and values, and their bookkeeping."""
 
     def __init__(self, model, n_blocks: int, block_tokens: int, int8: bool = False, max_rows: int = 1):
-        shape = cache_shape(model, 1)
-        # one block more than the pool hands out: its first slot takes the keys of rows' padding (PagedPass)
-        slots, heads, width = (n_blocks + 1) * block_tokens, shape["n_kv_head"], shape["head_dim"]
         device = next(model.parameters()).device
         self.dtype = model.attention_dtype  # what attention computes in
-        # name: per layer (slots, n_kv_head, width), one slot per row, for index_copy_ and gathers. int8 keys and
-        # values keep a scale per slot and head beside them (model/caches/int8.py)
-        self.buffers = {name: [torch.zeros(slots, heads, 1 if name.endswith("scale") else width, device=device,
-                                           dtype=KV_SCALE_DTYPE if name.endswith("scale") else
-                                           torch.int8 if int8 else self.dtype) for _ in range(shape["n_kv_layer"])]
-                        for name in ("k", "v", *(("k_scale", "v_scale") if int8 else ()))}
+        layers, stored, gathered = self.layout(model, n_blocks, block_tokens, int8, max_rows)
+        self.buffers = {name: [torch.zeros(dims, dtype=dtype, device=device) for _ in range(layers)]
+                        for name, (dims, dtype) in stored.items()}
         self.k, self.v = self.buffers["k"], self.buffers["v"]
         self.int8 = int8
         self.n_blocks, self.block_tokens = n_blocks, block_tokens
         self.scratch = n_blocks * block_tokens
         self.table_width = -(-model.config.block_size // block_tokens)  # the most blocks a request holds
-        # What a pass reads, gathered into buffers made once: a fresh one each layer costs more than the gather.
-        # One serves every layer in turn, as a layer's attention is done with its keys before the next reads.
-        self.gathered = {name: torch.empty(max_rows * self.table_width, block_tokens, *tensors[0].shape[1:],
-                                           dtype=tensors[0].dtype, device=device)
-                         for name, tensors in self.buffers.items()}
+        self.gathered = {name: torch.empty(dims, dtype=dtype, device=device) for name, (dims, dtype) in
+                         gathered.items()}
         self.refs = [0] * n_blocks
         self.free = list(range(n_blocks - 1, -1, -1))  # never named, or named no longer
         self.idle: OrderedDict[int, None] = OrderedDict()  # named blocks nobody reads, least recently used first
         self.by_hash: dict[bytes, int] = {}
         self.hash_of: dict[int, bytes] = {}
+
+    @staticmethod
+    def layout(model, n_blocks: int, block_tokens: int, int8: bool = False, max_rows: int = 1):
+        """What a pool allocates, without allocating it: its layers, and per name the shape and dtype of each
+        layer's stored tensor and of the one gathered tensor."""
+        shape = cache_shape(model, 1)
+        # one block more than the pool hands out: its first slot takes the keys of rows' padding (PagedPass)
+        slots, heads, width = (n_blocks + 1) * block_tokens, shape["n_kv_head"], shape["head_dim"]
+        # name: per layer (slots, n_kv_head, width), one slot per row, for index_copy_ and gathers. int8 keys and
+        # values keep a scale per slot and head beside them (model/caches/int8.py)
+        stored = {name: ((slots, heads, 1 if name.endswith("scale") else width),
+                         KV_SCALE_DTYPE if name.endswith("scale") else torch.int8 if int8 else model.attention_dtype)
+                  for name in ("k", "v", *(("k_scale", "v_scale") if int8 else ()))}
+        # What a pass reads, gathered into buffers made once: a fresh one each layer costs more than the gather.
+        # One serves every layer in turn, as a layer's attention is done with its keys before the next reads.
+        rows = max_rows * -(-model.config.block_size // block_tokens)
+        gathered = {name: ((rows, block_tokens, *dims[1:]), dtype) for name, (dims, dtype) in stored.items()}
+        return shape["n_kv_layer"], stored, gathered
+
+    @staticmethod
+    def bytes_needed(model, n_blocks: int, block_tokens: int, int8: bool = False, max_rows: int = 1) -> int:
+        """The bytes BlockPool(model, n_blocks, block_tokens, int8, max_rows) allocates for keys and values."""
+        layers, stored, gathered = BlockPool.layout(model, n_blocks, block_tokens, int8, max_rows)
+        specs = [*stored.values()] * layers + [*gathered.values()]
+        return sum(math.prod(dims) * dtype.itemsize for dims, dtype in specs)
 
     @property
     def nbytes(self) -> int:
