@@ -54,6 +54,8 @@ def check_options(args) -> None:
         value = getattr(args, name)
         if value is not None and value < least:
             raise UsageError(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
+    if not args.host.strip():  # an empty host would listen on every address
+        raise UsageError("--host is empty: give the address to listen on, or leave it out for 127.0.0.1")
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be from 0 to 65535, got {args.port}")
     if args.threads is not None and (why := threads_refused(args.threads)):

@@ -1,4 +1,5 @@
-"""serve.py's options, checked in this process: the pool's size against memory before it is allocated."""
+"""serve.py's options, checked in this process: the host, and the pool's size against memory before it is
+allocated."""
 
 import argparse
 
@@ -32,3 +33,9 @@ def test_a_pool_beyond_its_share_of_memory_is_refused_before_it_is_made(monkeypa
     monkeypatch.setattr(BlockPool, "__init__", lambda *a, **k: pytest.fail("the pool was made"))
     with pytest.raises(UsageError, match=f"GiB, more than 50% of the 1.0 GiB of cpu memory; lower {lower}$"):
         options.new_engine(args(**given), model)
+
+
+@pytest.mark.parametrize("host", ["", " "])
+def test_an_empty_host_is_refused_rather_than_every_address_listened_on(host):
+    with pytest.raises(UsageError, match="^--host is empty"):
+        options.check_options(args(host=host))
