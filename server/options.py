@@ -60,10 +60,25 @@ def check_options(args) -> None:
         raise UsageError(f"--port must be from 0 to 65535, got {args.port}")
     if args.threads is not None and (why := threads_refused(args.threads)):
         raise UsageError(f"--threads {why}")
-    if args.api_key is None:
-        args.api_key = os.environ.get(KEY_VARIABLE) or None
-    if args.api_key is not None and not args.api_key.strip():
-        raise UsageError("--api-key is empty: give a key, or leave it out")
+    source = "--api-key"
+    if args.api_key is None and os.environ.get(KEY_VARIABLE):  # an empty variable is taken as unset
+        args.api_key, source = os.environ[KEY_VARIABLE], KEY_VARIABLE
+    if args.api_key is not None:
+        check_api_key(args.api_key, source)
+
+
+def check_api_key(key: str, source: str) -> None:
+    """Refuse a key that no client could send as it is: clients strip spaces and encode non-ASCII differently."""
+    if not key.strip():
+        raise UsageError(f"{source} is empty: give a key, or leave it out" if source == "--api-key" else
+                         f"{source} is empty: set a key in it, or unset it")
+    if key != key.strip():
+        raise UsageError(f"{source} starts or ends with whitespace, which HTTP clients drop, so none could "
+                         f"authenticate: give the key without it")
+    odd = sorted({c for c in key if not " " <= c <= "~"})
+    if odd:
+        raise UsageError(f"{source} has characters that are not printable ASCII ({', '.join(map(repr, odd))}), "
+                         f"which clients send in different encodings: use letters, digits and punctuation")
 
 
 def new_engine(args, model) -> Engine:

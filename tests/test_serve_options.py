@@ -1,7 +1,8 @@
-"""serve.py's options, checked in this process: the host, and the pool's size against memory before it is
+"""serve.py's options, checked in this process: the host, the API key, and the pool's size against memory before it is
 allocated."""
 
 import argparse
+import re
 
 import pytest
 
@@ -39,3 +40,18 @@ def test_a_pool_beyond_its_share_of_memory_is_refused_before_it_is_made(monkeypa
 def test_an_empty_host_is_refused_rather_than_every_address_listened_on(host):
     with pytest.raises(UsageError, match="^--host is empty"):
         options.check_options(args(host=host))
+
+
+@pytest.mark.parametrize("key, fragment", [(" ", "is empty"), ("abc ", "starts or ends with whitespace"),
+                                           ("\tabc", "starts or ends with whitespace"),
+                                           ("clé", "has characters that are not printable ASCII ('é')"),
+                                           ("a\x7fb", "has characters that are not printable ASCII ('\\x7f')")])
+def test_a_key_no_client_could_send_is_refused_by_the_name_it_came_by(monkeypatch, key, fragment):
+    monkeypatch.delenv(options.KEY_VARIABLE, raising=False)
+    with pytest.raises(UsageError, match=f"^--api-key {re.escape(fragment)}"):
+        options.check_options(args(api_key=key))
+    monkeypatch.setenv(options.KEY_VARIABLE, key)
+    with pytest.raises(UsageError, match=f"^KVGPT_API_KEY {re.escape(fragment)}"):
+        options.check_options(args())
+    monkeypatch.setenv(options.KEY_VARIABLE, "s3 cret!~")  # a space inside is sent as it is
+    assert options.check_options(given := args()) is None and given.api_key == "s3 cret!~"
