@@ -23,7 +23,7 @@ except ImportError as missing:  # the optional extra is not installed
     NEEDS = f"serve.py needs fastapi and uvicorn ({missing.name} is missing): pip install -r requirements-serve.txt"
 else:
     NEEDS = ""
-from server.options import build_parser, check_options, is_loopback, listening_socket, model_name, new_engine
+from server.options import build_parser, check_options, listening_socket, model_name, new_engine, open_warning
 from server.protocol import Limits
 from server.runner import EngineRunner
 
@@ -41,14 +41,13 @@ def serve(args) -> None:
     runner = EngineRunner(new_engine(args, model), vocab.decode, args.max_waiting, args.threads or DEFAULT_THREADS)
     limits = Limits(model_name(path), model.config.block_size, runner.capacity)
     app = build_app(runner, vocab, limits, args.api_key)
-    if not is_loopback(args.host) and args.api_key is None:
-        print(f"warning: listening on {args.host} without an API key: anyone who reaches this machine can use it "
-              f"(give --api-key)", file=sys.stderr)
     sock = listening_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     print(f"serving {path} as {limits.model!r} on {device.type}: http://{shown}:{port} (the page), "
           f"http://{shown}:{port}/v1 (the API)", flush=True)
+    if warning := open_warning(args.host, args.api_key):  # once bound: a host it cannot listen on is an error alone
+        print(warning, file=sys.stderr)
     runner.start()
     StoppingServer(app, runner).run(sockets=[sock])
 

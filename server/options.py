@@ -145,3 +145,11 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return host == "localhost"
+
+
+def open_warning(host: str, api_key: str | None) -> str | None:
+    """The warning for a server that anyone who reaches the machine can use; None when it needs a key or stays on it."""
+    if api_key is None and not is_loopback(host):
+        return (f"warning: listening on {host} without an API key: anyone who reaches this machine can use it "
+                f"(give --api-key)")
+    return None
