@@ -30,7 +30,6 @@ from pathlib import Path
 import hydra
 import torch
 import torch.distributed as dist
-from hydra._internal.utils import get_args_parser
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
@@ -38,11 +37,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from model import build_model
 from runtime.devices import choose_device, keep_freed_memory, thread_counts
-from runtime.errors import (ConfigError, OutputError, UsageError, exit_status, fail, flush_standard_output,
+from runtime.errors import (ConfigError, OutputError, exit_status, fail, flush_standard_output,
                             one_line, ready_standard_streams, silence, write_line)
 from training.budget import process_started
 from training.config import explained, register, validate
 from training.distributed import init_distributed, is_rank_zero
+from training.flags import read_flags
 from training.loop import Stopped, Trainer
 from training.planning import check_start
 from training.resume import resumed_settings
@@ -176,18 +176,6 @@ def hydra_main(cfg: DictConfig) -> float | None:
         failed_jobs.append(exit_status(e))  # the sweep goes on with its other jobs, and fails at its end
 
 
-def check_flags(argv: list[str]) -> None:
-    """The command line read by Hydra's own parser, as hydra.main will read it, but a mistake in one line rather
-    than after argparse's usage block."""
-    parser = get_args_parser()
-
-    def error(message):
-        raise UsageError(f"{message}; python train.py --help lists the flags, which go before the overrides")
-
-    parser.error = error
-    parser.parse_args(argv)
-
-
 if __name__ == "__main__":
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises its errors as they are, for fail() to report in one line
     keep_freed_memory()
@@ -196,7 +184,7 @@ if __name__ == "__main__":
     try:
         ready_standard_streams()
         try:
-            check_flags(sys.argv[1:])
+            read_flags(sys.argv[1:])
             sys.stdout.reconfigure(line_buffering=True)  # evaluation lines reach a log file as they happen
             hydra_main()
         finally:  # --help's and --cfg's text too: a write that fails is one line, here

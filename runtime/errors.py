@@ -160,7 +160,12 @@ def flush_standard_output() -> None:
     except BrokenPipeError:  # `| head`: nothing more was wanted
         silence(sys.stdout)
     except OSError as e:
-        raise OutputError(f"cannot write to standard output ({e.strerror or e})") from None
+        raise unwritable_output(e) from None
+
+
+def unwritable_output(error: OSError) -> OutputError:
+    """The error for a write to standard output that failed."""
+    return OutputError(f"cannot write to standard output ({error.strerror or error})")
 
 
 def silence(stream) -> None:
@@ -178,7 +183,7 @@ def write_line(text: str) -> None:
         tqdm.write(text, file=sys.stdout)
         sys.stdout.flush()
     except OSError as e:
-        raise OutputError(f"cannot write to standard output ({e.strerror or e})") from None
+        raise unwritable_output(e) from None
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
