@@ -79,14 +79,14 @@ def main(cfg: DictConfig, run_dir, preset: str | None = None, named: set[str] | 
         torch.manual_seed(settings.train.seed + rank)  # dropout differs between processes, like their batches
         model = build_model(model_config).to(device)
         used = {**settings.config, "model": dataclasses.asdict(model_config)}  # vocab_size filled in from the data
-        with events(run_dir, OmegaConf.to_yaml(used), resumed, rank) as (summaries, begin):
-            trainer = Trainer(settings, model, data, device, run_dir, summaries, resumed, rank, world_size,
-                              started_at, run_id=run_id, thread_counts=counts, chosen=kept_on_resume(settings, named))
+        with events(run_dir, OmegaConf.to_yaml(used), resumed, rank) as (summaries, watch):
+            trainer = watch(Trainer(settings, model, data, device, run_dir, summaries, resumed, rank, world_size,
+                                    started_at, run_id=run_id, thread_counts=counts,
+                                    chosen=kept_on_resume(settings, named)))
             if rank == 0:
                 announce(trainer, chosen, why, preset, world_size)
                 if prompt_changed:
                     write_line(prompt_changed)
-            begin()
             last_val_loss = trainer.fit()
         if rank == 0:
             ended = f", ended early by {trainer.ended_by}" if trainer.ended_by else ""
@@ -100,21 +100,24 @@ def main(cfg: DictConfig, run_dir, preset: str | None = None, named: set[str] | 
 
 @contextlib.contextmanager
 def events(run_dir: Path, config_yaml: str, resumed: dict | None, rank: int):
-    """Rank 0's TensorBoard events (None elsewhere), closed at the end, and begin(): a run that fails before it is
-    called, or ends on a mistake of its settings (a ConfigError: a budget too short), leaves no events behind."""
+    """Rank 0's TensorBoard events (None elsewhere), closed at the end, and watch(trainer), which returns it: a run
+    that fails before the trainer's first step (its evaluation at the start included), or on a mistake of its
+    settings (a ConfigError: a budget too short), leaves no events behind; one stopped by a signal keeps them."""
     earlier = set(run_dir.glob("events.out.tfevents.*"))
     summaries = Summaries(run_dir, config_yaml, first_step=resumed["training"]["step"] if resumed else 0) \
         if rank == 0 else None
-    begun = []
+    trainers, kept = [], False
     try:
-        yield summaries, lambda: begun.append(True)
-    except ConfigError:
-        begun.clear()
+        yield summaries, lambda trainer: trainers.append(trainer) or trainer
+        kept = True
+    except BaseException as e:  # a Stopped run saved last.pt, which its events go with
+        kept = isinstance(e, Stopped) or not isinstance(e, ConfigError) and \
+            any(trainer.step > trainer.start_step for trainer in trainers)
         raise
     finally:
         if summaries is not None:
             summaries.close()
-            if not begun:
+            if not kept:
                 for path in set(run_dir.glob("events.out.tfevents.*")) - earlier:
                     path.unlink(missing_ok=True)
 

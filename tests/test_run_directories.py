@@ -206,3 +206,26 @@ runpy.run_path({str(REPO / "train.py")!r}, run_name="__main__")
                             timeout=180)
     assert_one_line_error(result, "train.py", f"the run directory {run_dir} vanished while training", status=1)
     assert not run_dir.exists()
+
+
+def test_a_run_whose_reader_is_gone_by_its_first_evaluation_leaves_no_directory(tmp_path, data_root):
+    """`train.py | head -c 10`: the first lines are read, then the evaluation before the first step cannot write."""
+    script = f"""
+import os, runpy, sys
+sys.path.insert(0, {str(REPO)!r})
+from training.loop import Trainer
+original = Trainer.evaluate_and_save
+
+def with_the_reader_gone(self):
+    reading, writing = os.pipe()
+    os.close(reading)
+    os.dup2(writing, sys.stdout.fileno())
+    return original(self)
+Trainer.evaluate_and_save = with_the_reader_gone
+sys.argv = ["train.py", *{[*TINY, *SHORT, *data_overrides(data_root)]!r}]
+runpy.run_path({str(REPO / "train.py")!r}, run_name="__main__")
+"""
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=ENV, capture_output=True, text=True,
+                            timeout=180)
+    assert_one_line_error(result, "train.py", "cannot write to standard output (Broken pipe)", status=1)
+    assert not (tmp_path / "runs").exists()
