@@ -42,7 +42,7 @@ from runtime.errors import (ConfigError, OutputError, exit_status, fail, flush_s
 from training.budget import process_started
 from training.config import explained, register, validate
 from training.distributed import init_distributed, is_rank_zero
-from training.flags import read_flags
+from training.flags import package_found, read_flags
 from training.loop import Stopped, Trainer
 from training.planning import check_start
 from training.resume import resumed_settings
@@ -187,9 +187,10 @@ if __name__ == "__main__":
     try:
         ready_standard_streams()
         try:
-            read_flags(sys.argv[1:])
+            flags = read_flags(sys.argv[1:])
             sys.stdout.reconfigure(line_buffering=True)  # evaluation lines reach a log file as they happen
-            hydra_main()
+            with package_found(flags):
+                hydra_main()
         finally:  # --help's and --cfg's text too: a write that fails is one line, here
             flush_standard_output()
     except BrokenPipeError:  # the reader stopped early (`--help | head`): nothing more is wanted
