@@ -65,7 +65,7 @@ def main(cfg: DictConfig, run_dir, preset: str | None = None, named: set[str] | 
     run_dir = Path(run_dir)
     started_at = time.perf_counter() if started_at is None else started_at
     settings, resumed, run_id = resumed_settings(validate(cfg, named), named, run_dir)
-    check_start(settings.train, resumed, started_at)
+    check_start(settings.train, named, resumed, started_at)
     rank, world_size, device = init_distributed(device_for(cfg.device))
     try:
         if device.type == "cuda":

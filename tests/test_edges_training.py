@@ -1,11 +1,11 @@
-"""train.py given a runs_dir that names no folder, or settings refused once its run directory is claimed: one
-line, status 2, nothing written or nothing left."""
+"""train.py given a runs_dir that names no folder, settings refused once its run directory is claimed, or settings
+that cannot apply to the run: one line, status 2, nothing written or nothing left."""
 
 import pytest
 
 import corpus
-from programs import SHORT, assert_one_line_error, train_cli
-from test_train import TINY
+from programs import SHORT, assert_one_line_error, data_root, short_run, train_cli
+from test_train import TINY, data_overrides
 
 
 @pytest.mark.parametrize("runs_dir, fragment", [("", "runs_dir='' names no folder"),
@@ -25,9 +25,9 @@ def test_a_runs_dir_that_names_no_folder_is_refused_before_anything_is_written(t
 def test_a_run_refused_after_its_directory_is_claimed_leaves_no_folder(tmp_path, refused, fragment):
     """The run directory and the runs_dir above it, made for the run, go again; a folder that was there stays."""
     (tmp_path / "kept").mkdir()
-    result = train_cli(*TINY, *SHORT, f"data.root={tmp_path / 'data'}", f"runs_dir={tmp_path / 'new/runs'}",
-                       f"hydra.run.dir={tmp_path / 'kept/run'}" if refused[0].startswith("data") else "train.seed=1",
-                       *refused, cwd=tmp_path)
+    result = train_cli(*TINY, *SHORT, f"data.root={tmp_path / 'data'}",
+                       f"hydra.run.dir={tmp_path / 'kept/run'}" if refused[0].startswith("data") else
+                       f"runs_dir={tmp_path / 'new/runs'}", *refused, cwd=tmp_path)
     assert_one_line_error(result, "train.py", fragment)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"] and not any((tmp_path / "kept").iterdir())
 
@@ -39,3 +39,26 @@ def test_an_empty_data_path_is_refused_and_leaves_nothing(tmp_path, empty, fragm
     result = train_cli(*TINY, *SHORT, f"runs_dir={tmp_path / 'runs'}", empty, cwd=tmp_path)
     assert_one_line_error(result, "train.py", fragment)
     assert list(tmp_path.iterdir()) == [] and result.stdout == ""
+
+
+@pytest.mark.parametrize("named, fragment", [
+    (["hydra.sweep.dir=sweep"], "hydra.sweep.dir applies to a sweep (-m) only"),
+    (["-m", "train.seed=4", "hydra.run.dir=run", "hydra.sweep.dir=sweep"], "hydra.run.dir names a single run's"),
+    (["-m", "train.seed=4", "runs_dir=runs", "hydra.sweep.dir=sweep"], "runs_dir cannot apply: hydra.sweep.dir"),
+    (["runs_dir=runs", "hydra.run.dir=run"], "runs_dir cannot apply: hydra.run.dir names the run's folder"),
+    (["train.size_to_host=true"], "train.size_to_host=true cannot apply (train.max_iters names the steps)"),
+    (["train.patience=2", "train.eval_interval=100"], "train.patience=2 can never end this run: it evaluates 0"),
+])
+def test_a_setting_that_cannot_apply_is_refused_and_leaves_nothing(tmp_path, data_root, named, fragment):
+    """Each was ignored: the run trained, into a folder other than the one named, unsized, or to its end."""
+    flags, overrides = [n for n in named if n.startswith("-")], [n for n in named if not n.startswith("-")]
+    result = train_cli(*flags, *TINY, *SHORT, *data_overrides(data_root), *overrides, cwd=tmp_path)
+    assert_one_line_error(result, "train.py", fragment)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_runs_dir_is_refused_where_a_resumed_run_goes_on_elsewhere(tmp_path, data_root, short_run):
+    result = train_cli(*TINY, *SHORT, *data_overrides(data_root), f"train.resume={short_run}", "runs_dir=other",
+                       cwd=tmp_path)
+    assert_one_line_error(result, "train.py", "runs_dir=other cannot apply", f"in its own directory {short_run}")
+    assert list(tmp_path.iterdir()) == []

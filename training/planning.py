@@ -4,6 +4,7 @@ decay, then planned again where the machine's speed changes (training/budget.py 
 from runtime.errors import ConfigError
 
 from . import budget as clock
+from .applies import check_patience_applies
 from .budget import REPLAN_STEPS, more_time, unheld
 from .distributed import gather
 from .evaluation import evaluate
@@ -12,9 +13,11 @@ from .optim import decay_begins
 FORESEEING_BATCHES = 2  # batches of each split timed, after an untimed one, to foresee an evaluation's cost
 
 
-def check_start(tc, resumed: dict | None, started_at: float) -> None:
-    """Refuse, before any work, a budget (train.max_minutes) that the time spent so far has used up: the start-up,
-    and a resumed run's earlier lives. tc: the run's TrainConfig; started_at: on budget.clock()."""
+def check_start(tc, named: set[str] | None, resumed: dict | None, started_at: float) -> None:
+    """Refuse, before any work, a train.patience that can never end the run, and a budget (train.max_minutes)
+    that the time spent so far has used up: the start-up, and a resumed run's earlier lives. tc: the run's
+    TrainConfig; named: the keys the command line names; started_at: on budget.clock()."""
+    check_patience_applies(tc, named, resumed is not None)
     if tc.max_minutes is None:
         return
     state = resumed["training"] if resumed is not None else {}

@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf, read_write
 from runtime.checkpoint import is_export, load_checkpoint, resolve_checkpoint
 from runtime.errors import CheckpointError, ConfigError, fail, one_line
 
+from .applies import check_folders_apply, check_runs_dir_applies
 from .distributed import is_rank_zero
 
 RECORD = ".hydra"  # Hydra's record of how a run started: its config, Hydra's own and the overrides
@@ -37,6 +38,7 @@ class RunDirectory(Callback):
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
         try:
             no_record_elsewhere(config)
+            check_folders_apply(config, multirun=False)
             self.claim_run_dir(config)
         except Exception as e:  # Hydra would turn an exception raised here into a warning, and run on
             fail("train.py", e, speak=is_rank_zero())
@@ -44,6 +46,7 @@ class RunDirectory(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         try:
             no_record_elsewhere(config)
+            check_folders_apply(config, multirun=True)
             if is_rank_zero():
                 claim(Path(config.hydra.sweep.dir), "hydra.sweep.dir")
         except Exception as e:
@@ -56,6 +59,8 @@ class RunDirectory(Callback):
                 return
             resumed = resumed_checkpoint(config.train.resume)
             if OmegaConf.is_missing(config.hydra.run, "dir"):
+                if resumed:
+                    check_runs_dir_applies(config, resumed)
                 config.hydra.run.dir = str(resumed.parent if resumed else new_run_dir(runs_folder(config.runs_dir)))
             run_dir = Path(config.hydra.run.dir)
             claim(run_dir, "hydra.run.dir", resumed if continues_in_place(resumed, run_dir) else None)

@@ -21,6 +21,7 @@ import torch
 from data import PreparedData
 from model import build_model
 from runtime.devices import DEFAULT_THREADS, environment_threads, fastest_threads, thread_counts, time_in_turns
+from runtime.errors import ConfigError
 
 from .budget import planned_seconds, steps_within
 from .config import Settings
@@ -131,6 +132,11 @@ def size_to_host(settings: Settings, named: set[str] | None, data: PreparedData,
     """The settings with train.threads, and where the run is sized, model.n_layer and train.batch_size, chosen
     for this machine now (see the module's docstring); with what was chosen, in a few words, and why."""
     not_sized = sizing(settings, named, world_size)
+    if not_sized is not None and settings.train.size_to_host and named is not None and \
+            "train.size_to_host" in named and settings.train.resume is None:  # a resume repeats its command
+        raise ConfigError(f"train.size_to_host=true cannot apply ({not_sized}): it sizes a new single-process run "
+                          f"to its budget, train.max_minutes, with no model setting or train.batch_size named; "
+                          f"drop it, or what stops it")
     shapes = {shape: settings.replaced({"model.n_layer": shape.n_layer, "train.batch_size": shape.batch_size})
               for shape in (SHAPES if not_sized is None else ())}
     # the threads are timed on the smallest shape, the cheapest to time, when the run is sized; every shape
