@@ -62,3 +62,15 @@ def test_a_runs_dir_is_refused_where_a_resumed_run_goes_on_elsewhere(tmp_path, d
                        cwd=tmp_path)
     assert_one_line_error(result, "train.py", "runs_dir=other cannot apply", f"in its own directory {short_run}")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("train.max_iters=1e3", "train.max_iters must be a whole number, got 1000.0 (write 1000)"),
+    ("train.batch_size=1e9", "train.batch_size must be a whole number, got 1000000000.0 (write 1000000000)"),
+    ("train.max_iters=1.5", "train.max_iters must be a whole number, got 1.5"),
+])
+def test_a_number_that_is_not_whole_says_so(tmp_path, override, fragment):
+    """OmegaConf's own words were `Value '1000.0' of type 'float' could not be converted to Integer full_key: ...`."""
+    result = train_cli(*TINY, override, cwd=tmp_path)
+    assert assert_one_line_error(result, "train.py", fragment) == f"train.py: error: {fragment}"
+    assert list(tmp_path.iterdir()) == []

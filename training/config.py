@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from hydra.core.config_store import ConfigStore
 from hydra.errors import HydraException
 from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from data import DATASETS, VAL_FRACTION
 from model import GPTConfig
@@ -264,6 +264,10 @@ def explained(error: BaseException) -> BaseException:
     cause = error.__cause__
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and cause.full_key:
         return unknown_setting(cause.full_key)
+    if isinstance(cause, ValidationError) and cause.full_key and "converted to Integer" in str(cause.msg):
+        value = cause.value  # 1e3 arrives as 1000.0: say the integer it means
+        whole = f" (write {int(value)})" if isinstance(value, float) and value.is_integer() else ""
+        return ConfigError(f"{cause.full_key} must be a whole number, got {value!r}{whole}")
     deleted = re.fullmatch(r"Could not delete from config\. '(.+)' does not exist\.", str(error))
     return unknown_setting(deleted[1]) if deleted else error
 
