@@ -23,7 +23,7 @@ from programs import ENV, REPO, SHORT, assert_one_line_error, checkpoint, data_r
 
 
 @pytest.mark.parametrize("where, fragments", [
-    ("runs_dir=a-file", ["runs_dir: cannot create a run directory in a-file"]),
+    ("runs_dir=a-file", ["runs_dir=a-file is a file, not a folder"]),
     ("runs_dir=/proc/kvgpt-runs", ["runs_dir: cannot create a run directory in /proc/kvgpt-runs"]),
     ("runs_dir=null", ["runs_dir", "not Optional"]),
     ("hydra.run.dir=a-file", ["hydra.run.dir=a-file is a file"]),

@@ -215,6 +215,8 @@ def new_run_dir(parent: Path) -> Path:
     if inside is not None:
         raise ConfigError(f"runs_dir={parent} lies inside the run directory {inside}; give a runs_dir outside "
                           f"every run's")
+    if parent.exists() and not parent.is_dir():
+        raise ConfigError(f"runs_dir={parent} is a file, not a folder; give runs_dir a folder")
     try:
         make_folders(parent)
         for n in range(1, 1_000_000):
