@@ -215,6 +215,8 @@ def _matches(meta: dict | None, root: Path, sha256: str, val_fraction: float, te
 
 
 def _encode(text: str, source: Path, root: Path, sha256: str, val_fraction: float) -> dict:
+    if not text:
+        raise DataError(f"{source} is empty; give a text to train on")
     vocab = CharVocab.from_text(text)
     if len(vocab) > np.iinfo(TOKEN_DTYPE).max + 1:
         raise DataError(f"{source} has {len(vocab)} distinct characters, more than {TOKEN_DTYPE.__name__} "

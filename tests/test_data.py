@@ -236,6 +236,7 @@ def test_own_text_is_prepared_in_a_folder_of_its_own(tmp_path):
     (lambda path: path.mkdir(), "the text .* is not a regular file"),
     (lambda path: path.write_bytes(b"caf\xe9\n" * 50), "not UTF-8 text"),
     (lambda path: path.write_text("a"), "leaves an empty train or val split"),
+    (lambda path: path.write_text(""), "is empty; give a text to train on"),
 ])
 def test_an_own_text_that_cannot_be_used_is_one_line(tmp_path, make, complaint):
     path = tmp_path / "mine.txt"
