@@ -108,9 +108,6 @@ def check_options(args) -> None:
     if args.temperature == 0 and args.seed is not None:
         raise UsageError("--seed applies to sampled text: temperature 0 takes the likeliest token, drawing nothing; "
                          "drop --seed, or give a temperature")
-    if args.temperature == 0 and args.num_samples > 1:
-        raise UsageError(f"--num-samples {args.num_samples} at temperature 0 would print one greedy text "
-                         f"{args.num_samples} times; drop --num-samples, or give a temperature")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
     if args.threads is not None and (why := threads_refused(args.threads)):

@@ -46,8 +46,6 @@ def test_a_folder_of_runs_says_what_to_pass(checkpoint, tmp_path):
     (["--temperature", 0, "--top-k", 5], ["top_k and top_p apply to sampled text: temperature 0 takes the likeliest "
                                           "token whatever they keep"]),
     (["--temperature", 0, "--seed", 3], ["--seed applies to sampled text", "drop --seed, or give a temperature"]),
-    (["--temperature", 0, "--num-samples", 2], ["--num-samples 2 at temperature 0 would print one greedy text 2 "
-                                                "times"]),
     (["--window", 4, "--kv-cache", "sinks", "--kv-budget", 8], ["keep applies to the float and low-bit caches, "
                                                                "whose context jumps forward; a sink cache keeps its own"]),
 ])
