@@ -172,9 +172,9 @@ def parse_stop(stop, vocab: CharVocab, context: int) -> list[str]:
     if not (isinstance(stops, list) and len(stops) <= MAX_STOPS and all(isinstance(s, str) and s for s in stops)):
         raise ApiError(400, f"stop must be a non-empty string or a list of at most {MAX_STOPS} of them", "stop")
     for s in stops:
-        if len(s) > context:
+        if len(s) >= context:  # a completion follows a prompt of at least one token
             raise ApiError(400, f"a stop string of {len(s)} characters can never end a text: this model's context "
-                                f"is {context} tokens (max_model_len)", "stop")
+                                f"is {context} tokens (max_model_len), a prompt's included", "stop")
         try:
             vocab.encode(s)
         except UnknownCharacterError as e:

@@ -59,7 +59,7 @@ BAD = [  # body, status, the parameter named, a fragment of the message
     ({"prompt": "ok", "stream": True, "stream_options": {"include_usage": "yes"}}, 400, "stream_options",
      "include_usage must be true or false"),
     ({"prompt": "ok", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "at most 4"),
-    ({"prompt": "ok", "stop": ["ok", "x" * 257]}, 400, "stop", "of 257 characters can never end a text"),
+    ({"prompt": "ok", "stop": ["ok", "x" * 256]}, 400, "stop", "of 256 characters can never end a text"),
     ({"prompt": "ok", "stop": "x" * 1_000_000}, 400, "stop", "of 1000000 characters can never end a text"),
     ({"prompt": "ok", "stop": ["ok", "café"]}, 400, "stop", "outside the model's vocabulary, so it can never end a "
                                                             "text: 'é'"),
