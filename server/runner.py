@@ -128,14 +128,14 @@ class EngineRunner:
                 self.adding, self.cancelling = [], []
             try:
                 drawn = engine.step() if engine.waiting or engine.running else []
-            except Exception as e:  # noqa: BLE001  a fault of the engine's: no client waits for ever
+                with self.lock:
+                    self.deliver(drawn)
+                    if time.monotonic() - self.drawn_at >= PICTURE_SECONDS:
+                        self.draw()
+            except Exception as e:  # noqa: BLE001  a fault of the engine's or its text's: no client waits for ever
                 self.failed = f"the engine failed: {type(e).__name__}: {e}"
                 self.stop(self.failed)
                 return
-            with self.lock:
-                self.deliver(drawn)
-                if time.monotonic() - self.drawn_at >= PICTURE_SECONDS:
-                    self.draw()
 
     def deliver(self, drawn: list[tuple[str, int]]) -> None:
         """Hand each job its new text; a job ends at a stop string or with all its tokens."""

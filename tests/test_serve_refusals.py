@@ -11,8 +11,10 @@ import sys
 import urllib.parse
 
 import pytest
+import torch
 
 from corpus import REPO
+from data import CharVocab
 from model import build_model
 from model.gpt import GPTConfig
 from programs import assert_one_line_error
@@ -223,3 +225,18 @@ def test_mistakes_at_start_are_one_line_with_status_2(checkpoint, local_window_c
                        "runpy.run_path('serve.py', run_name='__main__')")
     assert_one_line_error(serve("--checkpoint", checkpoint, code=without_fastapi), "serve.py",
                           "needs fastapi and uvicorn", "pip install -r requirements-serve.txt")
+
+
+def test_a_fault_in_the_engines_thread_ends_every_request_with_503_and_health_says_so(tmp_path):
+    """A checkpoint whose head is wider than its vocabulary draws ids with no character: the engine's thread fails
+    on the first, and no client waits for ever."""
+    torch.manual_seed(0)
+    model = build_model(GPTConfig(vocab_size=64, block_size=32, n_layer=1, n_head=1, n_embd=8))
+    served = Served(save_checkpoint(build_checkpoint(model, CharVocab("ab")), tmp_path / "best.pt"))
+    try:
+        status, _, answer = post(served, {"prompt": "ab", "max_tokens": 20, "temperature": 1.0, "seed": 0})
+        assert status == 503 and "the engine failed" in answer["error"]["message"], answer
+        status, _, answer = post(served, None, path="/health", method="GET")
+        assert status == 503 and answer["status"].startswith("the engine failed"), answer
+    finally:
+        served.stop()
