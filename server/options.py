@@ -100,20 +100,12 @@ def new_engine(args, model) -> Engine:
 def check_pool_fits(args, model, blocks: int) -> None:
     """Refuse, before allocating it, a pool larger than the share of memory a KV cache may take (MEMORY_SHARE)."""
     bt, int8, device = args.block_tokens, args.kv_cache == "int8", next(model.parameters()).device
-    memory = memory_of(device)
-
-    def fits(n_blocks: int, rows: int) -> bool:
-        return BlockPool.bytes_needed(model, n_blocks, bt, int8, rows) <= MEMORY_SHARE * memory
-
-    if fits(blocks, args.max_batch):
-        return
-    # the option to lower: the first whose least value still leaves the pool too large
-    lower = "--block-tokens" if not fits(-(-model.config.block_size // bt), 1) else \
-        "--blocks" if args.blocks is not None and not fits(blocks, 1) else "--max-batch"
-    needed = BlockPool.bytes_needed(model, blocks, bt, int8, args.max_batch)
-    raise UsageError(f"a pool of {blocks} blocks of {bt} tokens for --max-batch {args.max_batch} needs "
-                     f"{needed / 2**30:.1f} GiB, more than {MEMORY_SHARE:.0%} of the {memory / 2**30:.1f} GiB of "
-                     f"{device.type} memory; lower {lower}")
+    needed, memory = BlockPool.bytes_needed(model, blocks, bt, int8, args.max_batch), memory_of(device)
+    if needed > MEMORY_SHARE * memory:
+        raise UsageError(f"a pool of {blocks} blocks of {bt} tokens for --max-batch {args.max_batch} needs "
+                         f"{needed / 2**30:.1f} GiB, more than {MEMORY_SHARE:.0%} of the {memory / 2**30:.1f} GiB of "
+                         f"{device.type} memory; lower --max-batch or --blocks"
+                         f"{'' if int8 else ', or give --kv-cache int8'}")
 
 
 def model_name(path: Path) -> str:

@@ -24,15 +24,16 @@ def test_a_pools_bytes_are_counted_before_it_is_made(int8):
     assert BlockPool.bytes_needed(model, 5, 4, int8, max_rows=3) == made
 
 
-@pytest.mark.parametrize("given, lower", [({"max_batch": 2**20}, "--max-batch"), ({"blocks": 2**20}, "--blocks"),
-                                          ({"max_batch": 2**20, "blocks": 8}, "--max-batch"),
-                                          ({"block_tokens": 2**24}, "--block-tokens")])
-def test_a_pool_beyond_its_share_of_memory_is_refused_before_it_is_made(monkeypatch, given, lower):
+@pytest.mark.parametrize("given", [{"max_batch": 2**20}, {"blocks": 2**20}, {"max_batch": 2**20, "blocks": 8},
+                                   {"block_tokens": 2**24}, {"max_batch": 2**20, "kv_cache": "int8"}])
+def test_a_pool_beyond_its_share_of_memory_is_refused_before_it_is_made(monkeypatch, given):
     """A machine of 1 GiB in this test: the pool may take half of it. Each pool asked for is larger."""
     model = random_model()
     monkeypatch.setattr(options, "memory_of", lambda device: 2**30)
     monkeypatch.setattr(BlockPool, "__init__", lambda *a, **k: pytest.fail("the pool was made"))
-    with pytest.raises(UsageError, match=f"GiB, more than 50% of the 1.0 GiB of cpu memory; lower {lower}$"):
+    int8 = "" if given.get("kv_cache") == "int8" else ", or give --kv-cache int8"
+    with pytest.raises(UsageError, match=f"GiB, more than 50% of the 1.0 GiB of cpu memory; lower --max-batch or "
+                                         f"--blocks{int8}$"):
         options.new_engine(args(**given), model)
 
 
