@@ -19,7 +19,9 @@ training["raw_model"].
 
 import argparse
 import dataclasses
+import errno
 import math
+import os
 import pickle
 import re
 import warnings
@@ -106,10 +108,11 @@ def resolve_checkpoint(path, prefer: str = "best.pt") -> Path:
         raise CheckpointError(f"run directory {path} holds neither {prefer} nor {fallback}; "
                               f"train with `python train.py` or pass a checkpoint file")
     try:
-        kind = special_kind(path.resolve())
-    except (OSError, RuntimeError) as e:  # a loop of links
-        raise CheckpointError(f"{path}: cannot follow its links ({one_line(e)}); pass a checkpoint file") from None
-    if kind:
+        os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CheckpointError(f"{path}: cannot follow its links ({one_line(e)}); pass a checkpoint file") from None
+    if kind := special_kind(path):
         raise CheckpointError(f"{path} is {kind}, not a checkpoint file; pass a checkpoint file or a run directory")
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}; train one with `python train.py` or pass an existing file")
