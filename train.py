@@ -31,7 +31,6 @@ import hydra
 import torch
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
-from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
@@ -39,6 +38,7 @@ from model import build_model
 from runtime.devices import choose_device, keep_freed_memory, thread_counts
 from runtime.errors import (ConfigError, OutputError, exit_status, fail, flush_standard_output,
                             one_line, ready_standard_streams, silence, write_line)
+from training.applies import named_keys
 from training.budget import process_started
 from training.config import explained, register, validate
 from training.distributed import init_distributed, is_rank_zero
@@ -152,7 +152,7 @@ def device_for(name: str) -> torch.device:
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def hydra_main(cfg: DictConfig) -> float | None:
     job = HydraConfig.get()
-    named = {override.key_or_group for override in OverridesParser.create().parse_overrides(job.overrides.task)}
+    named = named_keys(job.overrides.task)
     # a sweep's jobs run one after another in one process: each counts its budget from its own start
     started_at = process_started() if job.mode != RunMode.MULTIRUN else time.perf_counter()
     if StopSignals.late is not None:  # it came as the sweep's previous job ended

@@ -64,6 +64,16 @@ def test_a_runs_dir_is_refused_where_a_resumed_run_goes_on_elsewhere(tmp_path, d
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_sweep_job_resumes_with_the_runs_dir_that_holds_it(tmp_path, data_root):
+    """The sweep's command plus train.resume: its job lies deeper in runs_dir, under multirun/<date>/."""
+    common = [*TINY, *SHORT, *data_overrides(data_root), "runs_dir=runs", "train.seed=1"]
+    sweep = train_cli("-m", *common, cwd=tmp_path)
+    assert sweep.returncode == 0, sweep.stderr
+    job = next((tmp_path / "runs/multirun").glob("*/0"))
+    result = train_cli(*common, f"train.resume={job}", "train.max_iters=6", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+
+
 @pytest.mark.parametrize("override, fragment", [
     ("train.max_iters=1e3", "train.max_iters must be a whole number, got 1000.0 (write 1000)"),
     ("train.batch_size=1e9", "train.batch_size must be a whole number, got 1000000000.0 (write 1000000000)"),

@@ -34,9 +34,9 @@ def check_folders_apply(config: DictConfig, multirun: bool) -> None:
 
 def check_runs_dir_applies(config: DictConfig, resumed: Path) -> None:
     """Refuse a runs_dir named for a resumed run that goes on in its own directory elsewhere: the same command
-    plus train.resume, which names the runs_dir that holds the run, still goes."""
+    plus train.resume, which names the runs_dir that holds the run (a sweep's job too, deeper in it), still goes."""
     if "runs_dir" in named_keys(config.hydra.overrides.task) and \
-            Path(config.runs_dir).resolve() != resumed.parent.parent.resolve():
+            not resumed.resolve().is_relative_to(Path(config.runs_dir).resolve()):
         raise ConfigError(f"runs_dir={config.runs_dir} cannot apply: the resumed run continues in its own directory "
                           f"{resumed.parent}; drop runs_dir, or continue in a new directory with hydra.run.dir=NEW")
 
