@@ -3,7 +3,7 @@ own, so that no engine's threads or libraries slow another's:
 
     python bench/engine_runners.py ENGINE SPEC
 
-SPEC is JSON: the exported folders, the (prompt, new tokens) jobs, the repeats, the vocabulary's characters,
+SPEC is JSON: the exported hf folder and the onnx and gguf models, the (prompt, new tokens) jobs, the repeats, the vocabulary's characters,
 block_size and the thread count. The one line printed, `KVGPT {...}`, holds the engine's version, the setting
 docs/export.md names for kvgpt's text, its text for each job and its best seconds on the first job, or its error.
 vLLM's runs from the python of vLLM's own environment; it imports nothing of kvgpt's."""
@@ -44,7 +44,7 @@ def onnxruntime_engine(spec: dict):
     import onnxruntime
     options = onnxruntime.SessionOptions()
     options.intra_op_num_threads = spec["threads"]
-    session = onnxruntime.InferenceSession(str(Path(spec["onnx"]) / "model.onnx"), options)
+    session = onnxruntime.InferenceSession(spec["onnx"], options)
     pasts, chars, keep = session.get_inputs()[2:], spec["chars"], spec["block_size"] - 1
 
     def run(prompt: str, n: int) -> str:  # docs/export.md's loop: the cache fed back, kept to block_size - 1
@@ -81,7 +81,7 @@ def llama_cpp_engine(spec: dict, float32_cache: bool = False):
     import llama_cpp
     cache = {"type_k": llama_cpp.GGML_TYPE_F32, "type_v": llama_cpp.GGML_TYPE_F32} if float32_cache else {}
     longest = max(len(prompt) + n for prompt, n in spec["jobs"])
-    llm = llama_cpp.Llama(str(Path(spec["gguf"]) / "model.gguf"), n_ctx=longest, n_threads=spec["threads"],
+    llm = llama_cpp.Llama(spec["gguf"], n_ctx=longest, n_threads=spec["threads"],
                           n_threads_batch=spec["threads"], verbose=False, **cache)
 
     def run(prompt: str, n: int) -> str:

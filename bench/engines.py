@@ -37,7 +37,7 @@ from bench.sample_speed import PROMPT, SUMMARY, VOCAB  # noqa: E402
 from model import GREEDY, build_model, generate  # noqa: E402
 from runtime.checkpoint import build_checkpoint, load_model, save_checkpoint, training_text  # noqa: E402
 from runtime.errors import OneLineErrorParser, UsageError, one_line, positive_int  # noqa: E402
-from runtime.hf import rolls  # noqa: E402
+from runtime.hf import GGUF_FILE, ONNX_FILE, rolls  # noqa: E402
 
 DESIGNS = {"gpt2": {}, "starcoder2": {"pos_emb": "rope", "n_kv_head": 2}}  # the classic shape's fields changed
 MAX_PROMPT = 32  # the validation slices' longest
@@ -164,8 +164,9 @@ def main() -> None:
                 folders[fmt] = export(checkpoint, Path(tmp) / fmt, fmt)
             except RuntimeError as e:
                 folders[fmt] = e
-        spec = {**{fmt: str(folder) for fmt, folder in folders.items() if isinstance(folder, Path)}, "jobs": jobs,
-                "repeats": args.repeats, "chars": vocab.chars, "block_size": block_size,
+        files = {"hf": "", "onnx": ONNX_FILE, "gguf": GGUF_FILE}  # what each runner opens: a folder or a file in it
+        spec = {**{fmt: str(folder / files[fmt]) for fmt, folder in folders.items() if isinstance(folder, Path)},
+                "jobs": jobs, "repeats": args.repeats, "chars": vocab.chars, "block_size": block_size,
                 "threads": torch.get_num_threads()}
         for name, (module, fmt, runner) in engines.items():
             if (module and not installed(module)) or (module is None and not args.vllm_python):
