@@ -19,9 +19,7 @@ training["raw_model"].
 
 import argparse
 import dataclasses
-import errno
 import math
-import os
 import pickle
 import re
 import warnings
@@ -36,7 +34,7 @@ from model.checks import is_integer
 from model.decoding.quantize import to_precision
 
 from .errors import CheckpointError, OutputError, one_line
-from .files import special_kind, write_atomically
+from .files import link_loop, special_kind, write_atomically
 from .hf import is_export, read_export, unreadable_export
 
 FORMAT = "kvgpt-checkpoint"
@@ -107,11 +105,8 @@ def resolve_checkpoint(path, prefer: str = "best.pt") -> Path:
                                   f"exported from, or an export in the hf format (export.py's default)")
         raise CheckpointError(f"run directory {path} holds neither {prefer} nor {fallback}; "
                               f"train with `python train.py` or pass a checkpoint file")
-    try:
-        os.stat(path)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise CheckpointError(f"{path}: cannot follow its links ({one_line(e)}); pass a checkpoint file") from None
+    if loop := link_loop(path):
+        raise CheckpointError(f"{path}: cannot follow its links ({one_line(loop)}); pass a checkpoint file")
     if kind := special_kind(path):
         raise CheckpointError(f"{path} is {kind}, not a checkpoint file; pass a checkpoint file or a run directory")
     if not path.is_file():

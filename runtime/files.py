@@ -2,6 +2,7 @@
 at a time may take up and write (locked)."""
 
 import contextlib
+import errno
 import fcntl
 import os
 import re
@@ -53,6 +54,16 @@ def cannot_write_atomically(path) -> OSError | None:
     except OSError as e:
         return e
     tmp.unlink(missing_ok=True)
+    return None
+
+
+def link_loop(path) -> OSError | None:
+    """stat's error where path's links lead round in a loop, else None. Path.resolve raises on a loop only before
+    Python 3.13, so stat asks."""
+    try:
+        os.stat(path)
+    except OSError as e:
+        return e if e.errno == errno.ELOOP else None
     return None
 
 

@@ -17,7 +17,7 @@ from model.serving.engine import check_servable
 from .compiled_step import COMPILE_PAYS_AFTER, DEVICES as STEP_DEVICES
 from runtime.devices import MEMORY_SHARE, environment_threads, memory_of, threads_refused
 from runtime.errors import OneLineErrorParser, UsageError, one_line
-from runtime.files import cannot_write_atomically, special_kind
+from runtime.files import cannot_write_atomically, link_loop, special_kind
 
 MAX_NEW_TOKENS = 500  # --max-new-tokens's default
 MAX_GENERATOR_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
@@ -163,10 +163,9 @@ def check_options(args) -> None:
 def check_session(session: Path) -> None:
     """Refuse, before the first line is read, a --session that could not be taken up or saved at the end: no
     regular file (a pipe would wait for a writer), or where no file can be written."""
-    try:
-        target = session.resolve()  # a link: the file it names is taken up and written
-    except (OSError, RuntimeError) as e:  # a loop of links
-        raise UsageError(f"--session {session}: cannot follow its links ({one_line(e)}); give a file") from None
+    if loop := link_loop(session):
+        raise UsageError(f"--session {session}: cannot follow its links ({one_line(loop)}); give a file")
+    target = session.resolve()  # a link: the file it names is taken up and written
     if kind := special_kind(target):
         raise UsageError(f"--session {session} is {kind}, not a session file: give a file (a new name starts a "
                          f"new session)")
