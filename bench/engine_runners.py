@@ -3,8 +3,8 @@ own, so that no engine's threads or libraries slow another's:
 
     python bench/engine_runners.py ENGINE SPEC
 
-SPEC is JSON: the exported hf folder and the onnx and gguf models, the (prompt, new tokens) jobs, the repeats, the vocabulary's characters,
-block_size and the thread count. The one line printed, `KVGPT {...}`, holds the engine's version, the setting
+SPEC is JSON: the exported hf folder and the onnx and gguf models, the (prompt, new tokens) jobs, the repeats, the
+vocabulary's characters, block_size and the thread count. The one line printed, `KVGPT {...}`, holds the engine's version, the setting
 docs/export.md names for kvgpt's text, its text for each job and its best seconds on the first job, or its error.
 vLLM's runs from the python of vLLM's own environment; it imports nothing of kvgpt's."""
 

@@ -83,9 +83,8 @@ def test_a_stop_string_that_ends_at_the_last_token_is_a_stop_in_the_answer_and_t
     answer = client(server).completions.create(model=None, prompt=PROMPTS[0], max_tokens=20, temperature=0,
                                                stop=full[cut:], n=4)
     assert {(c.text, c.finish_reason) for c in answer.choices} == {(full[:cut], "stop")}
-    after = metrics(server)
-    assert [after[f'kvgpt_requests_total{{outcome="{outcome}"}}'] - before[f'kvgpt_requests_total{{outcome="{outcome}"}}']
-            for outcome in ("stop", "length")] == [4, 0]
+    after, counted = metrics(server), [f'kvgpt_requests_total{{outcome="{outcome}"}}' for outcome in ("stop", "length")]
+    assert [after[key] - before[key] for key in counted] == [4, 0]
 
 
 def test_stop_strings_cut_the_text_where_a_written_out_search_cuts_it():
