@@ -1,9 +1,13 @@
-"""Compiled decoding steps kept on disk: compiling costs tens of seconds once per model shape, and loading a step
-compiled before takes milliseconds (model/decoding/aot_step.py).
+"""Compiled decoding steps kept on disk: compiling costs tens of seconds once, and loading a step compiled before
+takes milliseconds (model/decoding/aot_step.py).
 
-A step is named by everything that shapes its code: the model's config and precision, the cache's tensors, the
-device, torch's version, the CPU's instruction set and the model code itself. It is kept in
-$KVGPT_CACHE_DIR, else $XDG_CACHE_HOME/kvgpt, else ~/.cache/kvgpt, under steps/.
+A step is built one of two ways. A shared step reads the weights of the model it is given, so one serves every
+model of its shape. A packed step holds one model's weights, frozen into it and laid out for the CPU's matrix
+kernels, which run inside the step's own code: it is the fastest, and it serves that model only.
+
+A step is named by everything that shapes its code: the model's config and precision (and a packed step's
+weights), the cache's tensors, the device, torch's version, the CPU's instruction set and the model code itself.
+It is kept in $KVGPT_CACHE_DIR, else $XDG_CACHE_HOME/kvgpt, else ~/.cache/kvgpt, under steps/.
 """
 
 import dataclasses
@@ -23,6 +27,9 @@ from runtime.files import write_atomically
 # one-token steps after which compiling the step for the first time has paid for itself (docs/benchmarks.md)
 COMPILE_PAYS_AFTER = 10_000
 DEVICES = ("cpu",)  # where AOTInductor builds steps; on CUDA a step is captured (model/decoding/cuda_graph.py)
+# AOTInductor's settings for a shared step (packed=False) and a packed one (packed=True)
+BUILDS = {False: {"aot_inductor.package_constants_in_so": False},
+          True: {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP"}}
 
 
 def cache_dir() -> Path:
@@ -41,14 +48,24 @@ def model_code_digest() -> str:
     return digest.hexdigest()
 
 
-def step_path(model, cache, tokens: int = 1) -> Path:
-    """Where the compiled pass of `tokens` tokens per row for this model's shape and precision and this cache's
-    shape is kept."""
+def weights_digest(model) -> str:
+    """sha256 of the model's weights and buffers, names and bytes: a packed step holds exactly these."""
+    digest = hashlib.sha256()
+    for name, t in model.state_dict(keep_vars=False).items():
+        digest.update(name.encode() + b"\0" + str(t.dtype).encode() + str(tuple(t.shape)).encode())
+        digest.update(t.detach().cpu().contiguous().view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def step_path(model, cache, tokens: int = 1, packed: bool = False) -> Path:
+    """Where the compiled pass of `tokens` tokens per row for this model's shape and precision (packed: for these
+    very weights) and this cache's shape is kept."""
     device = cache.device
     identity = {
         "tokens": tokens,
         "config": dataclasses.asdict(model.config),
         "weights": sorted({str(t.dtype) for t in [*model.parameters(), *model.buffers()]}),
+        "packed": weights_digest(model) if packed else None,
         "cache": [type(cache).__name__, *[(name, shape, str(dtype)) for name, shape, dtype in step_signature(cache)]],
         "device": device.type,
         "torch": torch.__version__,
@@ -59,19 +76,19 @@ def step_path(model, cache, tokens: int = 1) -> Path:
     return cache_dir() / "steps" / f"{key}.pt2"
 
 
-def has_compiled_step(model, cache, tokens: int = 1) -> bool:
+def has_compiled_step(model, cache, tokens: int = 1, packed: bool = False) -> bool:
     """Whether such a step is kept; where none has ever been kept, without naming it (which reads model/'s code)."""
-    return (cache_dir() / "steps").is_dir() and step_path(model, cache, tokens).is_file()
+    return (cache_dir() / "steps").is_dir() and step_path(model, cache, tokens, packed).is_file()
 
 
-def load_or_compile_step(model, cache, tokens: int = 1, say=print) -> AotStep:
-    """The compiled pass of `tokens` tokens per row (one: the decoding step) for model and caches shaped like
-    `cache`: loaded if compiled before, else compiled and kept (or, where nothing can be written, compiled for this
-    run only). say: one line to the user."""
+def load_or_compile_step(model, cache, tokens: int = 1, say=print, packed: bool = False) -> AotStep:
+    """The compiled pass of `tokens` tokens per row (one: the decoding step) for model (packed: for its weights as
+    they are now) and caches shaped like `cache`: loaded if compiled before, else compiled and kept (or, where
+    nothing can be written, compiled for this run only). say: one line to the user."""
     def load(package) -> AotStep:
-        return AotStep(torch._inductor.aoti_load_package(str(package)), model, cache, tokens)
+        return AotStep(torch._inductor.aoti_load_package(str(package)), model, cache, tokens, packed)
 
-    path = step_path(model, cache, tokens)
+    path = step_path(model, cache, tokens, packed)
     if path.is_file():
         try:
             return load(path)
@@ -81,18 +98,17 @@ def load_or_compile_step(model, cache, tokens: int = 1, say=print) -> AotStep:
     program = export_step(model, cache, tokens)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(path, lambda file: compile_step(program, file))
+        write_atomically(path, lambda file: compile_step(program, file, packed))
     except OSError as e:  # a read-only or full disk: this run still gets its step
         say(f"cannot keep the compiled step in {path.parent} ({e.strerror or e}); it serves this run only")
         with tempfile.TemporaryDirectory(prefix="kvgpt-step-") as folder:
-            compile_step(program, f"{folder}/step.pt2")
+            compile_step(program, f"{folder}/step.pt2", packed)
             return load(f"{folder}/step.pt2")
     return load(path)
 
 
-def compile_step(program, package) -> None:
-    """AOTInductor's build of the exported step into package (a path or a file), without a copy of the weights:
-    the step reads the model's own (AotStep)."""
+def compile_step(program, package, packed: bool = False) -> None:
+    """AOTInductor's build of the exported step into package (a path or a file): without a copy of the weights,
+    so that the step reads the model's own (AotStep), or packed, with them frozen in."""
     with quiet_tracing():
-        torch._inductor.aoti_compile_and_package(program, package_path=package,
-                                                 inductor_configs={"aot_inductor.package_constants_in_so": False})
+        torch._inductor.aoti_compile_and_package(program, package_path=package, inductor_configs=BUILDS[packed])

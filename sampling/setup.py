@@ -82,14 +82,15 @@ def kept_or_compiled_step(args, model: GPT, cache, tokens: int = 1) -> Step | No
         return captured_step(model, cache, tokens, what)
     if cache.device.type not in STEP_DEVICES:
         return None
-    kept = has_compiled_step(model, cache, tokens)
+    kept = has_compiled_step(model, cache, tokens, packed=True)
     if not (args.compile or kept or args.max_new_tokens >= COMPILE_PAYS_AFTER):
         return None
     if not kept:
-        print(f"compiling the {what} for this model's shape, once: a minute or less (--no-compile decodes "
-              f"eagerly)", file=sys.stderr)
+        print(f"compiling the {what} for these weights, once: a minute or less (--no-compile decodes eagerly)",
+              file=sys.stderr)
     try:
-        return load_or_compile_step(model, cache, tokens, say=lambda line: print(line, file=sys.stderr))
+        return load_or_compile_step(model, cache, tokens, say=lambda line: print(line, file=sys.stderr),
+                                    packed=True)
     except Exception as e:  # noqa: BLE001  no C++ compiler, or one that fails: the eager step still decodes
         print(f"compiling the {what} failed ({one_line(e)[:200]}); decoding eagerly", file=sys.stderr)
         return None

@@ -69,8 +69,8 @@ def test_compile_verifies_full_drafts_through_a_compiled_pass(checkpoints, plain
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout == plain_greedy
-    assert result.stderr.splitlines()[1].startswith("compiling the verification pass of up to 4 tokens for this "
-                                                    "model's shape, once")
+    assert result.stderr.splitlines()[1].startswith("compiling the verification pass of up to 4 tokens for these "
+                                                    "weights, once")
     assert ", compiled step), draft acceptance " in result.stderr.splitlines()[-1]
 
 
@@ -137,7 +137,7 @@ def test_interactive_replies_are_fresh_greedy_generations_and_unknown_characters
     assert result.returncode == 0, result.stderr
     assert result.stdout == expected_conversation(checkpoints["model"], "All:\n", lines)
     assert "the line has characters not in the checkpoint's vocabulary: '\u00e9'" in result.stderr
-    assert ("compiling the decoding step for this model's shape" in result.stderr) == bool(compile)
+    assert ("compiling the decoding step for these weights" in result.stderr) == bool(compile)
 
 
 def test_interactive_with_standard_input_closed_is_one_line_with_status_2(checkpoints):

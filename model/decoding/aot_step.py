@@ -3,9 +3,13 @@ and built into C++ by AOTInductor, so that a step runs with no Python between it
 
 torch.compile (generate's compile=True) checks its guards and runs a Python wrapper at every call. For a model
 this small that costs about what its arithmetic does (docs/benchmarks.md). Here the step is exported with the
-cache's tensors as inputs, which the compiled step updates in place, as the eager step does. The weights stay
-the model's: the compiled step reads them where they are (user-managed constants). So one compiled step serves
-every model of its shape and precision, and it sees a later load_state_dict.
+cache's tensors as inputs, which the compiled step updates in place, as the eager step does. Attention is
+written as products and sums (attention_in_loops), which inductor fuses into the step's own loops.
+
+A shared step reads the model's weights where they are (user-managed constants): it serves every model of its
+shape and precision, and it sees a later load_state_dict. A packed step (AotStep's packed=True) was compiled
+with the weights frozen in and laid out for the CPU's matrix kernels (sampling/compiled_step.py: BUILDS): the
+fastest, for that model's weights alone.
 
     program = export_step(model, cache)
     package = torch._inductor.aoti_compile_and_package(program)   # sampling/compiled_step.py keeps it on disk
@@ -73,8 +77,26 @@ def export_step(model, cache, tokens: int = 1) -> torch.export.ExportedProgram:
     tensors = tuple(t for _, t in cache_tensors(cache))
     count = {1: torch.export.Dim("tokens", min=1, max=tokens)} if tokens > 1 else None  # an input, not a constant
     with quiet_tracing():
-        return torch.export.export(CacheAsInputs(model, cache), (idx, *tensors),
-                                   dynamic_shapes=(count, (None,) * len(tensors)))
+        program = torch.export.export(CacheAsInputs(model, cache), (idx, *tensors),
+                                      dynamic_shapes=(count, (None,) * len(tensors)))
+        return program.run_decompositions({torch.ops.aten.scaled_dot_product_attention.default: attention_in_loops})
+
+
+def attention_in_loops(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """F.scaled_dot_product_attention written as products and sums, which inductor fuses into the step's own loops:
+    for the few queries of a step, SDPA's kernel costs more to set up than its arithmetic does. q (..., T_q, hs),
+    k and v (..., T_k, hs) -> (..., T_q, hs)."""
+    if dropout_p:
+        raise ValueError("a compiled step decodes: it applies no dropout")
+    if enable_gqa and k.size(-3) != q.size(-3):  # each key/value head serves its group of query heads
+        k, v = (t.repeat_interleave(q.size(-3) // t.size(-3), dim=-3) for t in (k, v))
+    scores = (q.unsqueeze(-2) * k.unsqueeze(-3)).sum(-1) * (q.size(-1) ** -0.5 if scale is None else scale)
+    if is_causal:  # SDPA's rule: aligned top-left
+        attn_mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, -torch.inf) if attn_mask.dtype == torch.bool else scores + attn_mask
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a query that may attend nothing reads zeros, as in SDPA
+    return (weights.unsqueeze(-1) * v.unsqueeze(-3)).sum(-2)
 
 
 @contextmanager
@@ -97,8 +119,11 @@ class AotStep:
 
     cache = None  # the one cache a step serves; None: any cache shaped like the one it was exported with
 
-    def __init__(self, runner, model, cache, tokens: int = 1):
+    def __init__(self, runner, model, cache, tokens: int = 1, packed: bool = False):
         self.runner, self.model, self.tokens, self.signature = runner, model, tokens, step_signature(cache)
+        self.names = [name for name, _, _ in self.signature]  # the cache's tensors, in the order the step takes them
+        if packed:  # the weights were frozen into the step when it was compiled: it reads none of the model's
+            return
         weights = {f"model.{name}": t for name, t in [*model.named_parameters(remove_duplicate=False),
                                                       *model.named_buffers(remove_duplicate=False)]}
         names = runner.get_constant_fqns()
@@ -121,7 +146,7 @@ class AotStep:
         """idx (B, T), T from 1 to tokens -> logits (B, T, vocab_size)."""
         # contiguous: the step was built for rows of tokens side by side, not slices of longer sequences. The
         # loader's own call: the package's __call__ parses its input and output specs again at every step.
-        return self.runner.loader.boxed_run([idx.contiguous(), *(t for _, t in cache_tensors(cache))])[0]
+        return self.runner.loader.boxed_run([idx.contiguous(), *map(cache.get_buffer, self.names)])[0]
 
     def decode_step(self, idx, cache):
         """The last position's logits (B, vocab_size), as GPT.decode_step gives them."""
