@@ -121,7 +121,6 @@ class AotStep:
 
     def __init__(self, runner, model, cache, tokens: int = 1, packed: bool = False):
         self.runner, self.model, self.tokens, self.signature = runner, model, tokens, step_signature(cache)
-        self.names = [name for name, _, _ in self.signature]  # the cache's tensors, in the order the step takes them
         if packed:  # the weights were frozen into the step when it was compiled: it reads none of the model's
             return
         weights = {f"model.{name}": t for name, t in [*model.named_parameters(remove_duplicate=False),
@@ -146,7 +145,7 @@ class AotStep:
         """idx (B, T), T from 1 to tokens -> logits (B, T, vocab_size)."""
         # contiguous: the step was built for rows of tokens side by side, not slices of longer sequences. The
         # loader's own call: the package's __call__ parses its input and output specs again at every step.
-        return self.runner.loader.boxed_run([idx.contiguous(), *map(cache.get_buffer, self.names)])[0]
+        return self.runner.loader.boxed_run([idx.contiguous(), *(t for _, t in cache_tensors(cache))])[0]
 
     def decode_step(self, idx, cache):
         """The last position's logits (B, vocab_size), as GPT.decode_step gives them."""
