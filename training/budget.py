@@ -107,6 +107,20 @@ class Budget:
         self.pace = None  # seconds a step, as the steps before the latest evaluation or plan measured it
         self.planned_step_s = None  # a step's cost when the length was fixed, in this life of the run
         self.foreseen_s = 0.0  # an evaluation's cost with its saves until one is measured (BudgetPlan.check_budget)
+        self.recorded_s = 0.0  # the latest evaluation's cost in the run's last life, for a resumed run
+
+    def record(self) -> dict:
+        """What a checkpoint keeps of the costs measured, for the life that resumes it (resumed)."""
+        return {"step_s": self.pace if self.pace is not None else self.planned_step_s,
+                "evaluation_s": self.evaluation_s() or None}
+
+    def resumed(self, state: dict) -> None:
+        """Take the costs that the run's last life measured (record) until this life measures its own: its
+        start-up has spent time that its plan did not foresee, and the plan is checked before the first step."""
+        def cost(value):
+            return value if isinstance(value, float) and math.isfinite(value) and value > 0 else None
+        self.pace = cost(state.get("step_s"))
+        self.recorded_s = cost(state.get("evaluation_s")) or 0.0
 
     def spent(self) -> float:
         """The seconds of the budget spent so far, earlier lives of the run included."""
@@ -139,7 +153,7 @@ class Budget:
 
     def evaluation_s(self) -> float:
         """An evaluation's cost with its saves: the latest one's, else the cost foreseen before the first."""
-        return self.evaluations[-1][1] if self.evaluations else self.foreseen_s
+        return self.evaluations[-1][1] if self.evaluations else max(self.foreseen_s, self.recorded_s)
 
     def steps_that_fit(self, step: int, eval_interval: int) -> tuple[int, float, str]:
         """The last step that ends, with its evaluations, within planned_seconds() of the budget at the costs
@@ -156,12 +170,14 @@ class Budget:
         return (f"{self.spent():.1f} s since the start, {step_s:.3g} s a step and {evaluation_s:.3g} s an "
                 f"evaluation with its saves")
 
-    def replanned(self, step: int, end: int, due: bool, eval_interval: int) -> tuple[int | None, str]:
+    def replanned(self, step: int, end: int, due: bool, eval_interval: int,
+                  paced: bool = False) -> tuple[int | None, str]:
         """Once the length is fixed, at `step` of a plan that ends at `end`: the new end if the plan must change,
         else None; and what was measured, in words. It must when the steps since the latest evaluation (at least
         REPLAN_STEPS of them, or half an interval) say that it would end past the budget less half of EXIT_S, or,
-        at an evaluation (due: this step evaluates, and that evaluation comes first), MARGIN short of its aim."""
-        measured = self.since_costs(step, eval_interval)
+        at an evaluation (due: this step evaluates, and that evaluation comes first), MARGIN short of its aim.
+        paced: too few steps since then may measure by the pace before them (a resumed run's first check)."""
+        measured = self.since_costs(step, eval_interval, paced)
         if measured is None:
             return None, ""
         (step_s, evaluation_s), now = measured, clock()

@@ -114,8 +114,9 @@ class Trainer(BudgetPlan, ThreadWatch):
         self.step, self.best_val_loss = state["step"], state["best_val_loss"]
         self.best_step, self.since_best = state.get("best_step"), state.get("since_best", 0)
         self.threads_used.update(state.get("threads", ()) if self.threads_used else ())
-        if self.tc.max_minutes is not None:  # a budget counts the run's earlier lives too
+        if self.tc.max_minutes is not None:  # a budget counts the run's earlier lives too, and knows their costs
             self.budget.started_at -= state.get("seconds", 0.0)
+            self.budget.resumed(state)
         if not restore_rng(state["rng"], self.batches, self.rank, self.world_size, self.device) and self.is_master:
             print(f"resuming {len(state['rng'])} process(es) as {self.world_size}: batches and dropout draw "
                   f"afresh from the seed")
@@ -132,6 +133,8 @@ class Trainer(BudgetPlan, ThreadWatch):
             if self.tc.max_iters is not None:  # else once the budget has fixed it
                 self.start_session()
             self.budget.start(self.step)
+            if self.resumed and self.tc.max_iters is not None and self.tc.max_minutes is not None:
+                self.check_resumed_plan()
             with tqdm(total=self.tc.max_iters, initial=self.step, unit="step", dynamic_ncols=True,
                       disable=None if self.is_master else True) as bar:  # None: no bar unless stderr is a terminal
                 while self.tc.max_iters is None or self.step < self.tc.max_iters:
@@ -250,6 +253,7 @@ class Trainer(BudgetPlan, ThreadWatch):
                     "rng": gather(rng_state(self.batches, self.device), self.world_size),
                     "config": self.settings.config, "run_id": self.run_id,
                     "seconds": self.budget.spent(),  # the run's wall-clock time so far
+                    **self.budget.record(),  # what a step and an evaluation cost, for the life that resumes it
                     "threads": sorted(self.threads_used)}
         if self.ema is not None:
             training["raw_model"] = self.raw_model.state_dict()

@@ -126,9 +126,9 @@ class Schedule:
         if segment is None:
             return 0.0
         _, end, done, begins = segment
-        if step <= begins:
-            return done
-        return 1.0 if step >= end else done + (1 - done) * (step - begins) / (end - begins)
+        if step >= end:  # a plan cut short where it is made (a budget run that must end now) ends at its end too
+            return 1.0
+        return done if step <= begins else done + (1 - done) * (step - begins) / (end - begins)
 
     def factor(self, step: int) -> float:
         """The rate after `step` steps, as a share of the peak."""

@@ -8,7 +8,7 @@ from .applies import check_patience_applies
 from .budget import REPLAN_STEPS, more_time, unheld
 from .distributed import gather
 from .evaluation import evaluate
-from .optim import decay_begins
+from .optim import decay_begins, set_step
 
 FORESEEING_BATCHES = 2  # batches of each split timed, after an untimed one, to foresee an evaluation's cost
 
@@ -118,15 +118,35 @@ class BudgetPlan:
         end, measured = self.budget.replanned(self.step, tc.max_iters, due, tc.eval_interval)
         end, why = gather((end, why), self.world_size)[0]
         if why is not None:
-            self.schedule.replan(self.step, self.step)
+            self.replan(self.step)  # the rate after this last step is the plan's end, as in any run
             self.change_plan(self.step, f"train.max_minutes={tc.max_minutes:g} ends the run at step {self.step}, "
                                         f"not {tc.max_iters} as planned: {why}{self.unrepeated(self.step)}")
         elif end is not None:
-            end = max(end, self.step + 1)  # the step that fits before the budget's end, if none fits before the aim
-            self.schedule.replan(self.step, end)
-            self.change_plan(end, f"train.max_minutes={tc.max_minutes:g} plans the run again at step {self.step}: "
-                                  f"{end} steps, not {tc.max_iters} ({measured}); the learning rate reaches "
-                                  f"optim.min_lr={self.settings.optim.min_lr:g} at step {end}{self.unrepeated(end)}")
+            self.plan_again(end, measured)
+
+    def check_resumed_plan(self) -> None:
+        """Before a resumed budget run's first step, its length fixed: plan it again at once where the time left
+        cannot hold the rest of its plan at the speed its last life measured (its start-up has spent some), so that
+        the decay ends at the budget's end rather than being cut short there (Budget.late)."""
+        end, measured = self.budget.replanned(self.step, self.tc.max_iters, False, self.tc.eval_interval, paced=True)
+        end = gather(end, self.world_size)[0]
+        if end is not None:
+            self.plan_again(end, measured)
+
+    def plan_again(self, end: int, measured: str) -> None:
+        """The rest of the decay refitted to end at `end` (at least the next step), and said."""
+        tc = self.tc
+        end = max(end, self.step + 1)  # the step that fits before the budget's end, if none fits before the aim
+        self.replan(end)
+        self.change_plan(end, f"train.max_minutes={tc.max_minutes:g} plans the run again at step {self.step}: "
+                              f"{end} steps, not {tc.max_iters} ({measured}); the learning rate reaches "
+                              f"optim.min_lr={self.settings.optim.min_lr:g} at step {end}{self.unrepeated(end)}")
+
+    def replan(self, end: int) -> None:
+        """The schedule from this step on ends at `end`, the optimisers' rates with it from the next step."""
+        self.schedule.replan(self.step, end)
+        for scheduler in self.schedulers:
+            set_step(scheduler, self.step)
 
     def unrepeated(self, steps: int) -> str:
         """Once the plan has changed for the first time: what the line that says so adds, that the command printed
