@@ -142,7 +142,7 @@ def test_seeded_sampling_is_reproducible_with_and_without_cache(checkpoint):
     assert sample_ok(*common, "--seed", 8).stdout != first
 
 
-@pytest.mark.parametrize("narrowing", [["--top-k", 1], ["--top-p", 1e-6]])
+@pytest.mark.parametrize("narrowing", [["--top-k", 1], ["--top-p", 1e-6], ["--top-p", 1e-46]])  # 0 in float32
 def test_top_k_1_and_a_tiny_top_p_sample_greedily(checkpoint, greedy, narrowing):
     result = sample_ok("--checkpoint", checkpoint, "--prompt", PROMPT, "--max-new-tokens", NEW_TOKENS,
                        "--temperature", 1.0, *narrowing)

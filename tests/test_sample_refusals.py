@@ -41,7 +41,10 @@ def test_a_folder_of_runs_says_what_to_pass(checkpoint, tmp_path):
     (["--num-samples", 10**12], ["--num-samples 1000000000000 of", "GiB of KV cache", "use at most"]),
     (["--max-new-tokens", 10**12], ["--max-new-tokens 1000000000000 need", "ask for fewer new tokens"]),
     (["--max-new-tokens", 10**30], ["--max-new-tokens 1000000000000000000000000000000 need", "fewer new tokens"]),
-    (["--temperature", 1e-38], ["temperature must be 0 (greedy) or a finite number >= 1e-06, got 1e-38"]),
+    (["--max-new-tokens", 10**400], [f"--max-new-tokens {10**400} need", "GiB of KV cache", "fewer new tokens"]),
+    (["--num-samples", 10**400], [f"--num-samples {10**400} of", "GiB of KV cache", "use at most"]),
+    (["--temperature", 1e-38], ["temperature must be 0 (greedy) or a finite number >= 1.18e-38 (float32's "
+                                "smallest normal number), got 1e-38"]),
     (["--temperature", "nan"], ["temperature must be 0 (greedy) or a finite number"]),
     (["--temperature", 0, "--top-k", 5], ["top_k and top_p apply to sampled text: temperature 0 takes the likeliest "
                                           "token whatever they keep"]),

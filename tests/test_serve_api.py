@@ -144,6 +144,11 @@ def test_a_seeded_request_draws_the_same_text_alone_and_under_load(server, local
     assert asyncio.run(asyncio.wait_for(under_load(), 120))[0].choices[0].text == alone
 
 
+def test_a_top_p_that_float32_rounds_to_0_draws_the_likeliest_token(server, local_model):
+    answer = client(server).completions.create(model=None, prompt=PROMPTS[0], max_tokens=40, top_p=5e-324, seed=3)
+    assert answer.choices[0].text == greedy_alone(local_model, PROMPTS[0], 40)
+
+
 def test_sixty_four_streams_at_once_all_complete_unmixed_and_the_pool_empties(server, local_model):
     prompts = [f"{PROMPTS[i % 5]} {i}" for i in range(64)]
 

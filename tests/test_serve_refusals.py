@@ -54,6 +54,7 @@ BAD = [  # body, status, the parameter named, a fragment of the message
     ({"prompt": "ok", "temperature": "hot"}, 400, "temperature", "must be a number"),
     ({"prompt": "ok", "top_p": 0}, 400, "top_p", "(0, 1]"),
     ({"prompt": "ok", "top_p": 1.5}, 400, "top_p", "(0, 1]"),
+    ({"prompt": "ok", "temperature": 1e-39}, 400, "temperature", "a finite number >= 1.18e-38 (float32's smallest"),
     ({"prompt": "ok", "top_k": 2.5}, 400, "top_k", "integer"),
     ({"prompt": "ok", "temperature": 0, "top_k": 5}, 400, "top_k", "top_k and top_p apply to sampled text"),
     ({"prompt": "ok", "temperature": 0, "top_p": 0.5}, 400, "top_p", "top_k and top_p apply to sampled text"),
@@ -214,6 +215,8 @@ def test_mistakes_at_start_are_one_line_with_status_2(checkpoint, local_window_c
     assert_one_line_error(serve("--checkpoint", checkpoint, "--max-batch", 0), "serve.py", "--max-batch must be >= 1")
     assert_one_line_error(serve("--checkpoint", checkpoint, "--max-batch", 10**8), "serve.py",
                           "GiB of cpu memory; lower --max-batch")  # refused before it is allocated
+    assert_one_line_error(serve("--checkpoint", checkpoint, "--blocks", 10**400), "serve.py",
+                          "GiB of cpu memory; lower --max-batch or --blocks")  # too many bytes for a float
     assert_one_line_error(serve("--checkpoint", checkpoint, "--api-key", " "), "serve.py", "--api-key is empty")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -9,12 +9,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checks import is_integer, is_number
+from ..checks import FLOAT32_TINY, is_integer, is_number
 
 
-# Below this temperature, logits / temperature can overflow float32 to inf and softmax to NaN; the
-# distribution is then a point mass on the argmax anyway, so such a temperature is refused.
-MIN_TEMPERATURE = 1e-6
+# The logits are divided in float32: a smaller temperature loses precision there or rounds to 0.
+MIN_TEMPERATURE = FLOAT32_TINY
 
 
 @dataclass(frozen=True)
@@ -29,7 +28,8 @@ class Sampling:
     def __post_init__(self):
         t = self.temperature
         if not (is_number(t) and math.isfinite(t) and (t == 0 or t >= MIN_TEMPERATURE)):
-            raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {t!r}")
+            raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:.3g} (float32's "
+                             f"smallest normal number), got {t!r}")
         if self.top_k is not None and not (is_integer(self.top_k) and self.top_k >= 1):
             raise ValueError(f"top_k must be an integer >= 1, got {self.top_k!r}")
         if self.top_p is not None and not (is_number(self.top_p) and 0 < self.top_p <= 1):
@@ -51,15 +51,18 @@ class Sampling:
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """logits (..., vocab_size) -> the distribution a token is drawn from, after temperature, top-k and top-p
         (not for greedy)."""
-        logits = logits.float() / self.temperature
+        logits = logits.float()
+        # below the best logit first, so that no quotient overflows to inf, whatever the temperature
+        logits = (logits - logits.amax(dim=-1, keepdim=True)) / self.temperature
         if self.top_k is not None:
             kth_best = torch.topk(logits, min(self.top_k, logits.size(-1))).values[:, -1:]
             logits = logits.masked_fill(logits < kth_best, float("-inf"))
-        if self.top_p is not None:
+        if self.top_p is not None and self.top_p < 1:  # 1 keeps every token, however float32 rounds their sum
             sorted_logits, order = logits.sort(dim=-1, descending=True)
             probs = sorted_logits.softmax(dim=-1)
-            # drop a token when the likelier ones before it already reach top_p (the first always stays)
+            # drop a token when the likelier ones before it already reach top_p
             drop_sorted = probs.cumsum(dim=-1) - probs >= self.top_p
+            drop_sorted[..., 0] = False  # the likeliest stays, even where top_p rounds to 0 in float32
             logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
         return logits.softmax(dim=-1)
 
