@@ -6,6 +6,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from decimal import Decimal
 
 import torch
 
@@ -54,6 +55,11 @@ def memory_needed(config: GPTConfig, batch_size: int) -> int:
 
 # The largest share of the device's memory a KV cache may take: sample.py's samples with their tokens, serve.py's pool.
 MEMORY_SHARE = 0.5
+
+
+def gib(n: int) -> str:
+    """n bytes in GiB, to one decimal, for a count of any size (as a float, one past 1e308 overflows)."""
+    return f"{Decimal(n) / 2**30:,.1f}"
 
 
 def memory_of(device: torch.device) -> int:

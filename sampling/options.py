@@ -15,7 +15,7 @@ from model.decoding.quantize import DECODING_PRECISIONS
 from model.caches.factory import kv_cache_dtype
 from model.serving.engine import check_servable
 from .compiled_step import COMPILE_PAYS_AFTER, DEVICES as STEP_DEVICES
-from runtime.devices import MEMORY_SHARE, environment_threads, memory_of, threads_refused
+from runtime.devices import MEMORY_SHARE, environment_threads, gib, memory_of, threads_refused
 from runtime.errors import OneLineErrorParser, UsageError, one_line
 from runtime.files import cannot_write_atomically, link_loop, special_kind
 
@@ -216,12 +216,12 @@ def check_samples_fit_memory(args, prompt_len: int, model, device: torch.device)
     cache_bytes = cache_for(args, model, 1).nbytes if kind in EAGER else \
         kv_cache_bytes(model.config, kv_cache_dtype(model, torch.int8 if kind == "int8" else None), block_size + spare)
     per_sample = cache_bytes + (prompt_len + args.max_new_tokens) * torch.long.itemsize
-    memory = memory_of(device)
-    if args.num_samples * per_sample > MEMORY_SHARE * memory:
-        most = int(MEMORY_SHARE * memory // per_sample)
+    memory, need = memory_of(device), args.num_samples * per_sample
+    if need > MEMORY_SHARE * memory:
+        most = int(MEMORY_SHARE * memory) // per_sample  # in integers: a float overflows past 1e308
         raise UsageError(f"--num-samples {args.num_samples} of --max-new-tokens {args.max_new_tokens} need "
-                         f"{args.num_samples * per_sample / 2**30:.1f} GiB of KV cache and tokens, more than "
-                         f"{MEMORY_SHARE:.0%} of the {memory / 2**30:.1f} GiB of {device.type} memory; "
+                         f"{gib(need)} GiB of KV cache and tokens, more than "
+                         f"{MEMORY_SHARE:.0%} of the {gib(memory)} GiB of {device.type} memory; "
                          + (f"use at most {most} samples" if most else "ask for fewer new tokens"))
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from model.decoding.quantize import DECODING_PRECISIONS
 from model.serving.engine import Engine, check_servable
 from model.serving.paged import BlockPool
-from runtime.devices import MEMORY_SHARE, memory_of, threads_refused
+from runtime.devices import MEMORY_SHARE, gib, memory_of, threads_refused
 from runtime.errors import OneLineErrorParser, UsageError
 
 BLOCK_TOKENS = 16  # --block-tokens's default, as vLLM's
@@ -103,7 +103,7 @@ def check_pool_fits(args, model, blocks: int) -> None:
     needed, memory = BlockPool.bytes_needed(model, blocks, bt, int8, args.max_batch), memory_of(device)
     if needed > MEMORY_SHARE * memory:
         raise UsageError(f"a pool of {blocks} blocks of {bt} tokens for --max-batch {args.max_batch} needs "
-                         f"{needed / 2**30:.1f} GiB, more than {MEMORY_SHARE:.0%} of the {memory / 2**30:.1f} GiB of "
+                         f"{gib(needed)} GiB, more than {MEMORY_SHARE:.0%} of the {gib(memory)} GiB of "
                          f"{device.type} memory; lower --max-batch or --blocks"
                          f"{'' if int8 else ', or give --kv-cache int8'}")
 

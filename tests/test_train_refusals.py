@@ -37,7 +37,8 @@ def test_a_text_that_is_not_a_regular_file_is_refused_before_it_is_read(tmp_path
     assert_one_line_error(result, "sample.py", f"--prompt-file {path} is not a regular file")
 
 
-@pytest.mark.parametrize("override", ["train.batch_size=1000000000000", "model.n_embd=10000000"])
+@pytest.mark.parametrize("override", ["train.batch_size=1000000000000", "model.n_embd=10000000",
+                                      f"train.batch_size={10**400}"])  # bytes past a float's 1e308
 def test_a_training_beyond_memory_is_refused_before_it_starts(tmp_path, data_root, override):
     result = train_cli(*TINY, *data_overrides(data_root), override, cwd=tmp_path)
     assert_one_line_error(result, "train.py", "need at least", "GiB, and the cpu device has", "smaller model or batch")

@@ -7,7 +7,7 @@ import torch
 
 from data import Batches, DataError, PreparedData, UnknownCharacterError, prepare_training_text
 from runtime.checkpoint import trained_on
-from runtime.devices import memory_needed, memory_of
+from runtime.devices import gib, memory_needed, memory_of
 from runtime.errors import ConfigError
 
 from .config import TrainConfig
@@ -62,6 +62,6 @@ def check_training_fits_memory(settings, vocab_size: int, device: torch.device) 
     model_config = dataclasses.replace(settings.model, vocab_size=vocab_size)
     needed, available = memory_needed(model_config, tc.batch_size), memory_of(device)
     if needed > available:
-        raise ConfigError(f"the model and train.batch_size={tc.batch_size} need at least {needed / 2**30:,.1f} "
-                          f"GiB, and the {device.type} device has {available / 2**30:,.1f} GiB; choose a "
+        raise ConfigError(f"the model and train.batch_size={tc.batch_size} need at least {gib(needed)} "
+                          f"GiB, and the {device.type} device has {gib(available)} GiB; choose a "
                           f"smaller model or batch")
