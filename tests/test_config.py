@@ -36,6 +36,12 @@ BUDGET_RULE = "a positive number of minutes up to 525,600 (a year), or null"
     ("optim.min_lr=1", "optim.min_lr must be in [0, lr="),
     ("optim.beta2=1.0", "optim.beta2 must be in [0, 1)"),
     ("optim.grad_clip=0", "optim.grad_clip must be a positive number"),
+    # float32, where the optimisers step, rounds these to 0 or to inf
+    ("optim.lr=1e300", "optim.lr must be a positive number from 1.18e-38 to 3.4e+38, got 1e+300"),
+    ("optim.lr=1e-50", "optim.lr must be a positive number from 1.18e-38 to 3.4e+38, got 1e-50"),
+    ("optim=muon optim.muon_lr=1e39", "optim.muon_lr must be a positive number from 1.18e-38 to 3.4e+38"),
+    ("optim.grad_clip=1e-300", "optim.grad_clip must be a positive number of at least 1.18e-38 (inf: no clipping)"),
+    ("optim.lr=0.01 optim.weight_decay=1e300", "optim.weight_decay must be in [0, 1/lr = 100], got 1e+300"),
     ("optim.name=sgd", "optim.name must be one of"),
     ("train.max_iters=1000 optim.warmup_iters=1000", "optim.warmup_iters must be below train.max_iters=1000"),
     ("optim.decay_frac=0", "optim.decay_frac must be in (0, 1], got 0"),

@@ -7,7 +7,6 @@ config into checked objects before any work is done.
 
 import dataclasses
 import difflib
-import math
 import re
 from dataclasses import dataclass, field
 
@@ -18,6 +17,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 from data import DATASETS, VAL_FRACTION
 from model import GPTConfig
+from model.checks import FLOAT32_MAX, FLOAT32_RANGE, FLOAT32_TINY
 from model.designs.layers import check_design
 from runtime.devices import choose_device, environment_threads, threads_refused
 from runtime.errors import ConfigError, one_line
@@ -72,17 +72,21 @@ class OptimConfig:
 
     def __post_init__(self):
         _require(self, lambda v: v in OPTIMIZERS, f"one of {', '.join(OPTIMIZERS)}", "name")
-        _require(self, lambda v: 0 < v < math.inf, "a positive number", "lr")
+        # the optimisers step in float32, where a smaller rate rounds to 0 and a larger to inf
+        _require(self, lambda v: FLOAT32_TINY <= v <= FLOAT32_MAX, f"a positive number from {FLOAT32_RANGE}", "lr",
+                 "muon_lr")
         _require(self, lambda v: 0 <= v <= self.lr, f"in [0, lr={self.lr}]", "min_lr")
         _require(self, lambda v: v >= 0, "a non-negative integer", "warmup_iters")
         _require(self, lambda v: v in DECAYS, f"one of {', '.join(DECAYS)}", "decay")
         _require(self, lambda v: 0 < v <= 1, "in (0, 1]", "decay_frac")
         _require(self, lambda v: 0 <= v < 1, "in [0, 1)", "beta1", "beta2")
-        _require(self, lambda v: 0 <= v < math.inf, "a non-negative number", "weight_decay")
-        _require(self, lambda v: v > 0, "a positive number (inf: no clipping)", "grad_clip")
-        _require(self, lambda v: 0 < v < math.inf, "a positive number", "muon_lr")
+        # a step scales the weights by 1 - lr * weight_decay: below 0 it flips them, soon to float32's inf
+        _require(self, lambda v: 0 <= v <= 1 / self.lr, f"in [0, 1/lr = {1 / self.lr:g}]", "weight_decay")
+        _require(self, lambda v: v >= FLOAT32_TINY, f"a positive number of at least {FLOAT32_TINY:.3g} (inf: no "
+                                                     f"clipping)", "grad_clip")
         _require(self, lambda v: 0 <= v < 1, "in [0, 1)", "muon_momentum")
-        _require(self, lambda v: 0 <= v < math.inf, "a non-negative number", "muon_weight_decay")
+        _require(self, lambda v: 0 <= v <= 1 / self.muon_lr, f"in [0, 1/muon_lr = {1 / self.muon_lr:g}]",
+                 "muon_weight_decay")
         if self.name != "muon":
             for f in dataclasses.fields(self):
                 if f.name.startswith("muon_") and getattr(self, f.name) != f.default:
