@@ -14,7 +14,7 @@ from pathlib import Path
 from runtime.checkpoint import load_model, resolve_checkpoint
 from runtime.errors import Interrupted, OutputError, UsageError, one_line
 from runtime.files import cannot_make_a_file_in
-from runtime.hf import GGUF_FILE, ONNX_FILE, check_layers, model_type, to_hf
+from runtime.hf import GGUF_FILE, ONNX_FILE, SOURCE_KEY, check_layers, model_type, to_hf
 from runtime.tokenizer import write_tokenizer
 
 from .card import facts, generation_config, model_card
@@ -79,7 +79,7 @@ def export(checkpoint, out, fmt: str = "hf", precision: str = "fp32", signals=No
     try:
         stop(signals)
         os.mkdir(temporary)  # 0777 less the umask, as any new folder; its files get 0666 less it, as any new ones
-        for write in writes(model, vocab, contents, kind, fmt):
+        for write in writes(model, vocab, contents, kind, fmt, path):
             stop(signals)
             write(temporary)
         finish(signals)  # from here on a signal is only noted: the export is whole
@@ -125,12 +125,12 @@ def put_in_place(temporary: Path, target: Path, inside: bool) -> None:
         raise
 
 
-def writes(model, vocab, contents: dict, kind: str, fmt: str) -> list:
+def writes(model, vocab, contents: dict, kind: str, fmt: str, source: Path) -> list:
     """The export's files, each written by one call on the folder: the model, the tokenizer and the model card.
-    A stop signal ends the export between two."""
+    A stop signal ends the export between two. source: the checkpoint file exported."""
     def model_files(folder: Path) -> None:
         if fmt == "hf":
-            write_hf(model, contents, folder)
+            write_hf(model, contents, folder, source)
         elif fmt == "gguf":  # one file, its tokenizer inside
             write_gguf(model, vocab, folder / GGUF_FILE)
         else:
@@ -142,13 +142,15 @@ def writes(model, vocab, contents: dict, kind: str, fmt: str) -> list:
     return [model_files, *tokenizer, lambda folder: (folder / "README.md").write_text(card, encoding="utf-8")]
 
 
-def write_hf(model, contents: dict, folder: Path) -> None:
-    """config.json, model.safetensors (its metadata: what the checkpoint records) and generation_config.json."""
+def write_hf(model, contents: dict, folder: Path, source: Path) -> None:
+    """config.json, model.safetensors (its metadata: what the checkpoint records, and the checkpoint file itself,
+    which a refused train.resume names) and generation_config.json."""
     from safetensors.torch import save
     from transformers import AutoConfig
     fields, tensors = to_hf(model)
     kind = fields.pop("model_type")
     AutoConfig.for_model(kind, **fields).to_json_file(folder / "config.json", use_diff=False)
     # written by Python: a full disk is an OSError, which safetensors' own writer reports as its SafetensorError
-    (folder / "model.safetensors").write_bytes(save(tensors, metadata={"format": "pt", **facts(contents)}))
+    metadata = {"format": "pt", **facts(contents), SOURCE_KEY: str(source.resolve())}
+    (folder / "model.safetensors").write_bytes(save(tensors, metadata=metadata))
     (folder / "generation_config.json").write_text(json.dumps(generation_config(model.config), indent=1) + "\n")

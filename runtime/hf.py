@@ -233,6 +233,21 @@ ONNX_FILE, GGUF_FILE = "model.onnx", "model.gguf"  # the model's file in export.
 UNREADABLE_EXPORTS = {ONNX_FILE: "an ONNX export", GGUF_FILE: "a GGUF export (llama.cpp's)"}  # not read back
 
 
+SOURCE_KEY = "checkpoint"  # model.safetensors' metadata: the checkpoint file the folder was exported from
+
+
+def exported_from(folder: Path) -> Path | None:
+    """The checkpoint file an exported folder was written from, as its metadata records it; None where it records
+    none (an export of an earlier version) or cannot be read."""
+    from safetensors import safe_open
+    try:
+        with safe_open(folder / "model.safetensors", framework="pt") as f:
+            source = (f.metadata() or {}).get(SOURCE_KEY)
+    except Exception:  # a damaged file can fail anywhere in safetensors: then nothing is known
+        return None
+    return Path(source) if source else None
+
+
 def is_export(path: Path) -> bool:
     """Whether path is a folder that `export.py --format hf` wrote."""
     return path.is_dir() and (path / "config.json").is_file() and (path / "model.safetensors").is_file()

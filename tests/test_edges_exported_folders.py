@@ -17,9 +17,11 @@ from programs import (ENV, assert_one_line_error, checkpoint, data_root, sample_
 from runtime.checkpoint import (build_checkpoint, layout_damage, load_checkpoint, load_model,  # noqa: E402
                                 save_checkpoint)
 from runtime.errors import CheckpointError  # noqa: E402
+from runtime.hf import SOURCE_KEY  # noqa: E402
 from test_export import VOCAB  # noqa: E402
 from test_train import TINY, data_overrides  # noqa: E402
 from tiny_models import random_model  # noqa: E402
+from training.runs import weights_only  # noqa: E402
 
 DAMAGED = "is no folder that export.py wrote, or is damaged ("
 AGAIN = "); export the checkpoint again"
@@ -106,20 +108,58 @@ def test_weights_of_another_shape_are_a_damaged_folder_not_another_version(expor
     assert "size mismatch for blocks.0.mlp.proj.weight" in message and "version" not in message
 
 
-RESUME_ADVICE = ("holds the weights alone, no optimiser state or step to continue: resume from the last.pt of the "
-                 "run that trained it, or train anew without train.resume")
+WEIGHTS_ALONE = "holds the weights alone, no optimiser state or step to continue: "
+RESUME_ADVICE = f"{WEIGHTS_ALONE}resume from the last.pt of the run that trained it, or train anew without train.resume"
 
 
 def test_resuming_an_exported_folder_says_at_once_that_it_cannot_be_resumed(tmp_path, data_root, short_run):
     """Resumed where it lies, the folder's parent was taken for its run directory and refused as another's, with
-    advice (hydra.run.dir=NEW) that led only to a second refusal."""
+    advice (hydra.run.dir=NEW) that led only to a second refusal. Exported from the run's best.pt, it names both
+    of the run's checkpoints: each continues it, from its own step."""
     folder = export(short_run, tmp_path / "hf")
+    best, last = short_run.resolve() / "best.pt", short_run.resolve() / "last.pt"
     for elsewhere in ((), (f"hydra.run.dir={tmp_path / 'new'}",)):
         result = train_cli(*TINY, *data_overrides(data_root), f"train.resume={folder}", *elsewhere, cwd=tmp_path,
                            timeout=120)
         assert_one_line_error(result, "train.py", f"train.resume: {folder} is a folder that export.py wrote, which "
-                                                  f"{RESUME_ADVICE}")
+                                                  f"{WEIGHTS_ALONE}it was exported from {best}: train.resume={last} "
+                                                  f"continues the run from its latest step, or train.resume={best} "
+                                                  f"hydra.run.dir=NEW a run of its own from best.pt's step")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def without_its_source(folder):
+    """The folder as export.py wrote it before exports recorded the checkpoint they came from."""
+    from safetensors.torch import load_file, save_file
+    from safetensors import safe_open
+    with safe_open(folder / "model.safetensors", framework="pt") as f:
+        metadata = {key: value for key, value in f.metadata().items() if key != SOURCE_KEY}
+    save_file(load_file(folder / "model.safetensors"), folder / "model.safetensors", metadata=metadata)
+
+
+@pytest.mark.parametrize("source, advice", [
+    ("last.pt", "it was exported from SOURCE: resume from that, train.resume=SOURCE"),
+    ("best.pt alone", "it was exported from SOURCE: resume from that, train.resume=SOURCE"),
+    ("removed", "it was exported from SOURCE, which is no longer there, and kvgpt starts no run from weights alone: "
+                "train anew without train.resume"),
+    ("not recorded", "it records no checkpoint it came from; resume from the last.pt of the run that trained it, or "
+                     "train anew without train.resume")])
+def test_an_exported_folder_refused_for_resuming_says_what_it_knows_of_its_checkpoint(tmp_path, short_run, source,
+                                                                                       advice):
+    """The advice named "the last.pt of the run that trained it" whatever the folder came from: a best.pt, or a
+    run no longer there."""
+    run = tmp_path / "run"
+    run.mkdir()
+    exported_from = run / ("last.pt" if source == "last.pt" else "best.pt")
+    shutil.copy(short_run / exported_from.name, exported_from)
+    folder = export(exported_from, tmp_path / "hf")
+    if source == "removed":
+        shutil.rmtree(run)
+    if source == "not recorded":
+        without_its_source(folder)
+    message = str(weights_only(folder))
+    assert message == (f"train.resume: {folder} is a folder that export.py wrote, which {WEIGHTS_ALONE}"
+                       f"{advice.replace('SOURCE', str(exported_from.resolve()))}")
 
 
 def test_resuming_a_checkpoint_of_weights_alone_says_so_not_that_an_earlier_version_wrote_it(tmp_path, data_root,

@@ -16,6 +16,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, read_write
 
 from runtime.checkpoint import is_export, load_checkpoint, resolve_checkpoint
+from runtime.hf import exported_from
 from runtime.errors import CheckpointError, ConfigError, fail, one_line
 
 from .applies import check_folders_apply, check_runs_dir_applies
@@ -131,10 +132,31 @@ def enclosing_run(path: Path) -> Path | None:
 def weights_only(path) -> ConfigError:
     """The refusal of a checkpoint with no training state to continue: an exported folder, or a file saved with
     the weights alone."""
-    what = "a folder that export.py wrote, which" if is_export(Path(path)) else "a checkpoint that"
+    export = is_export(Path(path))
+    what = "a folder that export.py wrote, which" if export else "a checkpoint that"
     return ConfigError(f"train.resume: {path} is {what} holds the weights alone, no optimiser state or step to "
-                       f"continue: resume from the last.pt of the run that trained it, or train anew without "
-                       f"train.resume")
+                       f"continue: {resume_advice(Path(path)) if export else RESUME_ELSEWHERE}")
+
+
+RESUME_ELSEWHERE = "resume from the last.pt of the run that trained it, or train anew without train.resume"
+
+
+def resume_advice(folder: Path) -> str:
+    """What an exported folder's metadata tells of where its run may continue: the checkpoint it came from, if
+    that file is still there."""
+    source = exported_from(folder)
+    if source is None:
+        return f"it records no checkpoint it came from; {RESUME_ELSEWHERE}"
+    if not source.is_file():
+        return (f"it was exported from {source}, which is no longer there, and kvgpt starts no run from weights "
+                f"alone: train anew without train.resume")
+    if source.name != "best.pt":
+        return f"it was exported from {source}: resume from that, train.resume={source}"
+    last = source.parent / "last.pt"
+    if not last.is_file():
+        return f"it was exported from {source}: resume from that, train.resume={source}"
+    return (f"it was exported from {source}: train.resume={last} continues the run from its latest step, or "
+            f"train.resume={source} hydra.run.dir=NEW a run of its own from best.pt's step")
 
 
 def check_own_run(run_dir: Path, resumed: Path) -> None:
