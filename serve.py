@@ -6,8 +6,9 @@
 
 Every request of every client goes into one engine (model/serving/engine.py): one pool of KV blocks, continuous
 batching, and the prefix cache across requests. Open the URL it prints for the page; point any OpenAI client at
-URL/v1. SIGTERM or Ctrl-C stops it with status 0: running streams end with an error event. A mistake in the
-command line is one line on stderr with status 2. docs/serving.md says more.
+URL/v1. Once it has printed its URL, SIGTERM, Ctrl-C or SIGHUP stops it with status 0: running streams end with an
+error event. Before then, while it loads, a stop signal interrupts it (status 130). A mistake in the command line is
+one line on stderr with status 2. docs/serving.md says more.
 """
 
 import signal
@@ -16,6 +17,7 @@ import sys
 from runtime.checkpoint import find_latest_checkpoint, load_model, resolve_checkpoint
 from runtime.devices import DEFAULT_THREADS, choose_device
 from runtime.errors import UsageError, fail, mistakes, ready_standard_streams
+from runtime.signals import StopSignals, interrupt_on_signals
 
 try:
     from server.app import StoppingServer, build_app
@@ -42,6 +44,8 @@ def serve(args) -> None:
     limits = Limits(model_name(path), model.config.block_size, runner.capacity)
     app = build_app(runner, vocab, limits, args.api_key)
     sock = listening_socket(args.host, args.port)
+    server = StoppingServer(app, runner)
+    server.take_signals()  # before the URL: whoever reads it may stop the server at once
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     print(f"serving {path} as {limits.model!r} on {device.type}: http://{shown}:{port} (the page), "
@@ -49,11 +53,12 @@ def serve(args) -> None:
     if warning := open_warning(args.host, args.api_key):  # once bound: a host it cannot listen on is an error alone
         print(warning, file=sys.stderr)
     runner.start()
-    StoppingServer(app, runner).run(sockets=[sock])
+    server.run(sockets=[sock])
 
 
 def main(argv=None) -> None:
     parser = build_parser()
+    interrupt_on_signals()  # until the server takes them: loading is cut short, with status 130
     try:
         ready_standard_streams()
         serve(parser.parse_args(argv))
@@ -64,5 +69,6 @@ def main(argv=None) -> None:
 if __name__ == "__main__":
     try:
         main()
-    finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    finally:  # the server has stopped and its status is set: a signal now would only add a traceback or change it
+        for stop_signal in StopSignals.SIGNALS:
+            signal.signal(stop_signal, signal.SIG_IGN)

@@ -5,8 +5,10 @@ Every error is OpenAI's error JSON; no request names a file: the model is chosen
 """
 
 import asyncio
+import contextlib
 import hmac
 import json
+import signal
 import time
 from pathlib import Path
 
@@ -14,8 +16,10 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from data import CharVocab
+from runtime.signals import StopSignals, hung_up
 from .completions import Carried
 from .metrics import CONTENT_TYPE
 from .protocol import ApiError, Limits, parse_completion
@@ -28,6 +32,7 @@ PAGE = Path(__file__).with_name("page.html")
 
 def build_app(runner: EngineRunner, vocab: CharVocab, limits: Limits, api_key: str | None) -> FastAPI:
     app = FastAPI(title="kvgpt", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.stopping = asyncio.Event()  # set once the server stops: a body still arriving is refused then
     page = PAGE.read_text(encoding="utf-8")
     created = int(time.time())
 
@@ -88,7 +93,8 @@ def build_app(runner: EngineRunner, vocab: CharVocab, limits: Limits, api_key: s
     @app.post("/v1/completions")
     async def completions(request: Request):
         authorize(request)
-        carried = Carried(parse_completion(await read_json(request), vocab, limits), runner, limits.model)
+        body = await read_json(request, app.state.stopping)
+        carried = Carried(parse_completion(body, vocab, limits), runner, limits.model)
         watcher = asyncio.create_task(watch_disconnect(request, carried))
         if carried.completion.stream:
             async def stream():
@@ -107,22 +113,40 @@ def build_app(runner: EngineRunner, vocab: CharVocab, limits: Limits, api_key: s
     return app
 
 
-async def read_json(request: Request):
-    """The body as JSON, refused past MAX_BODY_BYTES before it is all read."""
+async def read_json(request: Request, stopping: asyncio.Event):
+    """The body as JSON, refused past MAX_BODY_BYTES before it is all read, and once the server stops (503): a
+    client that sends half a body would otherwise hold the server's stop until its tasks are cancelled."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise too_large()
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise too_large()
+    reading, stopped = asyncio.ensure_future(read_body(request)), asyncio.ensure_future(stopping.wait())
+    try:
+        await asyncio.wait((reading, stopped), return_when=asyncio.FIRST_COMPLETED)
+    finally:  # whichever is left, and both where this request itself is cancelled
+        stopped.cancel()
+        arrived = reading.done()
+        reading.cancel()
+    if not arrived:
+        raise ApiError(503, "the server is stopping: it takes no more requests", kind="server_error")
+    body = reading.result()
     try:
         return json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
     except RecursionError:
         raise ApiError(400, "the request body's JSON nests too deep to read") from None
+
+
+async def read_body(request: Request) -> bytearray:
+    body = bytearray()
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_BODY_BYTES:
+                raise too_large()
+    except ClientDisconnect:  # no one is left to answer: the error goes nowhere, and nothing is logged
+        raise ApiError(400, "the client closed the connection before its request body ended") from None
+    return body
 
 
 def error_response(e: ApiError) -> Response:
@@ -142,14 +166,33 @@ async def watch_disconnect(request: Request, carried: Carried) -> None:
 
 
 class StoppingServer(uvicorn.Server):
-    """uvicorn's server, which first ends every running stream when told to stop, and then exits with status 0
-    (uvicorn would raise the signal again once it has stopped)."""
+    """uvicorn's server, which first ends every running stream and every request still arriving when told to
+    stop, and then exits with status 0 (uvicorn would raise the signal again once it has stopped). It takes the
+    stop signals (SIGINT, SIGTERM, SIGHUP) from take_signals() on, before it runs, not only while it runs."""
 
     def __init__(self, app: FastAPI, runner: EngineRunner):
-        super().__init__(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=STOP_SECONDS))
-        self.runner = runner
+        # no lifespan: the app has none, and its task, cancelled on a quick exit, would print a traceback
+        super().__init__(uvicorn.Config(app, log_level="warning", lifespan="off",
+                                        timeout_graceful_shutdown=STOP_SECONDS))
+        self.app, self.runner = app, runner
+
+    def take_signals(self) -> None:
+        """From now on a stop signal stops the server: at once if it runs, as soon as it starts if not yet."""
+        for sig in StopSignals.SIGNALS:
+            signal.signal(sig, self.handle_exit)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        """take_signals() has set the handlers already, and they stay set after the server has stopped."""
+        yield
 
     def handle_exit(self, sig, frame) -> None:
+        """Every stop signal, a second one too, stops gracefully: what runs ends at once, with no task cancelled
+        halfway (uvicorn's force exit would cancel them, each with a traceback)."""
+        hung_up(sig)
         self.runner.stop("the server is stopping")
-        super().handle_exit(sig, frame)
-        self._captured_signals.clear()
+        self.should_exit = True
+
+    async def shutdown(self, sockets=None) -> None:
+        self.app.state.stopping.set()
+        await super().shutdown(sockets)
