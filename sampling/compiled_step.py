@@ -48,10 +48,16 @@ def model_code_digest() -> str:
     return digest.hexdigest()
 
 
+def packs(model) -> bool:
+    """Whether a packed step computes what the eager step does, up to float32's rounding: for float32 weights. In
+    bf16 or int8 its products would round in another order, and the greedy text would change."""
+    return all(t.dtype == torch.float32 for t in [*model.parameters(), *model.buffers()])
+
+
 def weights_digest(model) -> str:
     """sha256 of the model's weights and buffers, names and bytes: a packed step holds exactly these."""
     digest = hashlib.sha256()
-    for name, t in model.state_dict(keep_vars=False).items():
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
         digest.update(name.encode() + b"\0" + str(t.dtype).encode() + str(tuple(t.shape)).encode())
         digest.update(t.detach().cpu().contiguous().view(torch.uint8).numpy())
     return digest.hexdigest()

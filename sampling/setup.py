@@ -17,7 +17,8 @@ from model.serving.speculative import PromptLookup
 from runtime.checkpoint import load_model, resolve_checkpoint, training_text
 from runtime.devices import DEFAULT_THREADS, environment_threads, fastest_threads, thread_counts
 from runtime.errors import CheckpointError, UsageError, one_line
-from .compiled_step import COMPILE_PAYS_AFTER, DEVICES as STEP_DEVICES, has_compiled_step, load_or_compile_step
+from .compiled_step import (COMPILE_PAYS_AFTER, DEVICES as STEP_DEVICES, has_compiled_step, load_or_compile_step,
+                            packs)
 
 DECODE_TIMED = 16  # tokens decoded at each thread count to choose the fastest
 
@@ -82,15 +83,17 @@ def kept_or_compiled_step(args, model: GPT, cache, tokens: int = 1) -> Step | No
         return captured_step(model, cache, tokens, what)
     if cache.device.type not in STEP_DEVICES:
         return None
-    kept = has_compiled_step(model, cache, tokens, packed=True)
+    packed = packs(model)  # float32 weights: packed into the step; else a step for the shape reads them
+    kept = has_compiled_step(model, cache, tokens, packed)
     if not (args.compile or kept or args.max_new_tokens >= COMPILE_PAYS_AFTER):
         return None
     if not kept:
-        print(f"compiling the {what} for these weights, once: a minute or less (--no-compile decodes eagerly)",
+        made_for = "these weights" if packed else "this model's shape"
+        print(f"compiling the {what} for {made_for}, once: a minute or less (--no-compile decodes eagerly)",
               file=sys.stderr)
     try:
         return load_or_compile_step(model, cache, tokens, say=lambda line: print(line, file=sys.stderr),
-                                    packed=True)
+                                    packed=packed)
     except Exception as e:  # noqa: BLE001  no C++ compiler, or one that fails: the eager step still decodes
         print(f"compiling the {what} failed ({one_line(e)[:200]}); decoding eagerly", file=sys.stderr)
         return None

@@ -11,7 +11,8 @@ from model import GREEDY, generate
 from model.caches.factory import new_kv_cache
 from model.caches.ring import Uncached
 from model.decoding.aot_step import attention_in_loops
-from sampling.compiled_step import has_compiled_step, load_or_compile_step, step_path
+from model.decoding.quantize import to_precision
+from sampling.compiled_step import has_compiled_step, load_or_compile_step, packs, step_path, weights_digest
 from tiny_models import BLOCK_SIZE, random_model, random_tokens
 from tolerance import assert_forward_close, assert_within, attention_bound, attention_reference
 
@@ -63,6 +64,16 @@ def test_a_packed_step_is_kept_for_its_weights_alone(packed, monkeypatch):
         twin.lm_head.weight[0, 0] += 1e-3  # one weight moved
     assert step_path(twin, cache, packed=True) != step_path(model, cache, packed=True)
     assert step_path(model, cache, packed=True) != step_path(model, cache)
+
+
+def test_only_float32_weights_are_packed():
+    """bf16 and int8 products would round in another order than the eager step's: those models get the shared
+    step, whose kernels are the eager step's. Their weights still have a digest (int8 modules keep no state_dict)."""
+    assert packs(random_model())
+    for precision in ("bf16", "int8"):
+        model = to_precision(random_model(), precision)
+        assert not packs(model)
+        assert weights_digest(model) != weights_digest(to_precision(random_model(seed=5), precision))
 
 
 @pytest.mark.parametrize("case", ["mask with a row that sees nothing", "float mask", "causal, fewer queries",
