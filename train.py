@@ -83,11 +83,12 @@ def main(cfg: DictConfig, run_dir, preset: str | None = None, named: set[str] | 
             trainer = watch(Trainer(settings, model, data, device, run_dir, summaries, resumed, rank, world_size,
                                     started_at, run_id=run_id, thread_counts=counts,
                                     chosen=kept_on_resume(settings, named)))
-            if rank == 0:
-                announce(trainer, chosen, why, preset, world_size)
-                if prompt_changed:
-                    write_line(prompt_changed)
-            last_val_loss = trainer.fit()
+            with trainer.signals:  # from the first line on, a stop signal stops the run as it does while training
+                if rank == 0:
+                    announce(trainer, chosen, why, preset, world_size)
+                    if prompt_changed:
+                        write_line(prompt_changed)
+                last_val_loss = trainer.fit()
         if rank == 0:
             ended = f", ended early by {trainer.ended_by}" if trainer.ended_by else ""
             write_line(f"done: val loss {last_val_loss:.4f} (best {trainer.best_val_loss:.4f}) at step "

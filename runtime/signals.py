@@ -45,7 +45,8 @@ def interrupt_on_signals() -> None:
 class StopSignals:
     """Turns the first stop signal (SIGINT, SIGTERM, SIGHUP) into a request to stop after the current step; a second
     one interrupts at once. In train.py's process, once the run has finished and saved, a signal is only noted in
-    `late`: it cannot turn that success into a failure, and a sweep stops before its next job."""
+    `late`: it cannot turn that success into a failure, and a sweep stops before its next job. Entered again
+    while inside, it changes nothing: a caller may take the signals before the code that checks them begins."""
 
     SIGNALS = stop_signals()
     late = None  # the name of a signal received after a run finished
@@ -54,8 +55,12 @@ class StopSignals:
         self.signal_name = None
         self._previous = {}
         self._group = None
+        self._depth = 0
 
     def __enter__(self):
+        self._depth += 1
+        if self._depth > 1:
+            return self
         if dist.is_initialized():  # the processes agree on the CPU, without waiting for the device's work
             self._group = dist.new_group(backend="gloo")
         for sig in self.SIGNALS:
@@ -63,6 +68,9 @@ class StopSignals:
         return self
 
     def __exit__(self, exc_type, *exc):
+        self._depth -= 1
+        if self._depth:
+            return
         for sig, handler in self._previous.items():
             finished = exc_type is None and handler is interrupt
             signal.signal(sig, self._note_late if finished else handler)

@@ -63,6 +63,24 @@ def test_a_hangup_saves_the_run_unless_nohup_asks_it_to_go_on(tmp_path, data_roo
         assert f"stopped by SIGHUP at step {step}: saved {run_dir / 'last.pt'}".encode() in stderr, stderr
 
 
+def test_sigterm_as_the_first_line_appears_saves_the_run_it_names(tmp_path, data_root):
+    """The first line names the run directory: from then on a stop saves last.pt there, with status 0."""
+    run_dir = tmp_path / "run"
+    process = subprocess.Popen([sys.executable, str(REPO / "train.py"), *TINY, *data_overrides(data_root),
+                                "train.max_iters=100000", "train.eval_interval=50000", f"hydra.run.dir={run_dir}"],
+                               cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=child_signal(signal.SIGTERM))
+    try:
+        line = process.stdout.readline()
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert line.startswith("training ") and process.returncode == 0, stderr
+    assert stderr == f"stopped by SIGTERM at step 0: saved {run_dir / 'last.pt'}; continue with the same command plus " \
+                     f"train.resume={run_dir}\n", stderr
+
+
 def test_sigterm_while_preparing_the_data_leaves_nothing_behind(tmp_path):
     """Reading the text waits (as on a slow disk) until the signal."""
     source, root = tmp_path / "source.txt", tmp_path / "data"
