@@ -14,9 +14,11 @@ export, removes what it wrote, and exits with 128 + the signal's number (130 for
 import signal
 import sys
 
+from runtime.stop_signals import stop_signals
+
 EARLY_SIGNALS = []  # a stop signal that came while the modules below loaded, which takes seconds
 if __name__ == "__main__":
-    for _stop_signal in (signal.SIGINT, signal.SIGTERM):
+    for _stop_signal in stop_signals():
         signal.signal(_stop_signal, lambda signum, frame: EARLY_SIGNALS.append(signal.Signals(signum).name))
 
 from pathlib import Path  # noqa: E402

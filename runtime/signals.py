@@ -7,15 +7,7 @@ import torch
 import torch.distributed as dist
 
 from runtime.errors import silence
-
-HANGUP = getattr(signal, "SIGHUP", None)  # a closed terminal or a lost ssh session (POSIX only)
-
-
-def stop_signals() -> tuple:
-    """SIGINT, SIGTERM and SIGHUP, unless SIGHUP was ignored when the process started: `nohup` asks for a run that
-    outlives its terminal."""
-    hangup = HANGUP is not None and signal.getsignal(HANGUP) is not signal.SIG_IGN
-    return (signal.SIGINT, signal.SIGTERM, *([HANGUP] if hangup else []))
+from runtime.stop_signals import HANGUP, stop_signals
 
 
 # the standard streams that are a terminal, noted at the start: once it hangs up, isatty() answers False

@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("transformers")  # requirements-dev.txt installs them; kvgpt runs without them
 pytest.importorskip("onnxruntime")
 
-from programs import ENV, REPO, assert_one_line_error  # noqa: E402
+from programs import ENV, REPO, assert_one_line_error, child_signal  # noqa: E402
 from runtime.checkpoint import build_checkpoint, save_checkpoint  # noqa: E402
 import export as export_py  # noqa: E402
 from test_export import VOCAB, kvgpt_model, run_export  # noqa: E402
@@ -101,6 +101,7 @@ module.Decoder.forward = dropping
 
 @pytest.mark.parametrize("moment, fmt, stop_signal, out", [
     ("as export.py's modules load", "hf", "SIGINT", "new"),
+    ("as export.py's modules load", "hf", "SIGHUP", "new"),
     ("as the checkpoint loads", "hf", "SIGTERM", "new"),
     ("as transformers loads", "hf", "SIGTERM", "new"),
     ("as the weights are written", "hf", "SIGTERM", "new"),
@@ -110,7 +111,7 @@ module.Decoder.forward = dropping
     ("as the tokenizer is written", "onnx", "SIGTERM", "empty"),
 ])
 def test_a_stop_signal_at_any_moment_stops_the_export_and_leaves_nothing(run, moment, fmt, stop_signal, out):
-    """Ctrl-C (130) or SIGTERM (143): one line, and the folder holds what it held, no hidden partial folder in it,
+    """Ctrl-C (130), SIGHUP (129) or SIGTERM (143): one line, and the folder holds what it held, no hidden partial folder in it,
     whatever a library does with the interrupt: Python drops one raised in a destructor, and a second signal
     interrupts torch's tracer in its middle."""
     folder = run.parent
@@ -118,7 +119,8 @@ def test_a_stop_signal_at_any_moment_stops_the_export_and_leaves_nothing(run, mo
         (folder / "out").mkdir()
     before = everything(folder)
     hook = MOMENTS[moment].replace("SIG)", f"signal.{stop_signal})")
-    result = finished(export_with(hook, "--checkpoint", run, folder / "out", "--format", fmt, cwd=folder))
+    result = finished(export_with(hook, "--checkpoint", run, folder / "out", "--format", fmt, cwd=folder,
+                                  preexec_fn=child_signal(signal.Signals[stop_signal])))
     assert_one_line_error(result, "export.py", "interrupted", status=128 + signal.Signals[stop_signal])
     assert result.stdout == "" and everything(folder) == before
 
