@@ -104,3 +104,19 @@ def test_attention_in_loops_is_torchs_sdpa(case):
     bound, _ = attention_bound(q, k, v, allowed, scale=kwargs.get("scale"))
     assert_within(got, attention_reference(q, k, v, allowed, scale=kwargs.get("scale"))[0], bound, case)
     assert_within(got, F.scaled_dot_product_attention(q, k, v, **kwargs), 2 * bound, case)
+
+
+def test_a_cache_given_new_tensors_is_stepped_through_them(packed):
+    """A compiled step lists a cache's tensors once; a cache converted there and back (Module.to) holds new tensors,
+    and the step writes those: an eager step after it reads every key the compiled steps wrote."""
+    model, cache, step, _ = packed
+    seq = random_tokens(ROWS, PROMPT + 6, seed=4)
+    cache.reset()
+    model.decode_step(seq[:, :PROMPT], cache)
+    step.decode_step(seq[:, PROMPT:PROMPT + 1], cache)
+    cache.to(torch.float64).to(torch.float32)
+    cache.reset()
+    model.decode_step(seq[:, :PROMPT], cache)
+    for t in range(PROMPT, PROMPT + 5):
+        step.decode_step(seq[:, t:t + 1], cache)
+    assert_forward_close(model.decode_step(seq[:, -1:], cache), model(seq)[0][:, -1], model)

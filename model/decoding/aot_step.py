@@ -21,6 +21,7 @@ of the compiled code: speculative decoding's verification (model/serving/specula
 shorter than k.
 """
 
+import functools
 import warnings
 from contextlib import contextmanager
 
@@ -121,6 +122,7 @@ class AotStep:
 
     def __init__(self, runner, model, cache, tokens: int = 1, packed: bool = False):
         self.runner, self.model, self.tokens, self.signature = runner, model, tokens, step_signature(cache)
+        self.read = (None, [])  # (the last cache stepped through, its tensors in the step's order)
         if packed:  # the weights were frozen into the step when it was compiled: it reads none of the model's
             return
         weights = {f"model.{name}": t for name, t in [*model.named_parameters(remove_duplicate=False),
@@ -145,7 +147,16 @@ class AotStep:
         """idx (B, T), T from 1 to tokens -> logits (B, T, vocab_size)."""
         # contiguous: the step was built for rows of tokens side by side, not slices of longer sequences. The
         # loader's own call: the package's __call__ parses its input and output specs again at every step.
-        return self.runner.loader.boxed_run([idx.contiguous(), *(t for _, t in cache_tensors(cache))])[0]
+        return self.runner.loader.boxed_run([idx.contiguous(), *self.tensors(cache)])[0]
+
+    def tensors(self, cache) -> list[torch.Tensor]:
+        """The cache's tensors in the order the step takes them, listed once per cache: caches write them in place.
+        A cache moved or converted (Module.to) holds new tensors, its first one among them, and is listed again."""
+        last, tensors = self.read
+        first = functools.reduce(getattr, self.signature[0][0].split("."), cache) if cache is last else None
+        if first is None or first is not tensors[0]:
+            self.read = cache, [t for _, t in cache_tensors(cache)]
+        return self.read[1]
 
     def decode_step(self, idx, cache):
         """The last position's logits (B, vocab_size), as GPT.decode_step gives them."""
