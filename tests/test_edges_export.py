@@ -111,9 +111,9 @@ module.Decoder.forward = dropping
     ("as the tokenizer is written", "onnx", "SIGTERM", "empty"),
 ])
 def test_a_stop_signal_at_any_moment_stops_the_export_and_leaves_nothing(run, moment, fmt, stop_signal, out):
-    """Ctrl-C (130), SIGHUP (129) or SIGTERM (143): one line, and the folder holds what it held, no hidden partial folder in it,
-    whatever a library does with the interrupt: Python drops one raised in a destructor, and a second signal
-    interrupts torch's tracer in its middle."""
+    """Ctrl-C (130), SIGHUP (129) or SIGTERM (143): one line, and the folder holds what it held, no hidden partial
+    folder in it, whatever a library does with the interrupt: Python drops one raised in a destructor, and a second
+    signal interrupts torch's tracer in its middle."""
     folder = run.parent
     if out == "empty":
         (folder / "out").mkdir()

@@ -77,8 +77,8 @@ def test_sigterm_as_the_first_line_appears_saves_the_run_it_names(tmp_path, data
     finally:
         process.kill()
     assert line.startswith("training ") and process.returncode == 0, stderr
-    assert stderr == f"stopped by SIGTERM at step 0: saved {run_dir / 'last.pt'}; continue with the same command plus " \
-                     f"train.resume={run_dir}\n", stderr
+    assert stderr == f"stopped by SIGTERM at step 0: saved {run_dir / 'last.pt'}; continue with the same command " \
+                     f"plus train.resume={run_dir}\n", stderr
 
 
 def test_sigterm_while_preparing_the_data_leaves_nothing_behind(tmp_path):
