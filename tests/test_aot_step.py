@@ -14,6 +14,7 @@ from model.serving.conversation import Conversation
 from model.serving.speculative import PromptLookup, SpeculativeStats, speculative_generate
 from sampling.compiled_step import has_compiled_step, load_or_compile_step, step_path
 from tiny_models import BLOCK_SIZE, random_model, random_tokens
+from tolerance import assert_forward_close
 from model.caches.factory import new_kv_cache
 from model.caches.ring import Uncached
 
@@ -45,7 +46,7 @@ def test_each_step_gives_the_logits_of_a_full_forward(kept):
     for t in range(PROMPT, seq.size(1)):
         logits = step.decode_step(seq[:, t:t + 1], cache)
         full = model(seq[:, :t + 1], cache=Uncached(model.config.block_size, PAD))[0][:, -1]
-        torch.testing.assert_close(logits, full, rtol=1e-5, atol=1e-5, msg=f"step {t}")
+        assert_forward_close(logits, full, model, f"step {t}")
 
 
 def test_generate_through_the_step_gives_the_eager_text(kept):
@@ -69,13 +70,12 @@ def test_a_kept_step_is_loaded_and_reads_the_weights_it_is_given(kept, monkeypat
     tokens = random_tokens(ROWS, 1, seed=4)
     cache.reset()
     reference = new_kv_cache(model, ROWS)
-    torch.testing.assert_close(step.decode_step(tokens, cache), model.decode_step(tokens, reference), rtol=1e-5,
-                               atol=1e-5)
+    assert_forward_close(step.decode_step(tokens, cache), model.decode_step(tokens, reference), model)
     assert not torch.allclose(first.decode_step(tokens, new_kv_cache(first, ROWS)), model.decode_step(tokens, reference))
     model.load_state_dict(random_model(seed=8, pos_emb="rope").state_dict())  # in place: the step sees it
     cache.reset()
     fresh = new_kv_cache(model, ROWS)
-    torch.testing.assert_close(step.decode_step(tokens, cache), model.decode_step(tokens, fresh), rtol=1e-5, atol=1e-5)
+    assert_forward_close(step.decode_step(tokens, cache), model.decode_step(tokens, fresh), model)
 
 
 def test_another_shape_or_cache_has_another_step(kept, monkeypatch):
@@ -191,7 +191,7 @@ def test_each_design_compiles_to_a_step_equal_to_a_full_forward(design, int8, tm
     for t in range(PROMPT, seq.size(1)):
         logits = step.decode_step(seq[:, t:t + 1], cache)
         expected = model.decode_step(seq[:, t:t + 1], reference) if int8 else model(seq[:, :t + 1], cache=Uncached(model.config.block_size, PAD))[0][:, -1]
-        torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4, msg=f"step {t}")
+        assert_forward_close(logits, expected, model, f"step {t}")
 
 
 @pytest.mark.slow

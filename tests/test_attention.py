@@ -13,6 +13,7 @@ import torch.nn as nn
 from torch.func import functional_call
 
 from model import MultiHeadAttention, causal_mask
+from tolerance import assert_within, attention_bound, gamma, mha_bound
 
 
 B, T, E, N_HEAD = 2, 5, 12, 3
@@ -68,6 +69,12 @@ def reference_attention(mha: MultiHeadAttention, x, context=None, allowed=None):
     return mha.out_proj(torch.cat(heads, dim=-1)), torch.stack(weights, dim=1)
 
 
+def allowed_by(t_q, t_k, causal=False, padding=None):
+    """The (B or 1, 1, t_q, t_k) mask that is_causal and a key_padding_mask amount to, True = may attend."""
+    allowed = causal_mask(t_q, t_k) if causal else torch.ones(t_q, t_k, dtype=torch.bool)
+    return allowed[None, None] if padding is None else allowed & ~padding[:, None, None, :]
+
+
 def test_causal_mask_is_lower_triangular_and_aligned_bottom_right():
     assert torch.equal(causal_mask(3, 3), torch.tensor([[1, 0, 0], [1, 1, 0], [1, 1, 1]], dtype=torch.bool))
     # two new queries after three earlier keys: the last query sees every key
@@ -88,7 +95,8 @@ def test_self_attention_equals_torch_multihead_attention(bias, masks, need_weigh
     padding = KEY_PADDING if "padding" in masks else None
     expected, _ = ref(x, x, x, attn_mask=~causal_mask(T, T) if causal else None, key_padding_mask=padding)
     out, _ = ours(x, is_causal=causal, key_padding_mask=padding, need_weights=need_weights)
-    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
+    # two float32 evaluations of one formula, each within mha_bound of the exact value
+    assert_within(out, expected, 2 * mha_bound(ours, x, allowed=allowed_by(T, T, causal, padding))[0])
 
 
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
@@ -103,7 +111,7 @@ def test_cross_attention_equals_torch_multihead_attention(bias, masks, need_weig
     expected, _ = ref(x, context, context, attn_mask=~causal_mask(3, T) if causal else None,
                       key_padding_mask=padding)
     out, _ = ours(x, context, is_causal=causal, key_padding_mask=padding, need_weights=need_weights)
-    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
+    assert_within(out, expected, 2 * mha_bound(ours, x, context, allowed_by(3, T, causal, padding))[0])
 
 
 @pytest.mark.parametrize("cross", [False, True], ids=["self", "cross"])
@@ -116,7 +124,8 @@ def test_attention_weights_equal_torch_per_head_weights(cross):
     _, expected = ref(x, context, context, key_padding_mask=padding, need_weights=True, average_attn_weights=False)
     _, weights = ours(x, context if cross else None, key_padding_mask=padding, need_weights=True)
     assert weights.shape == (B, N_HEAD, T, context.size(1))
-    torch.testing.assert_close(weights, expected, atol=1e-6, rtol=1e-5)
+    allowed = allowed_by(T, context.size(1), padding=padding)
+    assert_within(weights, expected, 2 * mha_bound(ours, x, context, allowed)[1])
 
 
 # --- the explicit path equals the SDPA path -------------------------------------------------------------
@@ -153,18 +162,22 @@ def test_explicit_path_equals_sdpa_path_and_per_head_reference(case):
     fast, no_weights, allowed, context = call_with_masks(mha, x, case, need_weights=False)
     explicit, weights, _, _ = call_with_masks(mha, x, case, need_weights=True)
     assert no_weights is None
-    torch.testing.assert_close(explicit, fast, atol=1e-6, rtol=1e-5)
+    out_bound, weights_bound = (2 * bound for bound in mha_bound(mha, x, context, allowed))
+    assert_within(explicit, fast, out_bound)
     expected, expected_weights = reference_attention(mha, x, context, allowed)
-    torch.testing.assert_close(fast, expected, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(weights, expected_weights, atol=1e-6, rtol=1e-5)
+    assert_within(fast, expected, out_bound)
+    assert_within(weights, expected_weights, weights_bound)
 
 
 @pytest.mark.parametrize("case", MASK_CASES)
 def test_attention_weight_rows_sum_to_one_and_masked_keys_get_zero(case):
     mha = make_mha(E, N_HEAD)
-    _, weights, allowed, _ = call_with_masks(mha, torch.randn(B, T, E), case, need_weights=True)
+    x = torch.randn(B, T, E)
+    _, weights, allowed, context = call_with_masks(mha, x, case, need_weights=True)
+    # each weight within its bound of the exact one, and the sum's own T_k roundings
+    bound = mha_bound(mha, x, context, allowed)[1].sum(dim=-1) + gamma(weights.size(-1))
+    assert_within(weights.sum(dim=-1), torch.ones(weights.shape[:-1]), bound)
     allowed = allowed.expand_as(weights)
-    torch.testing.assert_close(weights.sum(dim=-1), torch.ones(weights.shape[:-1]))
     assert (weights[~allowed] == 0).all()
     assert (weights[allowed] > 0).all()
 
@@ -177,9 +190,10 @@ def test_is_causal_with_fewer_queries_than_keys_is_aligned_bottom_right(need_wei
     mha = make_mha(E, N_HEAD)
     x = torch.randn(B, T, E)
     full, _ = mha(x, is_causal=True, need_weights=need_weights)
+    bound = 2 * mha_bound(mha, x, allowed=causal_mask(T, T))[0]  # other shapes, so maybe other summation orders
     for t_q in (1, 2, T - 1):
         last, _ = mha(x[:, -t_q:], x, is_causal=True, need_weights=need_weights)
-        torch.testing.assert_close(last, full[:, -t_q:], atol=1e-6, rtol=1e-5)
+        assert_within(last, full[:, -t_q:], bound[:, -t_q:])
 
 
 @pytest.mark.parametrize("need_weights", PATHS)
@@ -263,10 +277,11 @@ def test_query_value_output_and_input_widths_may_all_differ(cross):
         out, weights = mha(x, context, is_causal=True, need_weights=need_weights)
         assert out.shape == (B, 3, 10)
         expected, expected_weights = reference_attention(mha, x, context, causal_mask(3, t_k))
-        torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
+        out_bound, weights_bound = (2 * bound for bound in mha_bound(mha, x, context, causal_mask(3, t_k)))
+        assert_within(out, expected, out_bound)
         if need_weights:
             assert weights.shape == (B, 2, 3, t_k)
-            torch.testing.assert_close(weights, expected_weights, atol=1e-6, rtol=1e-5)
+            assert_within(weights, expected_weights, weights_bound)
 
 
 def test_without_output_projection_the_output_is_the_value_width():
@@ -302,7 +317,9 @@ def test_under_cpu_bf16_autocast_attention_still_computes_in_float32(need_weight
     scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
     expected = (scores.softmax(dim=-1) @ v).transpose(1, 2).reshape(B, T, E)
     assert out.dtype == torch.float32
-    torch.testing.assert_close(out.double(), expected, rtol=0, atol=1e-5)
+    # float32 attention over these q, k, v lies within attention_bound of the exact value; bf16 would be ~1e-2 off
+    bound = attention_bound(q, k, v, torch.ones(T, T, dtype=torch.bool).tril())[0]
+    assert_within(out, expected, bound.transpose(1, 2).reshape(B, T, E))
 
 
 # --- dropout --------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from model.attention import rotary
 from model.caches.evicting import new_evicting_cache
 from test_sink_cache import cached_logits
 from tiny_models import random_model, random_tokens
+from tolerance import assert_forward_close
 from model.caches.factory import new_kv_cache
 
 
@@ -115,7 +116,7 @@ def test_each_head_keeps_what_the_policy_written_out_keeps_and_decodes_as_it_wou
     cache = new_evicting_cache(model, 2, policy=policy, budget=budget)
     cached = cached_logits(model, seq, prompt_len, cache)
     reference, kept = eviction_reference(model, seq[:, :-1], policy, budget)
-    torch.testing.assert_close(cached, reference[:, prompt_len - 1:], rtol=0, atol=1e-5)
+    assert_forward_close(cached, reference[:, prompt_len - 1:], model)
     assert kept_tokens(cache, 2, c.n_layer, n_kv_head) == kept
     if n_kv_head > 1 or policy == "tova":
         assert len({tuple(own) for own in kept.values()}) > 1  # the heads keep different tokens
@@ -175,7 +176,7 @@ def test_a_budget_that_holds_the_whole_context_is_the_full_cache(policy):
     seq = random_tokens(2, 4 * block, seed=10)
     full = cached_logits(model, seq, 5, new_kv_cache(model, 2))
     evicting = cached_logits(model, seq, 5, new_evicting_cache(model, 2, policy=policy, budget=block))
-    torch.testing.assert_close(evicting, full, rtol=0, atol=1e-5)
+    assert_forward_close(evicting, full, model)
     prompt = seq[:, :4]
     assert torch.equal(generate(model, prompt, 3 * block, sampling=GREEDY,
                                 cache=new_evicting_cache(model, 2, policy=policy, budget=block)),

@@ -11,7 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from model import CausalSelfAttention, GPT, GPTConfig, GREEDY, KVCache, RingKVCache, build_model, generate, generate_tokens
+from model.attention import causal_mask
 from tiny_models import BLOCK_SIZE, VOCAB, random_model, random_tokens, tiny_config, train_briefly
+from tolerance import assert_forward_close, assert_within, projected_attention_bound
 from model.caches.factory import new_kv_cache
 from model.caches.ring import Uncached
 
@@ -23,7 +25,6 @@ CONFIGS = {
     "4heads-bias-dropout0.2": dict(n_head=4, bias=True, dropout=0.2),  # dropout 0.2, used in eval mode
     "4heads-no_bias": dict(n_head=4, bias=False),
 }
-ATOL = 1e-5
 
 
 # --- a briefly trained model -----------------------------------------------------------------------------
@@ -69,7 +70,7 @@ def assert_every_step_matches_full_forward(model, prompt):
     equal those of a full forward over exactly the same context."""
     cache = new_kv_cache(model, prompt.size(0))
     logits, _ = model(prompt, cache=cache)
-    torch.testing.assert_close(logits, model(prompt)[0], atol=ATOL, rtol=0)  # every prompt position
+    assert_forward_close(logits, model(prompt)[0], model)  # every prompt position
     assert len(cache) == prompt.size(1)
     seq, last = prompt, logits[:, -1]
     for step in range(BLOCK_SIZE - prompt.size(1)):
@@ -78,7 +79,7 @@ def assert_every_step_matches_full_forward(model, prompt):
         # both ways into the cache: the generation step, and the public forward
         last = model.decode_step(new, cache) if step % 2 == 0 else model(new, cache=cache)[0][:, -1]
         assert len(cache) == seq.size(1)
-        torch.testing.assert_close(last, model(seq)[0][:, -1], atol=ATOL, rtol=0)
+        assert_forward_close(last, model(seq)[0][:, -1], model)
 
 
 @pytest.mark.parametrize("prompt_len", [1, 7, BLOCK_SIZE])
@@ -127,7 +128,8 @@ def test_attention_block_with_a_layer_cache_equals_full_causal_attention(ring):
         assert (step.mask is not None) == ring
         outs.append(attn(x[:, t:t + n], step.mask, None, step.layer(0)))
         t += n
-    torch.testing.assert_close(torch.cat(outs, dim=1), expected, atol=1e-6, rtol=1e-5)
+    bound = projected_attention_bound(x, x, attn.qkv, attn.widths, 3, 3, attn.out_proj, causal_mask(10, 10))[0]
+    assert_within(torch.cat(outs, dim=1), expected, 2 * bound)  # two float32 evaluations of one formula
 
 
 # --- prefill: one shot, continued, chunked ---------------------------------------------------------------
@@ -143,10 +145,11 @@ def prefill_in_chunks(model, tokens, chunks):
     return torch.cat(logits, dim=1), cache
 
 
-def assert_same_cache(cache, expected, n_filled):
+def assert_same_cache(cache, expected, n_filled, model):
+    """The two caches' keys and values, each an output of the model's forward up to its layer, within forward_atol."""
     assert len(cache) == len(expected) == n_filled
     for mine, theirs in zip(cache.k + cache.v, expected.k + expected.v, strict=True):
-        torch.testing.assert_close(mine[:, :, :n_filled], theirs[:, :, :n_filled], atol=1e-6, rtol=1e-5)
+        assert_forward_close(mine[:, :, :n_filled], theirs[:, :, :n_filled], model)
 
 
 def test_prefill_then_continue_equals_one_shot_prefill():
@@ -154,10 +157,10 @@ def test_prefill_then_continue_equals_one_shot_prefill():
     tokens = random_tokens(2, 10)
     whole_logits, whole = prefill_in_chunks(model, tokens, [10])
     logits, continued = prefill_in_chunks(model, tokens, [6, 4])
-    torch.testing.assert_close(logits, whole_logits, atol=ATOL, rtol=0)
-    assert_same_cache(continued, whole, 10)
+    assert_forward_close(logits, whole_logits, model)
+    assert_same_cache(continued, whole, 10, model)
     nxt = random_tokens(2, 1, seed=1)  # and both caches go on identically
-    torch.testing.assert_close(model.decode_step(nxt, continued), model.decode_step(nxt, whole), atol=ATOL, rtol=0)
+    assert_forward_close(model.decode_step(nxt, continued), model.decode_step(nxt, whole), model)
 
 
 @pytest.mark.parametrize("chunks", [[3, 4, BLOCK_SIZE - 7], [1] * 5 + [BLOCK_SIZE - 5]], ids=["3+4+rest", "1x5+rest"])
@@ -166,9 +169,9 @@ def test_chunked_prefill_equals_whole_prefill(chunks, attention_path):
     tokens = random_tokens(3, BLOCK_SIZE)
     whole_logits, whole = prefill_in_chunks(model, tokens, [BLOCK_SIZE])
     logits, chunked = prefill_in_chunks(model, tokens, chunks)
-    torch.testing.assert_close(logits, whole_logits, atol=ATOL, rtol=0)
-    torch.testing.assert_close(whole_logits, model(tokens)[0], atol=ATOL, rtol=0)
-    assert_same_cache(chunked, whole, BLOCK_SIZE)
+    assert_forward_close(logits, whole_logits, model)
+    assert_forward_close(whole_logits, model(tokens)[0], model)
+    assert_same_cache(chunked, whole, BLOCK_SIZE, model)
 
 
 # --- the cache is really used ----------------------------------------------------------------------------
@@ -260,7 +263,7 @@ def test_reset_empties_the_cache_and_a_fresh_prefill_equals_a_brand_new_cache():
     prompt = random_tokens(2, 7)
     new = new_kv_cache(model, 2)
     torch.testing.assert_close(model(prompt, cache=cache)[0], model(prompt, cache=new)[0], atol=0, rtol=0)
-    assert_same_cache(cache, new, 7)
+    assert_same_cache(cache, new, 7, model)
     torch.testing.assert_close(model.decode_step(prompt[:, :1], cache), model.decode_step(prompt[:, :1], new), atol=0, rtol=0)
 
 
@@ -302,9 +305,9 @@ def test_a_left_padded_row_gets_the_logits_it_gets_alone_with_and_without_the_ca
     step = model.decode_step(nxt, cache)
     for b, p in enumerate(prompts):
         alone, _ = model(p)
-        torch.testing.assert_close(cached[b, t - p.size(1):], alone[0], atol=ATOL, rtol=0)
-        torch.testing.assert_close(uncached[b, t - p.size(1):], alone[0], atol=ATOL, rtol=0)
-        torch.testing.assert_close(step[b], model(torch.cat([p, nxt[b:b + 1]], dim=1))[0][0, -1], atol=ATOL, rtol=0)
+        assert_forward_close(cached[b, t - p.size(1):], alone[0], model)
+        assert_forward_close(uncached[b, t - p.size(1):], alone[0], model)
+        assert_forward_close(step[b], model(torch.cat([p, nxt[b:b + 1]], dim=1))[0][0, -1], model)
 
 
 # --- which rule runs where ---------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from model.measuring.decoder_loss import decoder_loss, teacher_forced_loss
 from model.decoding.generate import prefill
 from model.caches.int8 import Int8KVCache, Quantized, int8_attention, quantize_int8
 from tiny_models import BLOCK_SIZE, random_model, random_tokens
+from tolerance import U, assert_forward_close, assert_within, attention_bound, forward_atol, mha_bound
 from model.caches.factory import new_kv_cache
 from model.caches.ring import Uncached
 
@@ -42,7 +43,6 @@ DESIGNS = {
 }
 LATENT_ROPE = 4
 N_NEW = 3 * BLOCK_SIZE
-ATOL = 1e-5
 
 
 def design_model(design: str, pos_emb: str, seed=0) -> GPT:
@@ -147,10 +147,10 @@ def latent_queries_keys_values(model, block, out, pos):
 def test_forward_equals_the_written_out_reference(design, pos_emb):
     model = design_model(design, pos_emb)
     seq = random_tokens(2, BLOCK_SIZE)
-    torch.testing.assert_close(model(seq)[0], reference_logits(model, seq), atol=ATOL, rtol=0)
+    assert_forward_close(model(seq)[0], reference_logits(model, seq), model)
     n_pad = torch.tensor([0, 5])
     got = model(seq, cache=Uncached(model.config.block_size, n_pad))[0]
-    torch.testing.assert_close(got[1, 5:], reference_logits(model, seq, n_pad)[1, 5:], atol=ATOL, rtol=0)
+    assert_forward_close(got[1, 5:], reference_logits(model, seq, n_pad)[1, 5:], model)
 
 
 def test_the_designs_do_change_the_model():
@@ -181,8 +181,9 @@ def test_grouped_query_attention_equals_torch_sdpa_with_enable_gqa(n_kv_head, ne
     allowed = allowed | torch.eye(7, dtype=torch.bool)  # rows 0-1 of batch 0 see no key: give them one, ignored
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
     expected = mha.out_proj(y.transpose(1, 2).reshape(2, 7, 24))
-    torch.testing.assert_close(out[0, 2:], expected[0, 2:], atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(out[1], expected[1], atol=1e-6, rtol=1e-5)
+    bound = 2 * mha_bound(mha, x, allowed=allowed)[0]  # two float32 evaluations of one formula
+    assert_within(out[0, 2:], expected[0, 2:], bound[0, 2:])
+    assert_within(out[1], expected[1], bound[1])
 
 
 @pytest.mark.parametrize("mask", ["none", "rows", "2-d"])
@@ -196,7 +197,7 @@ def test_a_one_token_step_of_grouped_queries_equals_torch_sdpa_with_enable_gqa(n
     if allowed is not None:
         allowed[..., -1] = True  # the new token sees itself
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=n_kv_head < 4)
-    torch.testing.assert_close(attention.attend(q, k, v, allowed), expected, atol=1e-6, rtol=1e-5)
+    assert_within(attention.attend(q, k, v, allowed), expected, 2 * attention_bound(q, k, v, allowed)[0])
 
 
 @pytest.mark.parametrize("pos_emb", ["learned", "rope"])
@@ -217,7 +218,7 @@ def test_a_plain_model_with_each_key_value_head_repeated_gives_the_same_logits(n
             state[name] = torch.cat([q, k, v])
     plain.load_state_dict(state)
     seq = random_tokens(3, BLOCK_SIZE)
-    torch.testing.assert_close(plain(seq)[0], gqa(seq)[0], atol=ATOL, rtol=0)
+    assert_forward_close(plain(seq)[0], gqa(seq)[0], plain)
 
 
 # --- through the cache, at every step ----------------------------------------------------------------------
@@ -242,7 +243,7 @@ def test_rolling_cache_equals_the_reference_at_every_step_for_3_blocks(design, r
     seq, logits = cached_steps(model, random_tokens(3, 9, seed=2), n_pad, N_NEW, read_all_slots)
     reference = reference_logits(model, seq, n_pad)  # the band of block_size over the whole sequence
     for step, got in enumerate(logits):
-        torch.testing.assert_close(got, reference[:, 8 + step], atol=ATOL, rtol=0)
+        assert_forward_close(got, reference[:, 8 + step], model)
 
 
 @pytest.mark.parametrize("read_all_slots", [False, True], ids=["filled slots", "all slots, masked"])
@@ -253,7 +254,7 @@ def test_learned_positions_cache_equals_the_reference_inside_the_block(design, r
     seq, logits = cached_steps(model, random_tokens(3, 9, seed=2), n_pad, BLOCK_SIZE - 9, read_all_slots)
     reference = reference_logits(model, seq, n_pad)
     for step, got in enumerate(logits):
-        torch.testing.assert_close(got, reference[:, 8 + step], atol=ATOL, rtol=0)
+        assert_forward_close(got, reference[:, 8 + step], model)
 
 
 def recorded_logits(model, monkeypatch, **kwargs):
@@ -287,7 +288,7 @@ def test_generation_past_block_size_equals_recomputation_step_by_step(design, po
                                         n_pad=n_pad, use_cache=False)
     assert torch.equal(cached, full)
     for got, want in zip(cached_logits, full_logits, strict=True):
-        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+        assert_forward_close(got, want, model)
     sampling = Sampling(temperature=1.0, top_k=8)
     with_cache, without = (generate(model, prompt, N_NEW, sampling=sampling, n_pad=n_pad, use_cache=use,
                                     generator=torch.Generator().manual_seed(7)) for use in (True, False))
@@ -354,12 +355,16 @@ def test_int8_attention_folds_the_scales_and_equals_sdpa_on_the_dequantized_keys
     y, weights = int8_attention(q, Quantized(k, k_scale), Quantized(v, v_scale), mask, need_weights)
     expected = F.scaled_dot_product_attention(q, k * k_scale, v * v_scale, attn_mask=mask, enable_gqa=n_kv_head < 4)
     expected[1] = 0
-    torch.testing.assert_close(y, expected, atol=1e-6, rtol=1e-5)
+    # each path rounds a key or value times its scale once, or folds the scale in with a rounding or two: 2 u of each
+    k_exact, v_exact = k.double() * k_scale.double(), v.double() * v_scale.double()
+    bounds = attention_bound(q, k_exact, v_exact, mask, dk=2 * U * k_exact.abs(), dv=2 * U * v_exact.abs())
+    out_bound, weights_bound = (2 * bound for bound in bounds)  # two float32 evaluations
+    assert_within(y, expected, out_bound)
     if need_weights:
         group = 4 // n_kv_head
         scores = q @ (k * k_scale).repeat_interleave(group, dim=1).transpose(-2, -1) / math.sqrt(hs)
         expected_weights = scores.masked_fill(~mask, float("-inf")).softmax(-1).nan_to_num(0.0)
-        torch.testing.assert_close(weights, expected_weights, atol=1e-6, rtol=1e-5)
+        assert_within(weights, expected_weights, weights_bound)
     else:
         assert weights is None
 
@@ -377,7 +382,7 @@ def test_int8_cache_decodes_a_batch_in_blocks_of_rows_as_it_does_all_at_once(mon
         steps = [model.decode_step(prompt, cache)]
         steps += [model.decode_step(steps[-1].argmax(-1, keepdim=True), cache) for _ in range(BLOCK_SIZE + 3)]
         logits[rows_at_a_time] = torch.stack(steps)
-    torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=0)
+    assert_forward_close(logits[True], logits[False], model)
 
 
 @pytest.mark.parametrize("design", ["gqa-share2", pytest.param("local-sink-gqa", marks=pytest.mark.slow),
@@ -398,7 +403,7 @@ def test_compiled_step_through_an_int8_cache_equals_the_eager_one(design):
         out += [step(out[-1].argmax(-1, keepdim=True), cache) for _ in range(BLOCK_SIZE + 3)]
         logits[name] = torch.stack(out)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # the step did go through the compiler
-    torch.testing.assert_close(logits["compiled"], logits["eager"], atol=1e-4, rtol=0)
+    assert_forward_close(logits["compiled"], logits["eager"], model)
 
 
 @pytest.mark.parametrize("read_all_slots", [False, True], ids=["filled slots", "all slots, masked"])
@@ -469,11 +474,13 @@ def test_loss_through_the_decoder_equals_teacher_forced_loss_for_an_exact_cache(
     model = random_model(**SHAPE, pos_emb=pos_emb) if design == "mha" else design_model(design, pos_emb)
     tokens = random_tokens(3, 5 * BLOCK_SIZE, seed=5)
     through_cache = decoder_loss(model, tokens, prompt_len=5)
-    assert through_cache == pytest.approx(teacher_forced_loss(model, tokens, prompt_len=5, chunk=13), abs=1e-5)
-    assert through_cache == pytest.approx(teacher_forced_loss(model, tokens, prompt_len=5, chunk=64), abs=1e-5)
+    # -log softmax moves at most twice as far as the logits it reads: twice forward_atol of their magnitude
+    tol = 2 * forward_atol(model.config, model(tokens[:, :BLOCK_SIZE])[0])
+    assert through_cache == pytest.approx(teacher_forced_loss(model, tokens, prompt_len=5, chunk=13), abs=tol)
+    assert through_cache == pytest.approx(teacher_forced_loss(model, tokens, prompt_len=5, chunk=64), abs=tol)
     if pos_emb == "learned":
         assert decoder_loss(model, tokens, prompt_len=5, keep=3) == pytest.approx(
-            teacher_forced_loss(model, tokens, prompt_len=5, keep=3), abs=1e-5)
+            teacher_forced_loss(model, tokens, prompt_len=5, keep=3), abs=tol)
     # the int8 cache's logits are not the same: its loss differs, by a little
     int8 = decoder_loss(model, tokens, prompt_len=5, cache=new_kv_cache(model, 3, dtype=torch.int8))
     assert 0 < abs(int8 - through_cache) < 0.01

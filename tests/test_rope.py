@@ -13,9 +13,9 @@ import torch
 from model import GREEDY, RingKVCache, generate
 from model.attention import rotary, rotate
 from tiny_models import BLOCK_SIZE, VOCAB, random_model, random_tokens, train_briefly
+from tolerance import assert_forward_close, assert_within, gamma
 from model.caches.factory import new_kv_cache
 
-ATOL = 1e-5
 N_NEW = 3 * BLOCK_SIZE
 # head widths 24, 8 and 6: every one even, as rope needs; 24 wide is not a power of two
 CONFIGS = {
@@ -39,10 +39,13 @@ def test_rotary_turns_each_channel_pair_by_position_times_its_frequency():
     got = rotate(x, *rotary(torch.tensor(positions), d))
     for t, p in enumerate(positions):
         for i in range(d // 2):
-            z = complex(x[0, 0, t, i], x[0, 0, t, i + d // 2]) * complex(math.cos(p * 10000 ** (-2 * i / d)),
-                                                                         math.sin(p * 10000 ** (-2 * i / d)))
-            assert got[0, 0, t, i].item() == pytest.approx(z.real, abs=1e-5)
-            assert got[0, 0, t, i + d // 2].item() == pytest.approx(z.imag, abs=1e-5)
+            a, b = x[0, 0, t, i].item(), x[0, 0, t, i + d // 2].item()
+            turn = complex(math.cos(p * 10000 ** (-2 * i / d)), math.sin(p * 10000 ** (-2 * i / d)))
+            z = complex(a, b) * turn
+            # float32 cos and sin, two products and a sum: 3 roundings of |a| + |b|; float64's angle: 1e-16 of p
+            bound = gamma(3) * (abs(a) + abs(b)) + 1e-15 * p * (abs(a) + abs(b))
+            assert got[0, 0, t, i].item() == pytest.approx(z.real, rel=0, abs=bound)
+            assert got[0, 0, t, i + d // 2].item() == pytest.approx(z.imag, rel=0, abs=bound)
 
 
 def test_rotated_scores_depend_only_on_the_distance_between_query_and_key():
@@ -52,14 +55,20 @@ def test_rotated_scores_depend_only_on_the_distance_between_query_and_key():
     def score(p_q, p_k):
         return (rotate(q, *rotary(torch.tensor([p_q]), d)) * rotate(k, *rotary(torch.tensor([p_k]), d))).sum(-1)
 
-    torch.testing.assert_close(score(9, 4), score(100_009, 100_004), atol=1e-5, rtol=0)
+    # equal in exact arithmetic; each rotated channel is within gamma(3) of |x_i| + |x_(i+d/2)| (r), a score within
+    # gamma(d + 6) of sum r_q r_k, and float64's angles within 1e-16 of 1e5: two scores apart by at most twice that
+    r_q, r_k = (t.abs() + t.abs().roll(d // 2, -1) for t in (q, k))
+    bound = 2 * (gamma(d + 6) + 1e-15 * 100_009) * (r_q * r_k).double().sum(-1)
+    assert_within(score(9, 4), score(100_009, 100_004), bound)
     assert not torch.allclose(score(9, 4), score(9, 5), atol=1e-3)  # the distance does matter
 
 
 def test_per_row_positions_turn_each_row_by_its_own_angles():
     d, x = 8, torch.randn(2, 3, 4, 8)
     per_row = rotate(x, *rotary(torch.tensor([[0, 1, 2, 3], [5, 6, 7, 8]]), d))
-    torch.testing.assert_close(per_row[1:], rotate(x[1:], *rotary(torch.arange(5, 9), d)), atol=1e-6, rtol=0)
+    # each within gamma(3) (x_i cos - x_j sin: cos or sin rounded, a product, the sum) of the exact turn
+    bound = 2 * gamma(3) * (x.abs() + x.abs().roll(d // 2, -1))[1:]
+    assert_within(per_row[1:], rotate(x[1:], *rotary(torch.arange(5, 9), d)), bound)
 
 
 def test_a_rope_model_has_no_position_table_and_its_output_depends_on_order():
@@ -95,7 +104,7 @@ def assert_rolling_steps_match_sliding_window_attention(model, prompt, n_new=N_N
         last = model.decode_step(prompt[:, t:t + 1], cache)
     seq = prompt
     for step in range(n_new):
-        torch.testing.assert_close(last, sliding_window_forward(model, seq)[:, -1], atol=ATOL, rtol=0)
+        assert_forward_close(last, sliding_window_forward(model, seq)[:, -1], model)
         new = last.argmax(dim=-1, keepdim=True)  # (B, 1)
         seq = torch.cat([seq, new], dim=1)
         last = model.decode_step(new, cache)
@@ -135,7 +144,7 @@ def test_rolling_cache_logits_equal_the_sliding_window_on_a_trained_model():
 def test_the_model_own_forward_past_block_size_is_the_same_sliding_window_attention():
     model = rope_model()
     seq = random_tokens(2, 3 * BLOCK_SIZE)
-    torch.testing.assert_close(model(seq)[0], sliding_window_forward(model, seq), atol=ATOL, rtol=0)
+    assert_forward_close(model(seq)[0], sliding_window_forward(model, seq), model)
 
 
 def test_the_band_is_not_vacuous_the_earlier_layers_carry_context_from_beyond_the_last_block_size_tokens():
@@ -147,7 +156,7 @@ def test_the_band_is_not_vacuous_the_earlier_layers_carry_context_from_beyond_th
     model.decode_step(seq[:, :BLOCK_SIZE], cache)
     for t in range(BLOCK_SIZE, seq.size(1)):
         last = model.decode_step(seq[:, t:t + 1], cache)
-    torch.testing.assert_close(last, sliding_window_forward(model, seq)[:, -1], atol=ATOL, rtol=0)
+    assert_forward_close(last, sliding_window_forward(model, seq)[:, -1], model)
     assert not torch.allclose(last, model(seq[:, -BLOCK_SIZE:])[0][:, -1], atol=1e-3)
 
 
@@ -166,7 +175,7 @@ def test_left_padded_rows_roll_as_they_would_alone(attention_path):
     rows = prompts
     for step in range(N_NEW):
         for b, row in enumerate(rows):
-            torch.testing.assert_close(last[b], sliding_window_forward(model, row[None])[0, -1], atol=ATOL, rtol=0)
+            assert_forward_close(last[b], sliding_window_forward(model, row[None])[0, -1], model)
         new = last.argmax(dim=-1)
         rows = [torch.cat([row, new[b:b + 1]]) for b, row in enumerate(rows)]
         last = model.decode_step(new[:, None], cache)

@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import GREEDY, generate
+from model import GREEDY, GPTConfig, generate
 from model.serving.conversation import Conversation
 from runtime.checkpoint import load_model, save_checkpoint
 from sampling.session import SessionError, load_session, save_session
 from test_sample import ENV, SAMPLE, SEPARATOR, VOCAB, assert_usage_error, checkpoint_state, tiny_model
 from tiny_models import random_model, random_tokens
+from tolerance import assert_forward_close
 
 
 class CountingTokens:
@@ -82,8 +83,12 @@ def test_a_session_taken_up_ends_where_one_uninterrupted_session_ends(models, tm
     assert second.stdout.startswith(shown)  # the text so far is shown again
     saved = [torch.load(path, weights_only=True) for path in (whole, parts)]
     assert torch.equal(saved[0]["tokens"], saved[1]["tokens"])
-    for name, tensor in saved[0]["cache"].items():
-        torch.testing.assert_close(saved[1]["cache"][name], tensor, rtol=0, atol=1e-5)
+    config = GPTConfig(**torch.load(models["model"], weights_only=True)["model_config"])
+    for name, tensor in saved[0]["cache"].items():  # keys and values prefilled in other chunks: forward_atol apart
+        if tensor.is_floating_point():
+            assert_forward_close(saved[1]["cache"][name], tensor, config, name)
+        else:
+            assert torch.equal(saved[1]["cache"][name], tensor), name
 
 
 def test_a_session_of_another_model_or_a_damaged_one_is_refused_and_kept(models, tmp_path):
