@@ -3,6 +3,7 @@
 import argparse
 import dataclasses
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -15,8 +16,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from data import SHAKESPEARE, PreparedData, prepare_shakespeare  # noqa: E402
 from model import GPTConfig, build_model, new_cache  # noqa: E402
+from model.serving.engine import check_servable  # noqa: E402
 from runtime.devices import choose_device, threads_refused  # noqa: E402
 from runtime.errors import USAGE, UsageError, fail, mistakes, one_line, positive_int  # noqa: E402
+from runtime.files import cannot_write_atomically, special_kind  # noqa: E402
 from training.config import MAX_TRAINING_SEED, Settings, register, validate  # noqa: E402
 
 TINY_SHAKESPEARE_VOCAB_SIZE = 65  # its distinct characters; the data itself is not needed to time a model
@@ -109,6 +112,51 @@ def positive_float(text: str) -> float:
     return value
 
 
+def png_file(text: str) -> Path:
+    """An argparse type: a .png file that can be written now, in a folder that exists."""
+    path = Path(text)
+    if path.suffix.lower() != ".png":
+        raise argparse.ArgumentTypeError(f"{text} is not a .png file name; give one that ends in .png")
+    if special_kind(path):
+        raise argparse.ArgumentTypeError(f"{text} is {special_kind(path)}; give a file name")
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"no folder {path.parent} to write {path.name} in; make it first")
+    if error := cannot_write_atomically(path):
+        raise argparse.ArgumentTypeError(f"cannot write {text}: {one_line(error)}")
+    return path
+
+
+def check_program(option: str, path: str) -> None:
+    """Refuse, before any run starts, a program to run (another environment's python) that is no file this user
+    may execute: a UsageError naming option."""
+    program = Path(path)
+    why = ("does not exist" if not program.exists() else "is a folder" if program.is_dir() else
+           "is not a file" if not program.is_file() else None if os.access(program, os.X_OK) else
+           "is not executable")
+    if why:
+        raise UsageError(f"{option} {path} {why}; name the python of that environment (its bin/python)")
+
+
+def check_servable_model(option: str, model) -> None:
+    """Refuse, before a server starts, a model that serve.py's engine cannot serve (check_servable, the check
+    serve.py makes): a UsageError naming option."""
+    try:
+        check_servable(model)
+    except ValueError as e:
+        raise UsageError(f"{option}: {e}; serve.py and its engine serve no such model, sample.py decodes it") \
+            from None
+
+
+def check_room(option: str, new: int, block_size: int, prompt: int = 1) -> None:
+    """Refuse new tokens that leave a prompt of `prompt` tokens no room in the model's context, which serve.py and
+    the engine refuse: a UsageError naming option."""
+    room = block_size - prompt
+    if new > room:
+        what = "a prompt" if prompt == 1 else f"the prompt's {prompt} tokens"
+        advice = f"give at most {room}" if room >= 1 else f"give a checkpoint whose block_size is above {prompt}"
+        raise UsageError(f"{option} {new} leaves no room for {what} in block_size={block_size}; {advice}")
+
+
 def check_training(option: str, *overrides: str) -> None:
     """Refuse, before any run starts, train.py overrides that train.py would refuse: a UsageError naming option."""
     try:
@@ -128,7 +176,8 @@ def check_cache(option: str, cache: str, *overrides: str) -> None:
 
 
 def training_failed(what: str, result: subprocess.CompletedProcess) -> BaseException:
-    """A train.py run that failed, as the error to raise: status 2 where train.py found a mistake, else 1."""
+    """A train.py (or serve.py) run that failed, as the error to raise: status 2 where it found a mistake, else 1;
+    its last line of stderr, its own one-line error, says why."""
     lines = result.stderr.strip().splitlines()
     message = f"{what} failed: {lines[-1] if lines else f'exit status {result.returncode}'}"
     if result.returncode == USAGE:

@@ -20,9 +20,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.configs import host, model_config, run_tool, shakespeare  # noqa: E402
+from bench.configs import (check_room, check_servable_model, host, model_config, run_tool,  # noqa: E402
+                           shakespeare)
 from model import GREEDY, build_model, generate_tokens, kv_cache_bytes  # noqa: E402
-from model.serving.engine import Engine, check_servable  # noqa: E402
+from model.serving.engine import Engine  # noqa: E402
 from runtime.checkpoint import existing_checkpoint, load_model, training_text  # noqa: E402
 from runtime.errors import OneLineErrorParser, UsageError, positive_int  # noqa: E402
 
@@ -94,13 +95,9 @@ def main() -> None:
     else:
         data = shakespeare()
         model, vocab, val = build_model(model_config("classic")).eval(), data.vocab, data.vocab.decode(data.val.tolist())
-    try:
-        check_servable(model)
-    except ValueError as e:
-        raise UsageError(f"--checkpoint {args.checkpoint}: {e}; give a checkpoint without them") from None
+    check_servable_model(f"--checkpoint {args.checkpoint}", model)
     block = model.config.block_size
-    if args.new >= block:
-        raise UsageError(f"--new {args.new} leaves no room for a prompt in block_size={block}")
+    check_room("--new", args.new, block)
     loads = workloads(val, vocab, args.requests, args.preamble, block - args.new)
     n_blocks = args.batch * -(-block // BLOCK_TOKENS)  # room for --batch texts of block_size, nothing shared
     print(f"# {args.requests} requests, {args.new} new tokens each, batch {args.batch}, blocks of {BLOCK_TOKENS}, "

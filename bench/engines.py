@@ -32,10 +32,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.configs import REPO, host, model_config, run_tool, shakespeare  # noqa: E402
+from bench.configs import REPO, check_program, host, model_config, run_tool, shakespeare  # noqa: E402
 from bench.sample_speed import PROMPT, SUMMARY, VOCAB  # noqa: E402
 from model import GREEDY, build_model, generate  # noqa: E402
-from runtime.checkpoint import build_checkpoint, load_model, save_checkpoint, training_text  # noqa: E402
+from runtime.checkpoint import (build_checkpoint, existing_checkpoint, load_model, save_checkpoint,  # noqa: E402
+                                training_text)
 from runtime.errors import OneLineErrorParser, UsageError, one_line, positive_int  # noqa: E402
 from runtime.hf import GGUF_FILE, ONNX_FILE, rolls  # noqa: E402
 
@@ -125,14 +126,16 @@ def the_prompts(vocab, val, count: int) -> list[str]:
 def main() -> None:
     parser = OneLineErrorParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--design", choices=DESIGNS, help="the random model's design (default gpt2)")
-    parser.add_argument("--checkpoint", help="a trained checkpoint (file or run folder) in place of a random model")
+    parser.add_argument("--checkpoint", type=existing_checkpoint,
+                        help="a trained checkpoint (file or run folder) in place of a random model")
     parser.add_argument("--prompts", type=positive_int, default=1, help="prompts each engine decodes")
     parser.add_argument("--repeats", type=positive_int, default=2)
     parser.add_argument("--vllm-python", default=os.environ.get("KVGPT_VLLM_PYTHON", ""),
                         help="the python of a virtual environment where vLLM is installed")
     args = parser.parse_args()
-    if args.vllm_python and not os.access(args.vllm_python, os.X_OK):
-        raise UsageError(f"--vllm-python {args.vllm_python} is not a program; name the python of vLLM's environment")
+    if args.vllm_python:
+        named = any(a.partition("=")[0] == "--vllm-python" for a in sys.argv[1:])
+        check_program("--vllm-python" if named else "KVGPT_VLLM_PYTHON", args.vllm_python)
     if args.checkpoint and args.design:
         raise UsageError("--design chooses the random model's design; a --checkpoint has its own: give one of them")
     args.design = args.design or "gpt2"

@@ -12,10 +12,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.configs import run_tool  # noqa: E402
+from bench.configs import check_room, check_servable_model, png_file, run_tool  # noqa: E402
 from bench.serve_load import start_server  # noqa: E402
-from runtime.checkpoint import existing_checkpoint  # noqa: E402
-from runtime.errors import OneLineErrorParser, UsageError  # noqa: E402
+from runtime.checkpoint import existing_checkpoint, load_model  # noqa: E402
+from runtime.errors import OneLineErrorParser, UsageError, positive_int  # noqa: E402
 
 # No window, no sandbox (it may run as root), and none of the browser's own calls to the network.
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -44,9 +44,12 @@ def attempt(page) -> bytes | None:
 def main() -> None:
     parser = OneLineErrorParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", type=existing_checkpoint, required=True, help="a run directory or .pt file")
-    parser.add_argument("--out", type=Path, required=True, help="the PNG file to write")
-    parser.add_argument("--max-tokens", type=int, default=85)
+    parser.add_argument("--out", type=png_file, required=True, help="the PNG file to write")
+    parser.add_argument("--max-tokens", type=positive_int, default=85)
     args = parser.parse_args()
+    model = load_model(args.checkpoint)[0]
+    check_servable_model(f"--checkpoint {args.checkpoint}", model)
+    check_room("--max-tokens", args.max_tokens, model.config.block_size, len(PAGE_PROMPT))
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:

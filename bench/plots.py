@@ -8,8 +8,8 @@ import argparse
 import statistics
 from pathlib import Path
 
-from runtime.errors import one_line
-from runtime.files import cannot_write_atomically, special_kind, write_atomically
+from bench.configs import png_file
+from runtime.files import write_atomically
 
 FIGSIZE, DPI = (8, 4.5), 130  # inches and dots per inch: 1040 x 585 pixels, readable at a README's width
 ERRORBAR = dict(capsize=3, elinewidth=1)  # a seed spread drawn as a bar through its point
@@ -18,15 +18,7 @@ FIXED, AGAIN = dict(marker="o", mfc="white"), dict(marker="X")  # the marks of a
 
 def plot_file(text: str) -> Path:
     """An argparse type: a .png file that can be written now, with matplotlib there to draw it."""
-    path = Path(text)
-    if path.suffix.lower() != ".png":
-        raise argparse.ArgumentTypeError(f"{text} is not a .png file name; give one that ends in .png")
-    if special_kind(path):
-        raise argparse.ArgumentTypeError(f"{text} is {special_kind(path)}; give a file name")
-    if not path.parent.is_dir():
-        raise argparse.ArgumentTypeError(f"no folder {path.parent} to write {path.name} in; make it first")
-    if error := cannot_write_atomically(path):
-        raise argparse.ArgumentTypeError(f"cannot write {text}: {one_line(error)}")
+    path = png_file(text)
     try:
         import matplotlib  # noqa: F401
     except ImportError:

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.configs import (REPO, host, median_spread, model_config, run_tool, shakespeare,  # noqa: E402
-                           thread_count)
+from bench.configs import (REPO, check_room, check_servable_model, host, median_spread, model_config,  # noqa: E402
+                           run_tool, shakespeare, thread_count, training_failed)
 from model import GREEDY, build_model, generate  # noqa: E402
 from runtime.checkpoint import build_checkpoint, existing_checkpoint, load_model, save_checkpoint, \
     training_text  # noqa: E402
@@ -69,13 +69,18 @@ async def load(port: int, prompts: list[str], new: int, clients: int):
 
 
 def start_server(checkpoint: Path, *options: str) -> tuple[subprocess.Popen, str]:
-    """serve.py on a free loopback port, and the URL it prints once it listens."""
+    """serve.py on a free loopback port, and the URL it prints once it listens; where it does not start, its own
+    one-line error, with its status."""
+    errors = tempfile.TemporaryFile("w+")  # its stderr, kept for the error it may end with
     process = subprocess.Popen([sys.executable, str(REPO / "serve.py"), "--checkpoint", str(checkpoint), "--port",
-                                "0", *options], stdout=subprocess.PIPE, text=True)
+                                "0", *options], stdout=subprocess.PIPE, stderr=errors, text=True)
     line = process.stdout.readline()
     if "http://" not in line:
         process.kill()
-        raise UsageError("serve.py did not start (its error is above)")
+        process.wait()
+        errors.seek(0)
+        raise training_failed("serve.py", subprocess.CompletedProcess(process.args, process.returncode, "",
+                                                                      errors.read()))
     return process, "http://" + line.split("http://")[1].split()[0]
 
 
@@ -98,6 +103,8 @@ def main() -> None:
             torch.manual_seed(0)
             model, vocab = build_model(model_config("classic")).eval(), data.vocab
             checkpoint = save_checkpoint(build_checkpoint(model, vocab), Path(folder) / "best.pt")
+        check_servable_model(f"--checkpoint {args.checkpoint}", model)
+        check_room("--new", args.new, model.config.block_size)
         val = vocab.decode(data.val.tolist())
         longest = model.config.block_size - args.new
         lines = [line[:longest] for line in val.splitlines() if len(line) >= 10][:args.requests]
