@@ -11,10 +11,12 @@ engine decodes each prompt greedily, batch 1: up to block_size characters, twice
 past block_size as kvgpt's window does (rotary grouped queries). An engine's texts are compared with kvgpt's own
 greedy texts. The first prompt is PROMPT; --prompts N adds N - 1 slices of the validation text (the
 checkpoint's own, else tiny_shakespeare), so that one near-tie does not decide the verdict.
-sample.py runs as the real command, at fp32, on the first prompt; its tokens/s is its own summary line's. Other
-engines are timed on the first prompt around their own generate call, after loading and one warm-up, the best
-of --repeats. Each runs with the setting docs/export.md names for kvgpt's text, shown in the table. An engine
-that is not installed is listed as such. vLLM runs from the python that --vllm-python or KVGPT_VLLM_PYTHON
+sample.py runs as the real command, at fp32, on the first prompt, eagerly and through its packed compiled step
+(compiled before the first timed run); its tokens/s is its own summary line's. Other engines are timed on the
+first prompt around their own generate call, after loading and one warm-up, the best of --repeats. Each runs with
+the setting docs/export.md names for kvgpt's text, shown in the table, at every thread count from 1 to the cores'
+count; its row is its fastest, and says which. MBU is bench/roofline.py's. An engine that is not installed is
+listed as such. vLLM runs from the python that --vllm-python or KVGPT_VLLM_PYTHON
 names, in a process of its own."""
 
 import dataclasses
@@ -33,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.configs import REPO, check_program, host, model_config, run_tool, shakespeare  # noqa: E402
+from bench.roofline import model_bytes, read_bandwidth  # noqa: E402
 from bench.sample_speed import PROMPT, SUMMARY, VOCAB  # noqa: E402
 from model import GREEDY, build_model, generate  # noqa: E402
 from runtime.checkpoint import (build_checkpoint, existing_checkpoint, load_model, save_checkpoint,  # noqa: E402
@@ -52,13 +55,17 @@ def export(checkpoint: Path, out: Path, fmt: str) -> Path:
     return out
 
 
-def sample_py(checkpoint: Path, prompt: str, n: int, repeats: int) -> tuple[str, str, float]:
-    """(torch's version, sample.py's text, its best tokens/s from its summary line)."""
+def sample_py(checkpoint: Path, prompt: str, n: int, repeats: int, threads: int, compile: bool,
+              steps: Path) -> tuple[str, str, float]:
+    """(torch's version, sample.py's text, its best tokens/s from its summary line), decoding eagerly or through
+    the packed compiled step, kept in `steps` (compiled in the first run, whose summary times decoding alone)."""
     command = [sys.executable, str(REPO / "sample.py"), "--checkpoint", str(checkpoint), "--prompt", prompt,
-               "--temperature", "0", "--max-new-tokens", str(n), "--device", "cpu", "--precision", "fp32"]
+               "--temperature", "0", "--max-new-tokens", str(n), "--device", "cpu", "--precision", "fp32",
+               "--threads", str(threads), "--compile" if compile else "--no-compile"]
     best, text = 0.0, ""
     for _ in range(repeats):
-        done = subprocess.run(command, capture_output=True, text=True)
+        done = subprocess.run(command, capture_output=True, text=True,
+                              env={**os.environ, "KVGPT_CACHE_DIR": str(steps)})
         if done.returncode != 0:
             raise RuntimeError(done.stderr.strip())
         text, best = done.stdout.removesuffix("\n"), max(best, float(SUMMARY.search(done.stderr).group(1)))
@@ -156,11 +163,27 @@ def main() -> None:
                "llama.cpp, float32 cache": ("llama_cpp", "gguf", "llama.cpp-f32"),
                "vLLM": (None, "hf", "vllm")}
     rows = []
+    thread_counts = range(1, (os.cpu_count() or 1) + 1)
+    context = (len(prompts[0]) + length) // 2  # a token's context, on average over the first prompt's text
+    nbytes = model_bytes(model, context)
+    bandwidth = {threads: read_bandwidth(nbytes, threads) for threads in thread_counts}
+
+    def row(name, version, setting, texts, rates: dict) -> tuple:
+        """The engine's row at its fastest thread count, with its MBU there; texts: of the first prompts."""
+        threads = max(rates, key=rates.get)
+        return (name, version, "yes", f"{setting}, {threads} thread{'s' * (threads > 1)}",
+                compared(texts, wants[:len(texts)], block_size), f"{rates[threads]:,.0f}",
+                f"{rates[threads] * nbytes / bandwidth[threads]:.0%}")
+
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = save_checkpoint(build_checkpoint(model, vocab), Path(tmp) / "best.pt")
-        version, text, rate = sample_py(checkpoint, *jobs[0], args.repeats)
-        rows.append(("sample.py (kvgpt)", f"torch {version}", "yes", "--temperature 0",
-                     compared([text], wants[:1], block_size), f"{rate:.1f}"))
+        for compile in (False, True):
+            runs = {threads: sample_py(checkpoint, *jobs[0], args.repeats, threads, compile, Path(tmp) / "steps")
+                    for threads in thread_counts}
+            version, text, _ = runs[1]
+            rows.append(row("sample.py (kvgpt)" + (", packed compiled step" if compile else ""), f"torch {version}",
+                            "--temperature 0" + (" --compile" if compile else ""), [text],
+                            {threads: rate for threads, (_, _, rate) in runs.items()}))
         folders = {}
         for fmt in ("hf", "onnx", "gguf"):
             try:
@@ -169,32 +192,34 @@ def main() -> None:
                 folders[fmt] = e
         files = {"hf": "", "onnx": ONNX_FILE, "gguf": GGUF_FILE}  # what each runner opens: a folder or a file in it
         spec = {**{fmt: str(folder / files[fmt]) for fmt, folder in folders.items() if isinstance(folder, Path)},
-                "jobs": jobs, "repeats": args.repeats, "chars": vocab.chars, "block_size": block_size,
-                "threads": torch.get_num_threads()}
+                "jobs": jobs, "repeats": args.repeats, "chars": vocab.chars, "block_size": block_size}
         for name, (module, fmt, runner) in engines.items():
             if (module and not installed(module)) or (module is None and not args.vllm_python):
                 absent = "not installed" if module else "not installed: no --vllm-python or KVGPT_VLLM_PYTHON"
-                rows.append((name, absent, "", "", "", ""))
+                rows.append((name, absent, "", "", "", "", ""))
                 continue
             if isinstance(folders[fmt], Exception):
-                rows.append((name, "", f"no: export.py --format {fmt}: {one_line(folders[fmt])}", "", "", ""))
+                rows.append((name, "", f"no: export.py --format {fmt}: {one_line(folders[fmt])}", "", "", "", ""))
                 continue
             try:
-                version, setting, texts, seconds = run_engine(sys.executable if module else args.vllm_python,
-                                                              runner, spec)
+                runs = {threads: run_engine(sys.executable if module else args.vllm_python, runner,
+                                            {**spec, "threads": threads}) for threads in thread_counts}
             except RuntimeError as e:  # an engine that cannot load or run this design: its error is the finding
-                rows.append((name, "", f"no: {textwrap.shorten(one_line(e), 120)}", "", "", ""))
+                rows.append((name, "", f"no: {textwrap.shorten(one_line(e), 120)}", "", "", "", ""))
                 continue
-            rows.append((name, version, "yes", setting, compared(texts, wants, block_size),
-                         f"{jobs[0][1] / seconds:.1f}"))
+            version, setting, texts, _ = runs[1]
+            rows.append(row(name, version, setting, texts,
+                            {threads: jobs[0][1] / seconds for threads, (_, _, _, seconds) in runs.items()}))
 
-    print(f"# engines: {host()}, {date.today()}, {torch.get_num_threads()} threads each, {what}, block_size "
-          f"{block_size}, {len(prompts)} prompt(s), each text {length} characters, greedy, batch 1; tok/s on the "
-          f"first prompt ({len(prompts[0])} characters), best of {args.repeats}")
-    print("| engine | version | loads | setting | kvgpt's greedy text | tok/s |")
-    print("|---|---|---|---|---|---|")
-    for row in rows:
-        print("| " + " | ".join(row) + " |")
+    print(f"# engines: {host()}, {date.today()}, {what}, block_size {block_size}, {len(prompts)} prompt(s), each text "
+          f"{length} characters, greedy, batch 1; tok/s on the first prompt ({len(prompts[0])} characters), best of "
+          f"{args.repeats}, at the thread count where each is fastest (of {', '.join(map(str, thread_counts))}; "
+          f"no binding); MBU: tok/s x {nbytes / 2**20:.2f} MiB a token reads (bench/roofline.py) / the read "
+          f"bandwidth at that thread count ({', '.join(f'{b / 1e9:.0f}' for b in bandwidth.values())} GB/s)")
+    print("| engine | version | loads | setting | kvgpt's greedy text | tok/s | MBU |")
+    print("|---|---|---|---|---|---|---|")
+    for line in rows:
+        print("| " + " | ".join(line) + " |")
 
 
 if __name__ == "__main__":
