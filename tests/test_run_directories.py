@@ -151,7 +151,7 @@ def test_a_sweep_runs_its_possible_jobs_and_names_the_impossible_one(tmp_path, d
     lines = result.stderr.splitlines()
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("train.py: error: job 1 (") and "optim.lr=-1" in lines[0], result.stderr
-    assert lines[0].endswith("optim.lr must be a positive number, got -1.0")
+    assert lines[0].endswith("optim.lr must be a positive number from 1.18e-38 to 3.4e+38, got -1.0")
     (sweep,) = (tmp_path / "runs/multirun").iterdir()
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "2"]  # job 1's directory removed
     assert all((sweep / job / "last.pt").is_file() for job in ("0", "2"))
