@@ -1,5 +1,5 @@
 """Compiled decoding steps kept on disk: compiling costs tens of seconds once, and loading a step compiled before
-takes milliseconds (model/decoding/aot_step.py).
+takes about a second, most of it importing torch's compiler (model/decoding/aot_step.py).
 
 A step is built one of two ways. A shared step reads the weights of the model it is given, so one serves every
 model of its shape. A packed step holds one model's weights, frozen into it and laid out for the CPU's matrix
