@@ -42,32 +42,31 @@ def model_flops(model, context: int) -> int:
     return 2 * matrices + 2 * 2 * c.n_layer * c.n_embd * context
 
 
-def read_bandwidth(nbytes: int, threads: int, seconds: float = 0.2) -> float:
-    """Bytes/s of a float32 sum over a buffer of nbytes: the best pass of as many as fill `seconds`."""
-    torch.set_num_threads(threads)
-    buffer = torch.ones(max(nbytes // 4, 1024))
-    buffer.sum()  # the first pass brings it into the caches that can hold it
+def best_seconds(work, seconds: float) -> float:
+    """The fastest of as many calls of work() as fill `seconds`, after one untimed call (which brings its data into
+    the caches that can hold it)."""
+    work()
     best, spent = float("inf"), 0.0
     while spent < seconds:
         start = time.perf_counter()
-        buffer.sum()
+        work()
         took = time.perf_counter() - start
         best, spent = min(best, took), spent + took
-    return buffer.numel() * 4 / best
+    return best
+
+
+def read_bandwidth(nbytes: int, threads: int, seconds: float = 0.2) -> float:
+    """Bytes/s of a float32 sum over a buffer of nbytes: its best pass."""
+    torch.set_num_threads(threads)
+    buffer = torch.ones(max(nbytes // 4, 1024))
+    return buffer.numel() * 4 / best_seconds(buffer.sum, seconds)
 
 
 def compute_peak(threads: int, size: int = 1024, seconds: float = 0.5) -> float:
-    """float32 operations/s of a size x size matmul, the best of as many as fill `seconds`."""
+    """float32 operations/s of a size x size matmul, its best run."""
     torch.set_num_threads(threads)
     a, b = torch.randn(size, size), torch.randn(size, size)
-    a @ b
-    best, spent = float("inf"), 0.0
-    while spent < seconds:
-        start = time.perf_counter()
-        a @ b
-        took = time.perf_counter() - start
-        best, spent = min(best, took), spent + took
-    return 2 * size ** 3 / best
+    return 2 * size ** 3 / best_seconds(lambda: a @ b, seconds)
 
 
 def main() -> None:
