@@ -153,8 +153,7 @@ class AotStep:
         """The cache's tensors in the order the step takes them, listed once per cache: caches write them in place.
         A cache moved or converted (Module.to) holds new tensors, its first one among them, and is listed again."""
         last, tensors = self.read
-        first = functools.reduce(getattr, self.signature[0][0].split("."), cache) if cache is last else None
-        if first is None or first is not tensors[0]:
+        if cache is not last or functools.reduce(getattr, self.signature[0][0].split("."), cache) is not tensors[0]:
             self.read = cache, [t for _, t in cache_tensors(cache)]
         return self.read[1]
 
