@@ -257,3 +257,16 @@ def test_sample_py_holds_at_most_150_lines_and_no_function_over_40():
                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
     long = [(name, lines) for name, lines in lengths if lines > 40]
     assert not long, f"sample.py's functions over 40 lines: {long}"
+
+
+def test_the_engines_books_import_no_torch():
+    """model/serving/blocks.py keeps the pool's books in plain Python: neither it nor anything it imports from the
+    project (followed to the end) imports torch."""
+    modules = project_modules()
+    seen, todo = set(), ["model.serving.blocks"]
+    while todo:
+        name = todo.pop()
+        seen.add(name)
+        imported = imported_modules(modules[name])
+        assert not any(m == "torch" or m.startswith("torch.") for m in imported), f"{name} imports torch"
+        todo += [m for m in imported if m in modules and m not in seen]

@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..checks import is_integer
+from .blocks import full_block_names
 from .buckets import DecodeBuckets
-from .paged import BlockPool, PagedPass, full_block_names
+from .paged import BlockPool, PagedPass
 from .rowwise import RowsAlone
 from ..decoding.sampling import GREEDY, Sampling
 

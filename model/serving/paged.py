@@ -1,38 +1,31 @@
 """What paging adds to the KV cache (model/kv_cache.py): many sequences over one pool of blocks.
 
 Keys and values live in blocks of `block_tokens` slots, drawn from one pool shared by every sequence. A sequence
-holds a block table: token n sits in slot n % block_tokens of block table[n // block_tokens]. Blocks are counted
-by reference. A full block is also named by a hash of every token up to its end (a chain: the block's tokens and
-the hash before it), so that a later sequence that starts with the same tokens reads it instead of computing it
-again (a prefix cache). A full block is never written again, so sharing it is safe. When its last reader leaves,
-it stays cached until the pool needs it, the least recently used first.
+holds a block table: token n sits in slot n % block_tokens of block table[n // block_tokens]. Here are the blocks'
+tensors; model/serving/blocks.py keeps their books (who reads each block, the prefix cache's names, which block
+goes next), and BlockPool is both: the books, and the tensors they count.
 
 A forward pass reads each sequence through its table (PagedPass): the model sees it as a cache, with one row per
 sequence, each row's keys gathered from its blocks and masked past its own length. model/serving/engine.py schedules
 requests over the pool.
 """
 
-import hashlib
 import itertools
 import math
-from collections import OrderedDict
 
 import torch
 
 from ..caches.int8 import KV_SCALE_DTYPE, Int8LayerKV, Quantized, quantize_int8
 from ..kv_cache import CachePass
 from ..caches.ring import cache_shape
+from .blocks import BlockBooks, full_block_names
 
 
-def chain_hash(parent: bytes, tokens) -> bytes:
-    """The name of a full block: sha256 of the hash before it and its tokens."""
-    return hashlib.sha256(parent + b"".join(int(t).to_bytes(4, "little") for t in tokens)).digest()
-
-
-class BlockPool:
-    """n_blocks blocks of block_tokens slots, for every layer's keys and values, and their bookkeeping."""
+class BlockPool(BlockBooks):
+    """n_blocks blocks of block_tokens slots, for every layer's keys and values, kept in BlockBooks' books."""
 
     def __init__(self, model, n_blocks: int, block_tokens: int, int8: bool = False, max_rows: int = 1):
+        super().__init__(n_blocks, block_tokens)
         device = next(model.parameters()).device
         self.dtype = model.attention_dtype  # what attention computes in
         layers, stored, gathered = self.layout(model, n_blocks, block_tokens, int8, max_rows)
@@ -40,16 +33,10 @@ class BlockPool:
                         for name, (dims, dtype) in stored.items()}
         self.k, self.v = self.buffers["k"], self.buffers["v"]
         self.int8 = int8
-        self.n_blocks, self.block_tokens = n_blocks, block_tokens
         self.scratch = n_blocks * block_tokens
         self.table_width = -(-model.config.block_size // block_tokens)  # the most blocks a request holds
         self.gathered = {name: torch.empty(dims, dtype=dtype, device=device) for name, (dims, dtype) in
                          gathered.items()}
-        self.refs = [0] * n_blocks
-        self.free = list(range(n_blocks - 1, -1, -1))  # never named, or named no longer
-        self.idle: OrderedDict[int, None] = OrderedDict()  # named blocks nobody reads, least recently used first
-        self.by_hash: dict[bytes, int] = {}
-        self.hash_of: dict[int, bytes] = {}
 
     @staticmethod
     def layout(model, n_blocks: int, block_tokens: int, int8: bool = False, max_rows: int = 1):
@@ -79,43 +66,6 @@ class BlockPool:
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for tensors in self.buffers.values() for t in tensors)
-
-    def available(self) -> int:
-        """Blocks that allocate() can hand out now."""
-        return len(self.free) + len(self.idle)
-
-    def allocate(self) -> int | None:
-        """A block for one reader, or None when every block is read."""
-        if self.free:
-            block = self.free.pop()
-        elif self.idle:
-            block, _ = self.idle.popitem(last=False)  # the least recently used cached prefix goes
-            del self.by_hash[self.hash_of.pop(block)]
-        else:
-            return None
-        self.refs[block] = 1
-        return block
-
-    def lookup(self, name: bytes) -> int | None:
-        """The cached block with this name, now read by one more, or None."""
-        block = self.by_hash.get(name)
-        if block is not None:
-            self.idle.pop(block, None)
-            self.refs[block] += 1
-        return block
-
-    def name(self, block: int, name: bytes) -> None:
-        """Register a block that has just become full under its chain hash (unless a block already holds it)."""
-        if name not in self.by_hash and block not in self.hash_of:
-            self.by_hash[name], self.hash_of[block] = block, name
-
-    def release(self, block: int) -> None:
-        self.refs[block] -= 1
-        if self.refs[block] == 0:
-            if block in self.hash_of:
-                self.idle[block] = None  # the most recently used end
-            else:
-                self.free.append(block)
 
     def export_prefix(self, tokens: list[int]) -> dict:
         """The cached blocks of tokens' first full blocks, as far as the pool holds them: tensors, for torch.save."""
@@ -222,11 +172,3 @@ class PagedPass:
         """The pass itself: the engine counts what each sequence has fed."""
         view = Int8PagedLayer if self.pool.int8 else PagedLayer
         return CachePass(self.positions, self.mask, lambda i: view(i, self))
-
-
-def full_block_names(tokens: list[int], bt: int, known: list[bytes] = ()) -> list[bytes]:
-    """The chain hash of each full block of tokens; known: those of its first blocks, already computed."""
-    names = list(known)
-    for start in range(len(names) * bt, len(tokens) - bt + 1, bt):
-        names.append(chain_hash(names[-1] if names else b"", tokens[start:start + bt]))
-    return names
