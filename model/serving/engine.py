@@ -1,5 +1,5 @@
-"""Many requests over one pool of KV blocks (model/serving/paged.py): continuous batching, a prefix cache, chunked prefill and
-preemption, after vLLM and nano-vllm.
+"""Many requests over one pool of KV blocks: continuous batching, a prefix cache, chunked prefill and preemption,
+after vLLM and nano-vllm. The pool's tensors are in model/serving/paged.py, its books in model/serving/blocks.py.
 
     engine = Engine(model, n_blocks=64, block_tokens=8)
     engine.add("a", prompt_ids, max_new_tokens=100)  # at any time, also while others decode
@@ -15,17 +15,21 @@ is preempted: its blocks go back to the pool, and it waits to be prefilled again
 A request leaves when it has drawn its tokens, and its blocks go back. Each request's text is what it would get
 decoded alone (sampled too, with a generator of its own): a context of at most block_size tokens.
 Decoding is batch-invariant, to the last bit; prefill is not quite (model/serving/rowwise.py says why).
+
+engine.census() is a frozen picture of it between steps (model/serving/census.py): each block's readers, each
+request's state and counts, the stats. A reader such as serve.py's page needs nothing else of the engine.
 """
 
 import contextlib
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from ..checks import is_integer
 from .blocks import full_block_names
 from .buckets import DecodeBuckets
+from .census import BlockCensus, Census, EngineStats, RequestCensus
 from .paged import BlockPool, PagedPass
 from .rowwise import RowsAlone
 from ..decoding.sampling import GREEDY, Sampling
@@ -40,6 +44,7 @@ class Request:
     blocks: list[int] = field(default_factory=list)  # the block table
     names: list[bytes] = field(default_factory=list)  # the chain hash of each full block
     fed: int = 0  # tokens[:fed] are in the pool
+    cached: int = 0  # of those, read from cached blocks when it last joined
     logits: list[torch.Tensor] = field(default_factory=list)  # each draw's, when the engine keeps them
     generator: torch.Generator | None = None  # its own draws' (else the engine's): its text as if alone
     sampling: Sampling | None = None  # its own (else the engine's)
@@ -49,18 +54,10 @@ class Request:
     def drawn(self) -> int:
         return len(self.tokens) - self.prompt_len
 
-
-@dataclass
-class EngineStats:
-    passes: int = 0
-    prompt_tokens: int = 0  # prompt tokens of every request admitted (again, after a preemption)
-    reused_tokens: int = 0  # of those, read from cached blocks instead of computed
-    preemptions: int = 0
-    peak_blocks: int = 0  # the most blocks read at once
-
     @property
-    def hit_rate(self) -> float:
-        return self.reused_tokens / max(self.prompt_tokens, 1)
+    def prefilling(self) -> bool:
+        """A running request with more than its last token still to feed: decoding feeds that one."""
+        return self.fed < len(self.tokens) - 1
 
 
 def check_servable(model) -> None:
@@ -87,12 +84,32 @@ class Engine:
         # int8: keys and values in int8 (model/caches/int8.py)
         self.pool = BlockPool(model, n_blocks, block_tokens, int8, max_rows=max_batch)
         self.max_batch, self.chunk = max_batch, chunk
-        on_cuda = self.pool.k[0].device.type == "cuda"
+        on_cuda = self.device.type == "cuda"
         padded = buckets if buckets is not None else on_cuda
         self.buckets = DecodeBuckets(model, self.pool, max_batch, capture=on_cuda) if padded else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in the order they joined
         self.stats = EngineStats()
+
+    @property
+    def device(self) -> torch.device:
+        """Where the pool's keys and values, and so every pass, live."""
+        return self.pool.k[0].device
+
+    def census(self) -> Census:
+        """A frozen picture of the engine now: each block, each request, the pool's counts and the stats."""
+        pool, owners = self.pool, {}
+        for request in self.running:  # the first to read a block owns it
+            for block in request.blocks:
+                owners.setdefault(block, request.name)
+        states = [(r, "prefilling" if r.prefilling else "decoding") for r in self.running]
+        states += [(r, "preempted" if r.preemptions else "waiting") for r in self.waiting]
+        return Census(
+            blocks=tuple(BlockCensus(owners.get(b), pool.refs[b], b in pool.hash_of) for b in range(pool.n_blocks)),
+            requests=tuple(RequestCensus(r.name, state, r.prompt_len, r.cached, r.drawn, len(r.blocks),
+                                         r.preemptions) for r, state in states),
+            block_tokens=pool.block_tokens, n_blocks=pool.n_blocks, free=pool.available(),
+            used=sum(1 for refs in pool.refs if refs), idle=len(pool.idle), stats=self.stats)
 
     def add(self, name, prompt: list[int], max_new_tokens: int, generator: torch.Generator | None = None,
             sampling: Sampling | None = None) -> Request:
@@ -127,7 +144,7 @@ class Engine:
         """One forward pass: a chunk of each joining request's prefill, or one token of every running request."""
         while self.waiting and len(self.running) < self.max_batch and self._admit(self.waiting[0]):
             self.running.append(self.waiting.popleft())
-        joining = [r for r in self.running if r.fed < len(r.tokens) - 1]
+        joining = [r for r in self.running if r.prefilling]
         if joining:  # prefilled together, a chunk each
             return self._forward(joining, [min(self.chunk, len(r.tokens) - r.fed) for r in joining])
         for request in list(self.running):  # each one's next token needs a slot
@@ -153,9 +170,9 @@ class Engine:
             self._free(request)
             return False
         request.blocks += [pool.allocate() for _ in range(need)]
-        request.fed = len(request.names) * bt
-        self.stats.prompt_tokens += len(request.tokens)
-        self.stats.reused_tokens += request.fed
+        request.fed = request.cached = len(request.names) * bt
+        self.stats = replace(self.stats, prompt_tokens=self.stats.prompt_tokens + len(request.tokens),
+                             reused_tokens=self.stats.reused_tokens + request.cached)
         return True
 
     def _grow(self, request: Request) -> bool:
@@ -177,7 +194,7 @@ class Engine:
         self.running.remove(request)
         self._free(request)
         self.waiting.appendleft(request)
-        self.stats.preemptions += 1
+        self.stats = replace(self.stats, preemptions=self.stats.preemptions + 1)
         request.preemptions += 1
 
     def _forward(self, requests: list[Request], counts: list[int]) -> list[tuple[object, int]]:
@@ -188,13 +205,13 @@ class Engine:
             logits = self.buckets.decode([r.tokens[r.fed] for r in requests], tables, fed)
         else:
             ids = torch.tensor([r.tokens[r.fed:r.fed + n] + [0] * (t - n) for r, n in zip(requests, counts)],
-                               device=self.pool.k[0].device)
+                               device=self.device)
             batch = PagedPass.of(self.pool, tables, fed, counts)
             with RowsAlone() if t == 1 else contextlib.nullcontext():  # decoding: batch-invariant
                 hidden = self.model(ids, cache=batch)[0]  # (B, t, vocab_size)
             logits = hidden[torch.arange(len(requests)), torch.tensor(counts) - 1]  # each row's last real token
-        self.stats.passes += 1
-        self.stats.peak_blocks = max(self.stats.peak_blocks, self.pool.n_blocks - self.pool.available())
+        self.stats = replace(self.stats, passes=self.stats.passes + 1,
+                             peak_blocks=max(self.stats.peak_blocks, self.pool.n_blocks - self.pool.available()))
         for request, n in zip(requests, counts):
             request.fed += n
             self._name_full_blocks(request)
