@@ -22,7 +22,7 @@ class Carried:
         self.completion, self.runner, self.model = completion, runner, model
         self.id, self.created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         self.events: asyncio.Queue = asyncio.Queue()
-        loop, device = asyncio.get_running_loop(), runner.engine.pool.k[0].device
+        loop, device = asyncio.get_running_loop(), runner.engine.device
         pairs = [(prompt, ids) for prompt, ids in zip(completion.prompts, completion.prompt_ids)
                  for _ in range(completion.n)]
         self.jobs = [Job(f"{self.id}-{i}", i, prompt, ids, completion.max_tokens, completion.sampling,

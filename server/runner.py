@@ -167,24 +167,18 @@ class EngineRunner:
         self.recent = [j for j in self.recent if job.finished - j.finished < RECENT_SECONDS] + [job]
 
     def draw(self) -> None:
-        """The picture of the engine that the page and /metrics read: every block and who holds it, every job's
-        state, and the gauges. Drawn by the engine's thread, which alone touches the engine."""
-        engine, pool, now = self.engine, self.engine.pool, time.monotonic()
-        owner = {}
-        for request in engine.running:  # the first to hold a block colours it
-            for block in request.blocks:
-                owner.setdefault(block, request.name)
-        states = {r.name: "preempted" if r.preemptions else "waiting" for r in engine.waiting}
-        states.update({r.name: "prefilling" if r.fed < len(r.tokens) - 1 else "decoding" for r in engine.running})
+        """The picture of the engine that the page and /metrics read, from its census: every block and who holds
+        it, every job's state, and the gauges. Drawn by the engine's thread, which alone touches the engine."""
+        census, now = self.engine.census(), time.monotonic()
+        states = {request.name: request.state for request in census.requests}
         jobs = [job_view(job, states.get(job.id, "waiting"), now) for job in self.live.values()]
         jobs += [job_view(job, "done", now) for job in self.recent if now - job.finished < RECENT_SECONDS]
-        stats = engine.stats
-        self.snapshot = {"blocks": [[owner.get(b), pool.refs[b], b in pool.hash_of] for b in range(pool.n_blocks)],
-                         "block_tokens": pool.block_tokens, "jobs": jobs, "hit_rate": stats.hit_rate,
+        stats, running = census.stats, sum(r.state in ("prefilling", "decoding") for r in census.requests)
+        self.snapshot = {"blocks": [[block.owner, block.refs, block.cached] for block in census.blocks],
+                         "block_tokens": census.block_tokens, "jobs": jobs, "hit_rate": stats.hit_rate,
                          "preemptions": stats.preemptions}
-        self.gauges = {"running": len(engine.running), "waiting": len(self.live) - len(engine.running),
-                       "blocks_used": sum(1 for refs in pool.refs if refs), "blocks_free": pool.available(),
-                       "blocks_cached": len(pool.idle), "prompt_tokens": stats.prompt_tokens,
+        self.gauges = {"running": running, "waiting": len(self.live) - running, "blocks_used": census.used,
+                       "blocks_free": census.free, "blocks_cached": census.idle, "prompt_tokens": stats.prompt_tokens,
                        "reused_tokens": stats.reused_tokens, "hit_rate": stats.hit_rate,
                        "preemptions": stats.preemptions}
         self.drawn_at = now

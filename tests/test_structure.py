@@ -270,3 +270,23 @@ def test_the_engines_books_import_no_torch():
         imported = imported_modules(modules[name])
         assert not any(m == "torch" or m.startswith("torch.") for m in imported), f"{name} imports torch"
         todo += [m for m in imported if m in modules and m not in seen]
+
+
+def test_the_server_reads_the_engine_through_its_census():
+    """server/ draws the engine from engine.census(): it reads nothing of the pool, and a Request (what engine.add
+    returns, or engine.running and engine.waiting hold) it only keeps, hands back to engine.cancel, or reads the
+    name of; of the two queues it asks only whether they are empty."""
+    read = []
+    for path in sorted((REPO / "server").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute) or node.attr not in ("pool", "request", "running", "waiting"):
+                continue
+            up = parents[node]
+            stored, tested = isinstance(node.ctx, ast.Store), isinstance(up, ast.BoolOp)  # kept; empty or not
+            cancelled = isinstance(up, ast.Call) and node in up.args and getattr(up.func, "attr", "") == "cancel"
+            named = isinstance(up, ast.Attribute) and up.attr == "name"
+            if node.attr == "pool" or not (stored or tested or cancelled or named):
+                read.append(f"{path.relative_to(REPO)}:{node.lineno} reads {ast.unparse(node)}")
+    assert not read, "\n".join(read)
