@@ -22,7 +22,7 @@ from .blocks import BlockBooks, full_block_names
 
 
 class BlockPool(BlockBooks):
-    """n_blocks blocks of block_tokens slots, for every layer's keys and values, kept in BlockBooks' books."""
+    """n_blocks blocks of block_tokens slots: every layer's keys and values, and the books (BlockBooks) of them."""
 
     def __init__(self, model, n_blocks: int, block_tokens: int, int8: bool = False, max_rows: int = 1):
         super().__init__(n_blocks, block_tokens)
