@@ -42,7 +42,7 @@ from training.applies import named_keys
 from training.budget import process_started
 from training.config import explained, register, validate
 from training.distributed import init_distributed, is_rank_zero
-from training.flags import package_found, read_flags
+from training.hydra_gate import CONFIG_DIR, CONFIG_NAME, VERSION_BASE, info_written, read_flags
 from training.loop import Stopped, Trainer
 from training.planning import check_start
 from training.resume import resumed_settings
@@ -150,7 +150,7 @@ def device_for(name: str) -> torch.device:
         raise ConfigError(f"device={e}") from None
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+@hydra.main(version_base=VERSION_BASE, config_path=str(CONFIG_DIR), config_name=CONFIG_NAME)
 def hydra_main(cfg: DictConfig) -> float | None:
     job = HydraConfig.get()
     named = named_keys(job.overrides.task)
@@ -190,7 +190,7 @@ if __name__ == "__main__":
         try:
             flags = read_flags(sys.argv[1:])
             sys.stdout.reconfigure(line_buffering=True)  # evaluation lines reach a log file as they happen
-            with package_found(flags):
+            with info_written(flags):
                 hydra_main()
         finally:  # --help's and --cfg's text too: a write that fails is one line, here
             flush_standard_output()

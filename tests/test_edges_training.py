@@ -42,10 +42,6 @@ def test_an_empty_data_path_is_refused_and_leaves_nothing(tmp_path, empty, fragm
 
 
 @pytest.mark.parametrize("named, fragment", [
-    (["hydra.sweep.dir=sweep"], "hydra.sweep.dir applies to a sweep (-m) only"),
-    (["-m", "train.seed=4", "hydra.run.dir=run", "hydra.sweep.dir=sweep"], "hydra.run.dir names a single run's"),
-    (["-m", "train.seed=4", "runs_dir=runs", "hydra.sweep.dir=sweep"], "runs_dir cannot apply: hydra.sweep.dir"),
-    (["runs_dir=runs", "hydra.run.dir=run"], "runs_dir cannot apply: hydra.run.dir names the run's folder"),
     (["train.size_to_host=true"], "train.size_to_host=true cannot apply (train.max_iters names the steps)"),
     (["train.patience=2", "train.eval_interval=100"], "train.patience=2 can never end this run: it evaluates 0"),
 ])

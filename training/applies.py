@@ -1,9 +1,10 @@
-"""Settings named on the command line that cannot apply to this run: each is refused, never silently ignored."""
+"""kvgpt's settings named on the command line that cannot apply to this run: each is refused, never silently
+ignored. Hydra's own flags and settings are refused in training/hydra_gate.py."""
 
 from pathlib import Path
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from runtime.errors import ConfigError
 
@@ -11,25 +12,6 @@ from runtime.errors import ConfigError
 def named_keys(overrides) -> set[str]:
     """The keys (or groups) a list of overrides names: "hydra.run.dir", "runs_dir", "preset", ..."""
     return {override.key_or_group for override in OverridesParser.create().parse_overrides(list(overrides))}
-
-
-def check_folders_apply(config: DictConfig, multirun: bool) -> None:
-    """Refuse a folder named for another kind of run: hydra.sweep.dir without -m, hydra.run.dir with it, and
-    runs_dir where the folder it would hold is named (hydra.run.dir, hydra.sweep.dir) without it."""
-    hydra_named = named_keys(config.hydra.overrides.hydra)
-    runs_dir_named = "runs_dir" in named_keys(config.hydra.overrides.task)
-    if multirun and "hydra.run.dir" in hydra_named:
-        raise ConfigError("hydra.run.dir names a single run's directory, and -m runs a sweep, whose jobs go in "
-                          "hydra.sweep.dir; drop hydra.run.dir, or -m")
-    for key in () if multirun else ("hydra.sweep.dir", "hydra.sweep.subdir"):
-        if key in hydra_named:
-            raise ConfigError(f"{key} applies to a sweep (-m) only; name this run's directory with hydra.run.dir, "
-                              f"or add -m")
-    named_dir = "hydra.sweep.dir" if multirun else "hydra.run.dir"
-    unresolved = OmegaConf.to_container(config.hydra.sweep if multirun else config.hydra.run, resolve=False)["dir"]
-    if runs_dir_named and named_dir in hydra_named and "${runs_dir}" not in str(unresolved):
-        raise ConfigError(f"runs_dir cannot apply: {named_dir} names the {'sweep' if multirun else 'run'}'s "
-                          f"folder; drop one of them")
 
 
 def check_runs_dir_applies(config: DictConfig, resumed: Path) -> None:

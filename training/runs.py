@@ -19,7 +19,7 @@ from runtime.checkpoint import is_export, load_checkpoint, resolve_checkpoint
 from runtime.hf import exported_from
 from runtime.errors import CheckpointError, ConfigError, fail, one_line
 
-from .applies import check_folders_apply, check_runs_dir_applies
+from .applies import check_runs_dir_applies
 from .distributed import is_rank_zero
 
 RECORD = ".hydra"  # Hydra's record of how a run started: its config, Hydra's own and the overrides
@@ -29,8 +29,9 @@ _made: set[Path] = set()  # the folders this process made for its runs (resolved
 
 
 class RunDirectory(Callback):
-    """conf/config.yaml's hydra callback: claims the run's directory (a sweep's, with -m) before anything is
-    written into it, however it was named. A sweep's jobs claim their own through take_run_dir.
+    """conf/config.yaml's hydra callback after training.hydra_gate's: claims the run's directory (a sweep's, with
+    -m) before anything is written into it, however it was named. A sweep's jobs claim their own through
+    take_run_dir.
 
     Unnamed (hydra.run.dir=???), a run gets a new runs_dir/<date>_<time> (-2, -3, ... for runs started in the same
     second), and a resumed run goes on in its own directory. Under torchrun only rank 0 has a directory; the other
@@ -38,16 +39,12 @@ class RunDirectory(Callback):
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
         try:
-            no_record_elsewhere(config)
-            check_folders_apply(config, multirun=False)
             self.claim_run_dir(config)
         except Exception as e:  # Hydra would turn an exception raised here into a warning, and run on
             fail("train.py", e, speak=is_rank_zero())
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         try:
-            no_record_elsewhere(config)
-            check_folders_apply(config, multirun=True)
             if is_rank_zero():
                 claim(Path(config.hydra.sweep.dir), "hydra.sweep.dir")
         except Exception as e:
@@ -65,17 +62,6 @@ class RunDirectory(Callback):
                 config.hydra.run.dir = str(resumed.parent if resumed else new_run_dir(runs_folder(config.runs_dir)))
             run_dir = Path(config.hydra.run.dir)
             claim(run_dir, "hydra.run.dir", resumed if continues_in_place(resumed, run_dir) else None)
-
-
-def no_record_elsewhere(config: DictConfig) -> None:
-    """Refuse the Hydra settings that would write elsewhere than the run directory, or read elsewhere than the
-    folder the command runs in."""
-    if config.hydra.output_subdir is not None:  # Hydra would write it before the directory is claimed
-        raise ConfigError(f"hydra.output_subdir cannot be set: a run's record is written to {RECORD}/ once its "
-                          f"directory is claimed")
-    if config.hydra.job.chdir:  # data.text, data.root and train.resume would be read from inside the new run
-        raise ConfigError("hydra.job.chdir cannot be set: paths are read from the folder you run train.py in, and "
-                          "the run writes only into its run directory")
 
 
 def claim(path: Path, key: str, resumed: Path | None = None, job: str = "") -> None:
