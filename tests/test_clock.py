@@ -81,7 +81,7 @@ def test_a_run_whose_steps_change_speed_after_its_plan_ends_on_time_at_min_lr(tm
         assert clock.now >= 60 * (1 - 3 * training.budget.MARGIN)  # and the time was used
     adamw, muon = (o["param_groups"][0]["lr"] for o in last["optimizers"])
     assert (adamw, muon) == (pytest.approx(MIN_LR), pytest.approx(0.02 * MIN_LR / LR))
-    assert f"step {steps}: " in printed[-1] and printed[-1].endswith(f", lr {MIN_LR:.2e}")
+    assert f"step {steps}: " in printed[-1] and f", lr {MIN_LR:.2e}, " in printed[-1]
     lrs = scalars(run_dir, "optim/lr")
     assert sorted(lrs) == list(range(steps)) and all(b <= a for a, b in zip(list(lrs.values())[fixed // 2:],
                                                                               list(lrs.values())[fixed // 2 + 1:]))
@@ -113,6 +113,23 @@ def test_a_slowed_run_resumed_from_any_checkpoint_ends_as_the_uninterrupted_run(
         assert got["training"]["plan"] == expected["training"]["plan"], checkpoint.name
         for name, weight in expected["model"].items():
             assert torch.equal(got["model"][name], weight), (checkpoint.name, name)
+
+
+# --- the speed on the evaluation lines -----------------------------------------------------------------------------
+
+def test_each_evaluation_line_gives_the_training_tokens_a_second_since_the_one_before(tmp_path, data_root,
+                                                                                     monkeypatch):
+    """On the stand-in clock a step takes STEP_S and an evaluation EVALUATION_S: each line after step 0's gives a
+    step's tokens per STEP_S, the evaluations' time left out. Step 0's line follows no training and gives none."""
+    StandInClock(monkeypatch, 1)
+    printed = []
+    monkeypatch.setattr(training.loop, "write_line", printed.append)
+    cfg = config(tmp_path, data_root)
+    train.main(cfg, tmp_path / "runs/speed")
+    lines = [line for line in printed if line.startswith("step ")]
+    speed = f", {cfg.train.batch_size * cfg.model.block_size / STEP_S:,.0f} tokens/s"
+    assert len(lines) == 3 and "tokens/s" not in lines[0], lines
+    assert all(line.endswith(speed) for line in lines[1:]), (lines, speed)
 
 
 # --- the thread count, chosen again -------------------------------------------------------------------------------

@@ -765,6 +765,26 @@ def test_a_budget_on_the_command_line_and_a_resume_that_names_no_length(tmp_path
         f"{steps}); there is nothing left to train; give a larger train.max_iters to extend it\n")
 
 
+def test_piped_output_gives_the_training_speed_on_each_evaluation_line(tmp_path, data_root):
+    """Piped, stderr is no terminal and no progress bar shows: each evaluation line after step 0's gives the
+    training tokens/s since the line before, at least the tokens of its steps over the process's whole time."""
+    steps = ["train.max_iters=8", "train.eval_interval=4"]
+    cfg = config(tmp_path, data_root, *steps)
+    started = time.perf_counter()
+    result = subprocess.run([sys.executable, str(REPO / "train.py"), *TINY, *data_overrides(data_root), *steps,
+                             f"hydra.run.dir={tmp_path / 'run'}"],
+                            env=train_env(), capture_output=True, text=True, timeout=120)
+    whole_s = time.perf_counter() - started
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split(":")[0] for line in lines] == ["step 0", "step 4", "step 8"], result.stdout
+    assert "tokens/s" not in lines[0]
+    least = cfg.train.batch_size * cfg.model.block_size * 4 / whole_s
+    for line in lines[1:]:
+        speed = re.search(r", ([\d,]+) tokens/s$", line)
+        assert speed and int(speed[1].replace(",", "")) >= least, (line, least)
+
+
 def test_sigterm_leaves_loadable_last_pt(tmp_path, data_root):
     run_dir = tmp_path / "run"
     process = subprocess.Popen([sys.executable, str(REPO / "train.py"), *TINY, *data_overrides(data_root),

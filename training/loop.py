@@ -97,6 +97,7 @@ class Trainer(BudgetPlan, ThreadWatch):
         self.signals = StopSignals()  # what fit() does on SIGINT and SIGTERM
         self.threads = ThreadChoice(torch.get_num_threads(), thread_counts) if thread_counts else None
         self.pending = []  # (loss, grad norm, lrs, wall time) of the steps since the last log; read back in one sync
+        self.trained_since = None  # (step, clock time) since which the next evaluation line counts tokens/s
         self.summaries = summaries
 
     def restore(self, resumed: dict) -> None:
@@ -135,6 +136,7 @@ class Trainer(BudgetPlan, ThreadWatch):
             self.budget.start(self.step)
             if self.resumed and self.tc.max_iters is not None and self.tc.max_minutes is not None:
                 self.check_resumed_plan()
+            self.trained_since = (self.step, clock.clock())
             with tqdm(total=self.tc.max_iters, initial=self.step, unit="step", dynamic_ncols=True,
                       disable=None if self.is_master else True) as bar:  # None: no bar unless stderr is a terminal
                 while self.tc.max_iters is None or self.step < self.tc.max_iters:
@@ -211,6 +213,7 @@ class Trainer(BudgetPlan, ThreadWatch):
         """Evaluate; save best.pt where val improved, and last.pt; end the run where train.patience runs out (last.pt
         then holds best.pt's weights)."""
         tc, started = self.tc, clock.clock()
+        speed = self.training_speed(started)
         losses = evaluate(self.evaluated, self.data, self.raw_model.config.block_size, tc.batch_size, tc.eval_iters,
                           tc.seed + self.rank, self.device, self.autocast, self.world_size)
         if not all(math.isfinite(v) for v in losses.values()):
@@ -239,9 +242,19 @@ class Trainer(BudgetPlan, ThreadWatch):
             self.summaries.sample_and_attention(self.eval_model, self.vocab, self.prompt, tc.sample_tokens,
                                                 tc.seed, self.step)
             write_line(f"step {self.step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
-                       f"{' (best)' if improved else ''}, lr {self.schedulers[0].get_last_lr()[0]:.2e}")
+                       f"{' (best)' if improved else ''}, lr {self.schedulers[0].get_last_lr()[0]:.2e}{speed}")
         self.timer = time.perf_counter()  # tokens/s counts training only
         self.budget.evaluated(self.step, started)
+        self.trained_since = (self.step, clock.clock())
+
+    def training_speed(self, now: float) -> str:
+        """The evaluation line's ", N tokens/s": the training tokens a second since the previous evaluation line (or
+        the first step), evaluations left out; "" where no step has trained since. Piped output has no progress bar,
+        so this line carries the speed."""
+        if self.trained_since is None or self.step == self.trained_since[0] or now <= self.trained_since[1]:
+            return ""
+        step, since = self.trained_since
+        return f", {self.tokens_per_step * (self.step - step) / (now - since):,.0f} tokens/s"
 
     def save(self, *names: str) -> None:
         """Write the checkpoint to each of names in the run directory (rank 0; every process takes part)."""
