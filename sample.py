@@ -13,8 +13,8 @@
 
 First, stderr says which checkpoint is sampled: its step, best val loss and the text it was trained on. A lone
 sample is written as it is generated (to a terminal token by token, elsewhere every CHUNK tokens); samples
-generated side by side are written one after another at the end. Ctrl-C writes what was generated and exits
-with status 130. A one-line summary (tokens, seconds, tokens/s, precision, the cache's size and dtype) ends
+generated side by side are written one after another at the end. Ctrl-C, SIGTERM or SIGHUP writes what was
+generated and exits with 128 + the signal's number (130 for Ctrl-C). A one-line summary (tokens, seconds, tokens/s, precision, the cache's size and dtype) ends
 stderr (with speculative decoding also the draft's acceptance rate and the tokens per model pass).
 --interactive reads lines instead (sampling/output.py: interact). A mistake in the command line or its
 inputs is one line on stderr with exit status 2 (sampling/options.py checks them); an output that cannot
@@ -24,15 +24,23 @@ be written (a full disk) is one line with status 1; a reader that stops early (`
 import signal
 import sys
 
-from model import Sampling
-from runtime.checkpoint import find_latest_checkpoint, load_model, resolve_checkpoint
-from runtime.devices import choose_device
-from runtime.errors import (OutputError, UsageError, fail, flush_standard_output, mistakes, ready_standard_streams,
-                            silence)
-from sampling.modes import Loaded, each_line, interactive, plain, speculative
-from sampling.options import (MAX_NEW_TOKENS, build_parser, check_each_line, check_options, check_samples_fit_memory,
-                              encode_prompt, read_prompt)
-from sampling.setup import choose_threads, load_draft, new_generator
+from runtime.stop_signals import stop_signals
+
+EARLY_SIGNALS = []  # a stop signal that came while the modules below loaded, which takes seconds
+if __name__ == "__main__":
+    for _stop_signal in stop_signals():
+        signal.signal(_stop_signal, lambda signum, frame: EARLY_SIGNALS.append(signal.Signals(signum).name))
+
+from model import Sampling  # noqa: E402
+from runtime.checkpoint import find_latest_checkpoint, load_model, resolve_checkpoint  # noqa: E402
+from runtime.devices import choose_device  # noqa: E402
+from runtime.errors import (Interrupted, OutputError, UsageError, fail, flush_standard_output,  # noqa: E402
+                            mistakes, ready_standard_streams, silence)
+from runtime.signals import StopSignals, interrupt_naming_the_signal  # noqa: E402
+from sampling.modes import Loaded, each_line, interactive, plain, speculative  # noqa: E402
+from sampling.options import (MAX_NEW_TOKENS, build_parser, check_each_line, check_options,  # noqa: E402
+                              check_samples_fit_memory, encode_prompt, read_prompt)
+from sampling.setup import choose_threads, load_draft, new_generator  # noqa: E402
 
 
 def sample(args) -> None:
@@ -68,10 +76,15 @@ def sample(args) -> None:
 
 def main(argv=None) -> None:
     parser = build_parser()
+    for stop_signal in StopSignals.SIGNALS:  # at once, until the text begins: then after the token being drawn
+        signal.signal(stop_signal, interrupt_naming_the_signal)
     try:
         ready_standard_streams()
         try:
-            sample(parser.parse_args(argv))
+            args = parser.parse_args(argv)
+            if EARLY_SIGNALS:
+                raise Interrupted(EARLY_SIGNALS[0])
+            sample(args)
         finally:  # --help's text too: a write that fails is one line, here
             flush_standard_output()
     except BrokenPipeError:  # the reader stopped early (`--help | head`): nothing more is wanted
@@ -83,5 +96,6 @@ def main(argv=None) -> None:
 if __name__ == "__main__":
     try:
         main()
-    finally:  # only the exit is left: a Ctrl-C now would interrupt its atexit callbacks, with a traceback
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    finally:  # only the exit is left: a signal now would interrupt its atexit callbacks, with a traceback
+        for _stop_signal in StopSignals.SIGNALS:
+            signal.signal(_stop_signal, signal.SIG_IGN)

@@ -6,7 +6,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from runtime.errors import silence
+from runtime.errors import Interrupted, silence
 from runtime.stop_signals import HANGUP, stop_signals
 
 
@@ -25,6 +25,12 @@ def hung_up(signum) -> None:
 def interrupt(signum, frame):
     hung_up(signum)
     raise KeyboardInterrupt
+
+
+def interrupt_naming_the_signal(signum, frame):
+    """sample.py: a stop signal interrupts, and the exit status names it (128 + its number)."""
+    hung_up(signum)
+    raise Interrupted(signal.Signals(signum).name)
 
 
 def interrupt_on_signals() -> None:

@@ -5,7 +5,6 @@ import contextlib
 import itertools
 import signal
 import sys
-import threading
 from pathlib import Path
 
 import torch
@@ -14,8 +13,9 @@ from data import CharVocab
 from model import GPT, Sampling
 from model.serving.conversation import Conversation
 from model.serving.engine import Engine
-from runtime.errors import UsageError
+from runtime.errors import INTERRUPTED, Interrupted, UsageError, exit_status
 from runtime.files import Locked, locked
+from runtime.signals import StopSignals, hung_up
 from .options import encode_prompt
 from .session import SessionError, load_session, save_session
 
@@ -36,9 +36,9 @@ def checked(steps):
 
 def write_samples(steps, prompt: str, vocab: CharVocab, num_samples: int, out, every: int) -> None:
     """Write the samples as they are generated: a lone one as it grows, its tokens read back from the device
-    every `every` steps; samples generated side by side, one after another at the end. Ctrl-C stops the
-    generation between two steps; what it had generated is written (a second Ctrl-C cannot stop that), then
-    KeyboardInterrupt is raised."""
+    every `every` steps; samples generated side by side, one after another at the end. A stop signal stops the
+    generation between two steps; what it had generated is written (a second signal cannot stop that), then
+    Interrupted is raised."""
     texts, pending = [prompt] * num_samples, []  # text not yet written; the newest tokens, still on the device
 
     def read_back():
@@ -46,7 +46,7 @@ def write_samples(steps, prompt: str, vocab: CharVocab, num_samples: int, out, e
         pending.clear()
         return [text + vocab.decode(row) for text, row in zip(texts, rows)]
 
-    with ctrl_c_sets_flag() as stopped:
+    with stops_set_flag() as stopped:
         for next_ids in steps:
             pending.append(next_ids)
             if num_samples == 1 and len(pending) == every:
@@ -58,7 +58,7 @@ def write_samples(steps, prompt: str, vocab: CharVocab, num_samples: int, out, e
         out.write(SAMPLE_SEPARATOR.join(text + "\n" for text in read_back()))
         out.flush()
     if stopped.is_set():
-        raise KeyboardInterrupt
+        raise stopped.interrupted()
 
 
 def continue_lines(model: GPT, vocab: CharVocab, text: str, max_new_tokens: int, sampling: Sampling,
@@ -75,12 +75,12 @@ def continue_lines(model: GPT, vocab: CharVocab, text: str, max_new_tokens: int,
     requests = [engine.add(i, vocab.encode(line)[-(block - max_new_tokens):], max_new_tokens)
                 for i, line in enumerate(lines)]
     in_order = LinesInOrder(lines, requests, vocab, out)
-    with ctrl_c_sets_flag() as stopped:  # Ctrl-C: the lines begun are written as far as they got
+    with stops_set_flag() as stopped:  # a stop: the lines begun are written as far as they got
         for _ in engine.run():
             in_order.write_while(lambda request: request.drawn == max_new_tokens)
             if stopped.is_set():
                 in_order.write_while(lambda request: request.drawn > 0)
-                raise KeyboardInterrupt
+                raise stopped.interrupted()
     return engine, len(lines)
 
 
@@ -101,23 +101,48 @@ class LinesInOrder:
             self.count += 1
 
 
+class StopFlag:
+    """Which stop signal came, if any: a signal that ends the command (SIGTERM, SIGHUP) outranks Ctrl-C."""
+
+    def __init__(self):
+        self.signal_name = None
+
+    def is_set(self) -> bool:
+        return self.signal_name is not None
+
+    def note(self, signum, frame) -> None:
+        hung_up(signum)
+        if self.signal_name in (None, "SIGINT"):
+            self.signal_name = signal.Signals(signum).name
+
+    def ends_command(self) -> bool:
+        """Whether a signal came that ends even --interactive's session, where Ctrl-C ends a reply."""
+        return self.is_set() and self.signal_name != "SIGINT"
+
+    def interrupted(self) -> Interrupted:
+        return Interrupted(self.signal_name)
+
+
 @contextlib.contextmanager
-def ctrl_c_sets_flag():
-    """While inside, Ctrl-C sets the flag yielded instead of raising KeyboardInterrupt: sampling or a reply then
-    ends between two tokens, with the text whole, and a second Ctrl-C cannot stop what the first keeps."""
-    flag = threading.Event()
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: flag.set())
+def stops_set_flag():
+    """While inside, a stop signal (Ctrl-C, SIGTERM, SIGHUP) sets the flag yielded instead of interrupting: sampling
+    or a reply then ends between two tokens, with the text whole, and a second signal cannot stop what the first
+    keeps."""
+    flag = StopFlag()
+    previous = {sig: signal.signal(sig, flag.note) for sig in StopSignals.SIGNALS}
     try:
         yield flag
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def interact(conversation: Conversation, vocab: CharVocab, max_new_tokens: int, out) -> None:
     """Show the conversation's text so far (the prompt, or a session's text), then read lines from standard input
     to its end (Ctrl-D). Each line, with its newline, is added to the text and the model continues it, written as
     it is drawn, up to max_new_tokens characters or through REPLY_STOP. Ctrl-C ends a reply (while typing: the
-    line). A line with characters outside the vocabulary is one line on stderr, and the loop goes on."""
+    line); SIGTERM or SIGHUP ends the session, after the token being drawn. A line with characters outside the
+    vocabulary is one line on stderr, and the loop goes on."""
     newline = "\n" if "\n" in vocab.chars else ""
     stop = vocab.encode(REPLY_STOP) if set(REPLY_STOP) <= set(vocab.chars) else ()
     print(f"type a line and press Enter: the model continues the text for up to {max_new_tokens} characters"
@@ -135,7 +160,9 @@ def interact(conversation: Conversation, vocab: CharVocab, max_new_tokens: int, 
             if not vocab.decode(conversation.tokens[-1:]).endswith("\n"):
                 out.write("\n")  # leave the shell's prompt a line of its own
             return
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:  # Ctrl-C drops the line typed; SIGTERM or SIGHUP ends the session
+            if exit_status(e) != INTERRUPTED:
+                raise
             print(file=sys.stderr)
             continue
         try:
@@ -143,12 +170,14 @@ def interact(conversation: Conversation, vocab: CharVocab, max_new_tokens: int, 
         except UsageError as e:
             print(f"{e}; type another", file=sys.stderr)
             continue
-        with ctrl_c_sets_flag() as stopped:
+        with stops_set_flag() as stopped:
             for token in conversation.reply(new, max_new_tokens, stop):
                 out.write(vocab.decode([token]))
                 out.flush()
                 if stopped.is_set():
                     break
+        if stopped.ends_command():
+            raise stopped.interrupted()
 
 
 @contextlib.contextmanager
@@ -187,7 +216,7 @@ def keep_session(session: Path, conversation: Conversation, checkpoint: Path, mo
     """Save the conversation to session; a failed save leaves the file there as it was, and says so. A Ctrl-C
     cannot stop the save: only the exit is left after it."""
     try:
-        with ctrl_c_sets_flag():
+        with stops_set_flag():
             save_session(session, conversation.state(), checkpoint, model)
     except OSError as e:  # a full disk, ...
         raise OSError(f"cannot save the session to {session} ({e.strerror or e}); the file there is as it "
