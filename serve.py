@@ -15,7 +15,7 @@ import signal
 import sys
 
 from runtime.checkpoint import find_latest_checkpoint, load_model, resolve_checkpoint
-from runtime.devices import DEFAULT_THREADS, choose_device
+from runtime.devices import choose_device
 from runtime.errors import UsageError, fail, mistakes, ready_standard_streams
 from runtime.signals import StopSignals, interrupt_on_signals
 
@@ -25,7 +25,8 @@ except ImportError as missing:  # the optional extra is not installed
     NEEDS = f"serve.py needs fastapi and uvicorn ({missing.name} is missing): pip install -r requirements-serve.txt"
 else:
     NEEDS = ""
-from server.options import build_parser, check_options, listening_socket, model_name, new_engine, open_warning
+from server.options import (build_parser, check_options, listening_socket, model_name, new_engine, open_warning,
+                            serving_threads)
 from server.protocol import Limits
 from server.runner import EngineRunner
 
@@ -40,7 +41,7 @@ def serve(args) -> None:
         raise UsageError(f"--device {e}") from None
     path = resolve_checkpoint(args.checkpoint) if args.checkpoint else find_latest_checkpoint("runs")
     model, vocab, _ = load_model(path, device, precision=args.precision)
-    runner = EngineRunner(new_engine(args, model), vocab.decode, args.max_waiting, args.threads or DEFAULT_THREADS)
+    runner = EngineRunner(new_engine(args, model), vocab.decode, args.max_waiting, serving_threads(args))
     limits = Limits(model_name(path), model.config.block_size, runner.capacity)
     app = build_app(runner, vocab, limits, args.api_key)
     sock = listening_socket(args.host, args.port)

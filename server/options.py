@@ -9,7 +9,8 @@ from pathlib import Path
 from model.decoding.quantize import DECODING_PRECISIONS
 from model.serving.engine import Engine, check_servable
 from model.serving.paged import BlockPool
-from runtime.devices import MEMORY_SHARE, gib, memory_of, threads_refused
+from runtime.devices import (DEFAULT_THREADS, MEMORY_SHARE, environment_threads, gib, memory_of, threads_refused,
+                             usable_cores)
 from runtime.errors import OneLineErrorParser, UsageError
 
 BLOCK_TOKENS = 16  # --block-tokens's default, as vLLM's
@@ -45,8 +46,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the pool's KV blocks (default: enough for --max-batch full contexts)")
     parser.add_argument("--block-tokens", metavar="N", type=int, default=BLOCK_TOKENS,
                         help="tokens per block (default: %(default)s)")
-    parser.add_argument("--threads", metavar="N", type=int, help="CPU threads (default: torch's)")
+    parser.add_argument("--threads", metavar="N", type=int,
+                        help="CPU threads that decode (default: one core fewer than torch's count, at least 1)")
     return parser
+
+
+def serving_threads(args) -> int:
+    """--threads, else OMP_NUM_THREADS, else one core fewer than torch's count: the event loop that reads requests
+    and streams tokens keeps a core, and no decoding thread waits for it."""
+    return args.threads or environment_threads() or max(1, min(DEFAULT_THREADS, usable_cores() - 1))
 
 
 def check_options(args) -> None:

@@ -56,3 +56,23 @@ def test_a_key_no_client_could_send_is_refused_by_the_name_it_came_by(monkeypatc
         options.check_options(args())
     monkeypatch.setenv(options.KEY_VARIABLE, "s3 cret!~")  # a space inside is sent as it is
     assert options.check_options(given := args()) is None and given.api_key == "s3 cret!~"
+
+
+@pytest.mark.parametrize("cores, torch_default, given, environment, decoding", [
+    (2, 2, None, None, 1),  # the event loop keeps the other core
+    (1, 1, None, None, 1),  # at least one thread decodes
+    (16, 8, None, None, 8),  # torch's count, where it leaves cores free already
+    (16, 16, None, None, 15),
+    (4, 4, 4, None, 4),  # --threads as given
+    (4, 4, None, "3", 3),  # OMP_NUM_THREADS, as torch obeys it
+])
+def test_the_decoding_threads_leave_the_event_loop_a_core(monkeypatch, cores, torch_default, given, environment,
+                                                          decoding):
+    monkeypatch.setattr(options, "usable_cores", lambda: cores)
+    monkeypatch.setattr(options, "DEFAULT_THREADS", torch_default)
+    if environment is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", environment)
+    monkeypatch.setattr("runtime.devices.usable_cores", lambda: cores)  # what OMP_NUM_THREADS is checked against
+    assert options.serving_threads(args(**({"threads": given} if given else {}))) == decoding
