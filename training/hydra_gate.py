@@ -24,7 +24,6 @@ from .runs import RECORD
 
 CONFIG_DIR, CONFIG_NAME = Path(__file__).resolve().parents[1] / "conf", "config"  # what train.py's hydra.main composes
 VERSION_BASE = "1.3"
-INFO_CHOICES = ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath")
 HYDRA_FLAGS = (  # Hydra's own, read as hydra.main reads them; `python train.py --hydra-help` lists them, a test too
     (("--help", "-h"), dict(action="store_true")),
     (("--hydra-help",), dict(action="store_true")),
@@ -39,7 +38,8 @@ HYDRA_FLAGS = (  # Hydra's own, read as hydra.main reads them; `python train.py 
     (("--config-name", "-cn"), {}),
     (("--config-dir", "-cd"), {}),
     (("--experimental-rerun",), {}),
-    (("--info", "-i"), dict(nargs="?", const="all", choices=INFO_CHOICES)),
+    (("--info", "-i"), dict(nargs="?", const="all",
+                             choices=["all", "config", "defaults", "defaults-tree", "plugins", "searchpath"])),
 )
 COMMANDS = ("run", "multirun", "cfg", "info", "shell_completion")  # each says what train.py does
 COMPLETIONS = ("install", "uninstall", "query")  # --shell-completion's subcommands, given as overrides
@@ -107,6 +107,8 @@ def shown_config(flags: argparse.Namespace) -> DictConfig:
 
 def names_nothing(flags: argparse.Namespace) -> bool:
     """Whether --package names no part of the config --cfg shows (`_global_` names the whole of it)."""
+    if flags.config_path or flags.config_name or flags.config_dir:
+        return False  # another config than kvgpt's: Hydra composes it, and tells of a package it lacks
     return flags.package != "_global_" and OmegaConf.select(shown_config(flags), flags.package) is None
 
 
