@@ -110,7 +110,7 @@ def test_each_room_imports_only_the_rooms_below_it():
 
 
 def test_no_module_beside_the_caches_asks_for_a_caches_class():
-    """The decoding loop, serving, sampling and the rest read a cache's abilities and shape (model/kv_cache.py:
+    """The decoding loop, serving, sampling and the rest read a cache's abilities and shape (model/protocol.py:
     Abilities, model/caches/ring.py: CacheShape): none asks isinstance or issubclass of a cache class."""
     import importlib
     import inspect
@@ -166,6 +166,123 @@ def test_no_module_imports_itself_through_a_circle():
         if name not in state:
             visit(name, [])
     assert len(modules) > 40 and any(edges.values())
+
+
+def dotted(node: ast.AST) -> str | None:
+    """The dotted name an expression spells ("logging.Handler"), or None where it is no plain name."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = dotted(node.value)
+        return f"{base}.{node.attr}" if base else None
+    return None
+
+
+def imported_names(tree: ast.Module) -> dict[str, str]:
+    """Each name a file's absolute imports bind, with the dotted name it stands for: `import logging.handlers`
+    binds logging, `from logging import Handler as H` binds H to logging.Handler."""
+    names = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {alias.asname or alias.name.split(".")[0]: alias.name if alias.asname else alias.name.split(".")[0]
+                      for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names |= {alias.asname or alias.name: f"{node.module}.{alias.name}" for alias in node.names}
+    return names
+
+
+def found(name: str):
+    """The object a dotted name of an imported module stands for, or None."""
+    import importlib
+
+    parts = name.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            found_object = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for part in parts[cut:]:
+            found_object = getattr(found_object, part, None)
+        return found_object
+    return None
+
+
+def test_no_module_reaches_into_hydras_internals():
+    """hydra._internal may change in any release, and requirements.txt takes any hydra-core from 1.3: the project
+    and its tests read flags and configs through Hydra's public API alone, neither importing it nor reaching it as
+    an attribute."""
+    files = [*project_modules().values(), *(REPO / "tests").glob("*.py")]
+    reached = []
+    for path in files:
+        tree = ast.parse(path.read_text())
+        names = imported_names(tree)
+        imports = [name for name in names.values() if name.split(".")[:2] == ["hydra", "_internal"]]
+        attributes = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "_internal"
+                      and names.get(dotted(n.value) or "") == "hydra"]
+        reached += [f"{path.relative_to(REPO)}: {how}" for how in [*imports, *attributes]]
+    assert not reached, "\n".join(reached)
+    assert len(files) > 100
+
+
+def test_no_module_changes_a_standard_library_class():
+    """A class of the standard library is every module's: an attribute assigned or deleted on it (logging.Handler's
+    handleError, say) changes it for the whole process, beyond the module that meant it."""
+    import inspect
+    import sys
+
+    changed = []
+    for name, path in sorted(project_modules().items()):
+        tree = ast.parse(path.read_text())
+        names = imported_names(tree)
+        targets = [n.value for n in ast.walk(tree) if isinstance(n, ast.Attribute) and
+                   isinstance(n.ctx, (ast.Store, ast.Del))]
+        targets += [n.args[0] for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+                    and n.func.id in ("setattr", "delattr") and n.args]
+        for target in targets:
+            spelled = dotted(target)
+            head, _, rest = (spelled or "").partition(".")
+            if head not in names:  # self, a local, a parameter: not a class imported from elsewhere
+                continue
+            value = found(f"{names[head]}.{rest}" if rest else names[head])
+            if inspect.isclass(value) and value.__module__.split(".")[0] in sys.stdlib_module_names:
+                changed.append(f"{path.relative_to(REPO)}:{target.lineno} changes {value.__module__}.{value.__name__}")
+    assert not changed, "\n".join(changed)
+
+
+def texts(tree: ast.Module) -> list[str]:
+    """Every string a file spells out: its literals, and the literal parts of its f-strings."""
+    return [node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)]
+
+
+def opening(message: ast.expr) -> str:
+    """The words a message starts with: a literal's, or an f-string's before its first field."""
+    first = message.values[0] if isinstance(message, ast.JoinedStr) and message.values else message
+    return first.value if isinstance(first, ast.Constant) and isinstance(first.value, str) else ""
+
+
+def test_every_refusal_of_a_hydra_flag_or_setting_is_a_row_of_the_gate():
+    """training/hydra_gate.py's REFUSALS holds them all: no other module refuses with a message that opens on a Hydra
+    setting (hydra.run.dir ...) or flag (--package ...), nor holds the words of one of its rows."""
+    import re
+
+    from training.hydra_gate import HYDRA_FLAGS, REFUSALS
+    flags = {name for names, _ in HYDRA_FLAGS for name in names}
+    words = {piece for refusal in REFUSALS for piece in re.split(r"\{\w+\}", refusal.says) if len(piece) >= 20}
+    elsewhere, refusals = [], 0
+    for path in project_modules().values():
+        if path == REPO / "training/hydra_gate.py":
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and dotted(node.func) in ("UsageError", "ConfigError") and node.args:
+                refusals += 1
+                subject = re.split(r"[\s=:;,]", opening(node.args[0]))[0]
+                if subject.startswith("hydra.") or subject in flags:
+                    elsewhere.append(f"{path.relative_to(REPO)}:{node.lineno} refuses {subject}")
+        elsewhere += [f"{path.relative_to(REPO)} holds {piece!r}" for piece in words
+                      if any(piece in text for text in texts(tree))]
+    assert not elsewhere, "\n".join(elsewhere)
+    assert refusals > 50 and len(words) >= len(REFUSALS)
 
 
 def test_no_cache_class_chain_is_deeper_than_three_and_no_class_is_made_at_run_time():
