@@ -110,7 +110,7 @@ def test_each_room_imports_only_the_rooms_below_it():
 
 
 def test_no_module_beside_the_caches_asks_for_a_caches_class():
-    """The decoding loop, serving, sampling and the rest read a cache's abilities and shape (model/protocol.py:
+    """The decoding loop, serving, sampling and the rest read a cache's abilities and shape (model/kv_cache.py:
     Abilities, model/caches/ring.py: CacheShape): none asks isinstance or issubclass of a cache class."""
     import importlib
     import inspect
