@@ -13,7 +13,8 @@ from .decoding.sampling import GREEDY, Sampling
 from .designs.layers import build_model
 from .designs.multihead import MultiHeadAttention
 from .gpt import GPT, GPTConfig
-from .kv_cache import Abilities, Cache, CachePass, KVCache, LayerKV, greedy_decode
+from .kv_cache import CachePass, KVCache, LayerKV, greedy_decode
+from .protocol import Abilities, Cache
 
 __all__ = ["Abilities", "Cache", "CachePass", "GPT", "GPTConfig", "GREEDY", "CausalSelfAttention", "KVCache",
            "LayerKV", "MultiHeadAttention", "RingKVCache", "Sampling", "Uncached", "build_model", "causal_mask",

@@ -1,5 +1,6 @@
-"""Causal self-attention, as the GPT runs it: one fused Q/K/V projection, rotary positions when asked, and a KV
-cache while decoding. The textbook block (cross-attention, padding masks, widths, weights) is designs/multihead.py."""
+"""Causal self-attention, as the GPT runs it: one fused Q/K/V projection, rotary positions when
+asked, and a KV cache while decoding. The textbook block (cross-attention, padding masks, widths,
+weights) is designs/multihead.py."""
 
 from contextlib import nullcontext
 
@@ -53,9 +54,9 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.sink = None  # a learned sink's logits per head (model/designs/learned_sink.py)
         self.n_head, self.head_dim, self.kv_layer = config.n_head, config.head_dim, kv_layer
-        self.rotary_dim = config.head_dim  # the channels rotary positions turn (fewer in designs/latent.py)
+        self.rotary_dim = config.head_dim  # channels rope turns (fewer: designs/latent.py)
         self.widths = self.qkv_widths(config)
-        self.qkv = nn.Linear(config.n_embd, sum(self.widths), bias=config.bias)  # rows: Q, then K, then V
+        self.qkv = nn.Linear(config.n_embd, sum(self.widths), bias=config.bias)  # rows: Q, K, V
         self.out_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.attn_dropout = config.dropout  # on the attention weights, in training
         self.out_dropout = nn.Dropout(config.dropout)
@@ -68,9 +69,9 @@ class CausalSelfAttention(nn.Module):
         """x (B, T, C) -> (B, T, C). attn_mask: bool, broadcast to (B, nh, T, T_k), True where a query may attend
         a key; None: causal. rope: (cos, sin) from rotary(). kv: this layer's LayerKV while decoding."""
         B, T, C = x.shape
-        q, k, v = self.project(x, rope, kv)  # (B, nh, T, hs); (B, n_kv, T_k, hs), the cache's included
-        q = q.to(k.dtype if kv is not None else attention_dtype(q.dtype, q.device))  # the cache's dtype
-        if hasattr(kv, "attend"):  # a cache that computes attention itself (model/kv_cache.py: LayerView)
+        q, k, v = self.project(x, rope, kv)  # (B, nh, T, hs); (B, n_kv, T_k, hs), cache included
+        q = q.to(k.dtype if kv is not None else attention_dtype(q.dtype, q.device))  # as cached
+        if hasattr(kv, "attend"):  # a cache that attends itself (kv_cache.py: LayerView)
             y = kv.attend(q, k, v, attn_mask, self.sink)  # (B, nh, T, hs)
         else:
             y = self.attend(q, k, v, attn_mask)
@@ -82,7 +83,7 @@ class CausalSelfAttention(nn.Module):
         B, T, _ = x.shape
         q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in self.qkv(x).split(self.widths, -1))
         if rope is not None:
-            q, k = rotate(q, *rope), rotate(k, *rope)  # keys turn before they are cached: they keep positions
+            q, k = rotate(q, *rope), rotate(k, *rope)  # keys are cached turned: they keep positions
         if kv is not None:
             k, v = kv.update(k, v)
         return q, k, v
@@ -90,10 +91,10 @@ class CausalSelfAttention(nn.Module):
     def attend(self, q, k, v, attn_mask):
         """softmax(q kᵀ / √hs, masked) v: q (B, nh, T_q, hs), k and v (B, n_kv, T_k, hs) -> (B, nh, T_q, hs)."""
         T_q, T_k = q.size(2), k.size(2)
-        if attn_mask is None and T_q not in (1, T_k):  # new queries after cached keys: aligned bottom-right
+        if attn_mask is None and T_q not in (1, T_k):  # queries after cached keys: bottom-right
             attn_mask = causal_mask(T_q, T_k, q.device)
         dropout_p = self.attn_dropout if self.training else 0.0
         with no_autocast(q.device):  # in q's dtype, as attention_dtype says
             return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=attn_mask,
                                                   dropout_p=dropout_p, is_causal=attn_mask is None and T_q > 1,
-                                                  enable_gqa=k.size(1) < q.size(1))  # model/designs/grouped.py
+                                                  enable_gqa=k.size(1) < q.size(1))  # designs/grouped.py

@@ -1,7 +1,9 @@
-"""A decoder-only transformer (GPT): token and position embeddings, pre-LayerNorm blocks, a tied head.
+"""A decoder-only transformer (GPT): token and position embeddings, pre-LayerNorm blocks, a tied
+head.
 
-GPT.decode_step feeds tokens after those already in a KV cache (model/kv_cache.py). Each block's attention is the
-plain one (model/attention.py); the fields from n_kv_head on choose a design, which model/designs/ builds."""
+GPT.decode_step feeds tokens after those already in a KV cache (model/kv_cache.py). Each block's
+attention is the plain one (model/attention.py); the fields from n_kv_head on choose a design, which
+model/designs/ builds."""
 
 import math
 from dataclasses import dataclass
@@ -18,20 +20,20 @@ POSITIONS = ("learned", "rope")
 @dataclass
 class GPTConfig:
     vocab_size: int  # a fact about the data: the number of distinct tokens
-    block_size: int  # longest context the model sees (and, for learned positions, the number of positions)
+    block_size: int  # longest context the model sees (learned positions: how many)
     n_layer: int
     n_head: int
     n_embd: int
     dropout: float = 0.0
     bias: bool = True  # in the Linear and LayerNorm layers
-    pos_emb: str = "learned"  # learned: a trained vector per position (GPT-2); rope: rotary positions
+    pos_emb: str = "learned"  # learned: a vector per position (GPT-2); rope: rotary
     n_kv_head: int | None = None  # key/value heads (None: n_head); 1 is multi-query attention
     kv_share: int = 1  # adjacent layers that share one set of keys and values
     window_pattern: str = "G"  # tiled over the layers: L sees the last local_window tokens, G all
     local_window: int | None = None  # how many tokens a local layer sees, itself included
-    learned_sink: bool = False  # a trained sink logit per head in every softmax (designs/learned_sink.py)
-    kv_latent: int | None = None  # multi-head latent attention: the latent's width per token (designs/latent.py)
-    kv_latent_rope: int = 0  # with rotary positions, the width of its rotary key, shared by every head
+    learned_sink: bool = False  # a trained sink logit per head (designs/learned_sink.py)
+    kv_latent: int | None = None  # MLA: the latent's width per token (designs/latent.py)
+    kv_latent_rope: int = 0  # with rope: its rotary key's width, shared by all heads
 
     @property
     def head_dim(self) -> int:
@@ -120,7 +122,7 @@ class GPT(nn.Module):
         self.lm_head.weight = self.wte.weight  # tied: one matrix embeds tokens and scores them
 
         self.apply(self._init_weights)
-        for block in self.blocks:  # GPT-2: scale residual projections by the depth of the residual sum
+        for block in self.blocks:  # GPT-2: residual projections scaled by depth
             for proj in (block.attn.out_proj, block.mlp.proj):
                 nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
@@ -136,7 +138,7 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None, *, cache=None):
         """idx (B, T) token ids -> (logits (B, T, vocab_size), mean cross-entropy or None).
-        cache: a KV cache (model/kv_cache.py: Cache), idx the tokens after those in it; or Uncached
+        cache: a KV cache (model/protocol.py: Cache), idx the tokens after those in it; or Uncached
         (model/caches/ring.py), which gives ragged rows their positions and mask, with no cache."""
         logits = self.lm_head(self._trunk(idx, cache))
         loss = None
@@ -156,16 +158,16 @@ class GPT(nn.Module):
         if self.wpe is not None and cache is None and T > c.block_size:
             raise ValueError(f"{T} tokens, but learned positions stop at block_size={c.block_size}: "
                              f"feed the last {c.block_size} at most")
-        step = cache.begin(T) if cache is not None else None  # positions (T,) or (B, T); mask None: causal
+        step = cache.begin(T) if cache is not None else None  # positions: (T,) or (B, T)
         pos, attn_mask = (step.positions, step.mask) if step else (torch.arange(T, device=idx.device), None)
-        if step is None and T > c.block_size:  # rotary positions past block_size: a token sees block_size back
+        if step is None and T > c.block_size:  # rope past block_size: each sees block_size back
             attn_mask = causal_mask(T, T, idx.device, reach=c.block_size)
         x = self.wte(idx)  # (B, T, C)
         rope = None
         if self.wpe is not None:
             x = x + self.wpe(pos)
         else:
-            rope = rotary(pos, self.blocks[0].attn.rotary_dim)  # turns queries and keys in every layer
+            rope = rotary(pos, self.blocks[0].attn.rotary_dim)  # for every layer's queries and keys
         x = self.drop(x)
         for block in self.blocks:
             x = block(x, attn_mask, rope, step.layer(block.attn.kv_layer) if step else None)

@@ -1,13 +1,16 @@
-"""The KV cache: each layer's keys and values, kept so that a decoding step feeds only the new token.
+"""The KV cache: each layer's keys and values, kept so that a decoding step feeds only the new
+token.
 
-Token t (counted from 0 since reset) goes to slot t of every layer. A pass of t new tokens writes their keys and
-values into their slots, then attends over the filled slots, causally. greedy_decode, at the end, is the whole
-idea. Cache, below, is what every cache does: the ring that rolls on (model/caches/ring.py), and the others.
+Token t (counted from 0 since reset) goes to slot t of every layer. A pass of t new tokens writes
+their keys and values into their slots, then attends over the filled slots, causally. greedy_decode,
+at the end, is the whole idea. The model asks a cache only for begin(t) and each layer's view
+(CachePass); what the decoding loop asks of every cache is model/protocol.py's Cache.
 
-Lengths: block_size, the longest context the model sees; reach, how far back a query sees (block_size, or a local
-layer's local_window); max_len, a cache layer's slots; budget, the slots of a cache that chooses what it keeps;
-spare, slots past block_size that let a chunk cross the ring's end; keep, what a learned-position context keeps
-when it jumps forward; span, the longest context that can still change the next token.
+Lengths: block_size, the longest context the model sees; reach, how far back a query sees
+(block_size, or a local layer's local_window); max_len, a cache layer's slots; budget, the slots of
+a cache that chooses what it keeps; spare, slots past block_size that let a chunk cross the ring's
+end; keep, what a learned-position context keeps when it jumps forward; span, the longest context
+that can still change the next token.
 """
 
 from typing import Callable, NamedTuple, Protocol
@@ -16,21 +19,11 @@ import torch
 import torch.nn as nn
 
 
-class Abilities(NamedTuple):
-    """What a cache can do, which the decoding loop and sample.py read before they use it."""
-
-    rolls_back: bool = True  # rollback(n) forgets the last n tokens (speculative decoding)
-    takes_padding: bool = True  # rows may start with left padding: reset(n_pad)
-    compiles: bool = True  # a step through it compiles into one graph: static shapes, no read back to the host
-    budgeted: bool = False  # it keeps fewer tokens than block_size and places them itself: never refilled
-    slides: bool = False  # each query sees only its last block_size keys (the ring): rope decodes past block_size
-
-
 class CachePass(NamedTuple):
     """What a forward pass of t new tokens needs from a cache; positions and mask stay on the cache's device."""
 
     positions: torch.Tensor  # (t,) or (B, t): each new token's position
-    mask: torch.Tensor | None  # bool, to (B, nh, t, T_k): True where a query may attend a key; None: causal
+    mask: torch.Tensor | None  # bool (B, nh, t, T_k): True where a query sees a key; None: causal
     layer: Callable[[int], "LayerView | None"]  # cache layer i's view for this pass
 
 
@@ -40,19 +33,6 @@ class LayerView(Protocol):
 
     def update(self, k_new, v_new): ...  # writes them; returns the keys and values to attend over
     def read(self): ...  # the same keys and values, written by another layer of a shared group
-
-
-class Cache(Protocol):
-    """What the model (begin) and the decoding loop ask of a KV cache; one may say its shape too (caches/ring.py)."""
-
-    abilities: Abilities
-    batch_size: int
-    def begin(self, t: int) -> CachePass: ...  # the next t tokens, counted as fed from here on
-    def reset(self, n_pad: torch.Tensor | None = None) -> None: ...  # empty; n_pad (B,): rows' left padding
-    def longest_chunk(self) -> int: ...  # the most tokens the next pass may feed
-    def rollback(self, n: int) -> None: ...  # forget the last n tokens fed
-    def one_row(self) -> "Cache": ...  # an empty cache like this one, of one row
-    def fill_from(self, other: "Cache") -> None: ...  # copy a one-row cache into every row
 
 
 class LayerKV(NamedTuple):
@@ -123,7 +103,7 @@ class KVCache(nn.Module):
         if fed + t > self.max_len:
             raise ValueError(f"the cache holds {self.max_len} tokens and has {fed}: {t} more do not fit; "
                              f"new_kv_cache(model, ...) makes a cache that rolls on past block_size")
-        new = self.pos + self.slot_ids[:t]  # (t,) the new tokens' numbers: their positions and their slots
+        new = self.pos + self.slot_ids[:t]  # (t,) the new tokens' positions, and slots
         self.pos += t
         return CachePass(new, None, lambda i: self.layer(i, new, fed + t))
 
@@ -146,9 +126,9 @@ def greedy_decode(model, idx: torch.Tensor, max_new_tokens: int) -> torch.Tensor
     c = model.config
     heads, width = c.kv_cache_heads
     cache = KVCache(c.n_kv_layer, idx.size(0), heads, c.block_size, width, model.attention_dtype, idx.device)
-    logits = model.decode_step(idx, cache)  # (B, vocab_size): the prompt's keys and values are now cached
+    logits = model.decode_step(idx, cache)  # (B, vocab_size); the prompt is now cached
     for _ in range(max_new_tokens):
         next_id = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
         idx = torch.cat([idx, next_id], dim=1)
-        logits = model.decode_step(next_id, cache)  # one token through the model, the past from the cache
+        logits = model.decode_step(next_id, cache)  # one new token; the past from the cache
     return idx

@@ -18,7 +18,7 @@ from model.caches.factory import EAGER
 from model.decoding.cached_text import text_cache
 from model.decoding.cuda_graph import CapturedStep
 from model.decoding.generate import check_arguments
-from model.decoding.step import Step
+from model.protocol import Step
 from model.serving.conversation import Conversation
 from model.serving.speculative import SpeculativeStats, speculative_generate
 from runtime.checkpoint import trained_on

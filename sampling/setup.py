@@ -11,7 +11,7 @@ from data import CharVocab, DataError
 from model import GPT, Sampling, generate_tokens
 from model.caches.factory import EAGER
 from model.decoding.cuda_graph import CapturedStep
-from model.decoding.step import Step
+from model.protocol import Step
 from model.serving.ngram_draft import NGramTable
 from model.serving.speculative import PromptLookup
 from runtime.checkpoint import load_model, resolve_checkpoint, training_text

@@ -1,4 +1,4 @@
-"""The cache protocol (model/kv_cache.py: Cache): a cache written here from the protocol alone, keeping each layer's
+"""The cache protocol (model/protocol.py: Cache): a cache written here from the protocol alone, keeping each layer's
 keys and values in a Python list, decodes through generate and gives the text of full recomputation."""
 
 import pytest

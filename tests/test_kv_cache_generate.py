@@ -194,7 +194,7 @@ def bad_generate_call(model, case):
                                    "another model shape"),
         "cache of int64": (lambda: generate(model, prompt, 2, cache=RingKVCache(2, 2, 3, BLOCK_SIZE, 8, dtype=torch.long,
                                                                              reach=BLOCK_SIZE)), "int64"),
-        "cache of another kind": (lambda: generate(model, prompt, 2, cache=object()), "model/kv_cache.py: Cache"),
+        "cache of another kind": (lambda: generate(model, prompt, 2, cache=object()), "model/protocol.py: Cache"),
     }
     return calls[case]
 

@@ -1,4 +1,4 @@
-"""The Step protocol (model/decoding/step.py): what the compiled step, the captured step and the model's own
+"""The Step protocol (model/protocol.py): what the compiled step, the captured step and the model's own
 decode_step each do, and every parameter that takes a step typed with it."""
 
 import ast
@@ -13,7 +13,7 @@ from model.decoding.aot_step import AotStep
 from model.decoding.cached_text import CachedText
 from model.decoding.cuda_graph import CapturedStep
 from model.decoding.generate import check_arguments, generate, generate_tokens, prefill
-from model.decoding.step import DecodeStep, Step
+from model.protocol import DecodeStep, Step
 from model.serving.conversation import Conversation
 from model.serving.speculative import ModelDraft, speculative_generate
 from sampling.modes import decoded_on

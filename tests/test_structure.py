@@ -12,7 +12,7 @@ PACKAGES = ("model", "data", "runtime", "exporting", "sampling", "training", "se
 # its room stands on, theirs, and so on down), never from a room above it or beside it. A folder is a room, and so
 # is each folder inside model/; model/__init__.py, the package's face, names what the rooms inside hold.
 ROOMS = {
-    "model": (),  # the core (attention.py, gpt.py, kv_cache.py), and the type checks every room shares
+    "model": (),  # the core (attention.py, gpt.py, kv_cache.py), the protocols, and the type checks every room shares
     "model/designs": ("model",),
     "model/caches": ("model/designs",),
     "model/decoding": ("model/caches",),
@@ -110,7 +110,7 @@ def test_each_room_imports_only_the_rooms_below_it():
 
 
 def test_no_module_beside_the_caches_asks_for_a_caches_class():
-    """The decoding loop, serving, sampling and the rest read a cache's abilities and shape (model/kv_cache.py:
+    """The decoding loop, serving, sampling and the rest read a cache's abilities and shape (model/protocol.py:
     Abilities, model/caches/ring.py: CacheShape): none asks isinstance or issubclass of a cache class."""
     import importlib
     import inspect

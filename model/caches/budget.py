@@ -4,7 +4,7 @@ then one token per pass, eagerly, and no rollback."""
 
 import torch
 
-from ..kv_cache import Abilities
+from ..protocol import Abilities
 from .ring import CacheShape
 
 

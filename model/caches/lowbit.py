@@ -21,7 +21,7 @@ import torch
 
 from ..checks import is_integer
 from .ring import RingKVCache, cache_shape
-from ..kv_cache import Abilities
+from ..protocol import Abilities
 
 LOW_BITS = (2, 4)  # 8 bits is the int8 cache (model/caches/int8.py)
 LOWBIT_SCALE_DTYPE = torch.float16  # each group's scale and zero

@@ -31,7 +31,8 @@ import torch
 
 from ..attention import causal_mask
 from ..checks import is_integer
-from ..kv_cache import Abilities, CachePass, KVCache
+from ..kv_cache import CachePass, KVCache
+from ..protocol import Abilities
 
 
 class CacheShape(NamedTuple):

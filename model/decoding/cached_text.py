@@ -13,7 +13,7 @@ import torch
 from ..caches.factory import new_kv_cache
 from ..gpt import GPT
 from .generate import context_limits, moved_start, prefill
-from .step import Step
+from ..protocol import Step
 
 
 def text_cache(model: GPT, spare: int = 0):
@@ -39,7 +39,7 @@ class CachedText:
         self.rolling = model.config.pos_emb == "rope"  # the ring rolls on: the context never jumps
         self.span, self.keep = context_limits(model.config, keep)
         self.start = 0  # the context is tokens[start:]
-        self.compiled: Step | None = None  # a Step for this cache (step.py): it takes every pass it fits
+        self.compiled: Step | None = None  # a Step for this cache (model/protocol.py): it takes every pass it fits
 
     @property
     def fed(self) -> int:

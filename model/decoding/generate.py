@@ -33,9 +33,8 @@ from ..caches.factory import new_kv_cache
 from ..caches.ring import Uncached
 from ..checks import is_integer
 from ..gpt import GPT, GPTConfig
-from ..kv_cache import Cache
+from ..protocol import Cache, DecodeStep, Step
 from .sampling import Sampling
-from .step import DecodeStep, Step
 
 
 @torch.no_grad()
@@ -61,9 +60,9 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampl
     sampling: how each token is drawn; generator: a torch.Generator, for reproducible sampling. keep: context
     tokens kept when the context passes block_size, for learned positions (see the module's docstring). n_pad:
     left padding per row. use_cache=False recomputes the whole context at every step; cache: a cache to reuse
-    (model/kv_cache.py: Cache; new_kv_cache by default), and compile torch.compiles the one-token step; step: a
-    Step to take one-token steps through instead (step.py: compiled or captured): it says which caches it fits(),
-    and its `cache` is the one it serves (None: any it fits). Each needs the cache.
+    (model/protocol.py: Cache; new_kv_cache by default), and compile torch.compiles the one-token step; step: a
+    Step to take one-token steps through instead (model/protocol.py: compiled or captured): it says which caches
+    it fits(), and its `cache` is the one it serves (None: any it fits). Each needs the cache.
     Arguments that cannot work are a ValueError naming the argument.
     """
     block_size = model.config.block_size
@@ -226,7 +225,7 @@ def check_cache(model: GPT, cache, batch_size: int) -> None:
     new_cache) could make for this model."""
     c = model.config
     if not all(hasattr(cache, name) for name in ("begin", "abilities", "batch_size")):
-        raise ValueError(f"cache must be a KV cache (model/kv_cache.py: Cache), got {type(cache).__name__}")
+        raise ValueError(f"cache must be a KV cache (model/protocol.py: Cache), got {type(cache).__name__}")
     shape = getattr(cache, "shape", None)
     if shape is None:  # a cache written from the protocol alone: its rows are what it says
         if cache.batch_size != batch_size:

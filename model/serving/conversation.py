@@ -22,7 +22,7 @@ from ..decoding.cached_text import CachedText
 from ..checks import is_integer
 from ..decoding.generate import check_arguments
 from ..decoding.sampling import GREEDY, Sampling, check_sampling
-from ..decoding.step import Step
+from ..protocol import Step
 
 
 class Conversation:
@@ -41,7 +41,7 @@ class Conversation:
         return self.text.tokens
 
     def decode_through(self, step: Step) -> None:
-        """Take each one-token step through a Step (model/decoding/step.py) made for text_cache(model)."""
+        """Take each one-token step through a Step (model/protocol.py) made for text_cache(model)."""
         if not step.fits(self.text.cache):
             raise ValueError("step must be a one-token step compiled for text_cache(model) (model/decoding/cached_text.py)")
         self.text.compiled = step

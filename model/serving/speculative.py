@@ -36,7 +36,7 @@ from ..decoding.cached_text import CachedText
 from ..decoding.generate import check_arguments
 from .ngram_draft import NGramDraft, NGramTable
 from ..decoding.sampling import GREEDY, Sampling, check_sampling
-from ..decoding.step import Step
+from ..protocol import Step
 
 
 @dataclass
@@ -184,7 +184,7 @@ def speculative_generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *,
     per model pass. draft: a GPT with the model's vocabulary (in eval mode, on its device), an NGramTable of its
     vocabulary, or PromptLookup().
     keep: as in generate, for learned positions (the model's; a draft model keeps its default). stats: a
-    SpeculativeStats to fill. verify_pass: a Step (model/decoding/step.py) of up to k + 1 tokens for caches like
+    SpeculativeStats to fill. verify_pass: a Step (model/protocol.py) of up to k + 1 tokens for caches like
     text_cache(model, k) (model/decoding/cached_text.py), compiled or captured over one: it takes every pass after
     the prompt's, shorter drafts' too. draft_step: a draft model's one-token Step, for text_cache(draft, k).
     Arguments that cannot work are a ValueError naming the argument.
