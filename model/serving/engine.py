@@ -18,11 +18,13 @@ Decoding is batch-invariant, to the last bit; prefill is not quite (model/servin
 
 engine.census() is a frozen picture of it between steps (model/serving/census.py): each block's readers, each
 request's state and counts, the stats. A reader such as serve.py's page needs nothing else of the engine.
+engine.add(..., kept=Kept(...)) keeps what a caller asks of one request (model/serving/request.py): the raw logits
+of each draw, those of every prompt position, and how many prompt tokens it read from the cache.
 """
 
 import contextlib
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
@@ -31,40 +33,9 @@ from .blocks import full_block_names
 from .buckets import DecodeBuckets
 from .census import BlockCensus, Census, EngineStats, RequestCensus
 from .paged import BlockPool, PagedPass
+from .request import Kept, Request, check_servable
 from .rowwise import RowsAlone
 from ..decoding.sampling import GREEDY, Sampling
-
-
-@dataclass
-class Request:
-    name: object
-    tokens: list[int]  # the prompt, then what it has drawn
-    max_new_tokens: int
-    prompt_len: int
-    blocks: list[int] = field(default_factory=list)  # the block table
-    names: list[bytes] = field(default_factory=list)  # the chain hash of each full block
-    fed: int = 0  # tokens[:fed] are in the pool
-    cached: int = 0  # of those, read from cached blocks when it last joined
-    logits: list[torch.Tensor] = field(default_factory=list)  # each draw's, when the engine keeps them
-    generator: torch.Generator | None = None  # its own draws' (else the engine's): its text as if alone
-    sampling: Sampling | None = None  # its own (else the engine's)
-    preemptions: int = 0
-
-    @property
-    def drawn(self) -> int:
-        return len(self.tokens) - self.prompt_len
-
-    @property
-    def prefilling(self) -> bool:
-        """A running request with more than its last token still to feed: decoding feeds that one."""
-        return self.fed < len(self.tokens) - 1
-
-
-def check_servable(model) -> None:
-    """ValueError unless the pool can hold what model's layers attend: blocks of every key, not a local window."""
-    if model.config.local_window is not None:
-        raise ValueError("the engine's pool serves layers that attend everything, and this model has local layers "
-                         "(window_pattern)")
 
 
 class Engine:
@@ -112,17 +83,19 @@ class Engine:
             used=sum(1 for refs in pool.refs if refs), idle=len(pool.idle), stats=self.stats)
 
     def add(self, name, prompt: list[int], max_new_tokens: int, generator: torch.Generator | None = None,
-            sampling: Sampling | None = None) -> Request:
-        """Queue a request; generator: its own, for sampled text that does not depend on the others."""
+            sampling: Sampling | None = None, kept: Kept | None = None) -> Request:
+        """Queue a request; generator: its own, for sampled text that does not depend on the others; kept: what to
+        keep of its passes for the caller. With max_new_tokens 0 its prompt is computed, and nothing drawn."""
         block_size, bt = self.model.config.block_size, self.pool.block_tokens
-        if not prompt or not (is_integer(max_new_tokens) and max_new_tokens >= 1):
-            raise ValueError(f"request {name!r}: give at least one prompt token and max_new_tokens >= 1")
+        if not prompt or not (is_integer(max_new_tokens) and max_new_tokens >= 0):
+            raise ValueError(f"request {name!r}: give at least one prompt token and max_new_tokens >= 0")
         if len(prompt) + max_new_tokens > block_size:
             raise ValueError(f"request {name!r}: {len(prompt)} prompt tokens and {max_new_tokens} new ones pass "
                              f"block_size={block_size}")
         if -(-(len(prompt) + max_new_tokens) // bt) > self.pool.n_blocks:
             raise ValueError(f"request {name!r} needs more than the pool's {self.pool.n_blocks} blocks")
-        request = Request(name, list(prompt), max_new_tokens, len(prompt), generator=generator, sampling=sampling)
+        request = Request(name, list(prompt), max_new_tokens, len(prompt), generator=generator, sampling=sampling,
+                          kept=kept)
         self.waiting.append(request)
         return request
 
@@ -135,12 +108,13 @@ class Engine:
             self.waiting.remove(request)
 
     def run(self):
-        """Yield (request's name, token) until every request added has drawn its tokens."""
+        """Yield (request's name, token) until every request added has drawn its tokens; token None once for a
+        request of max_new_tokens 0, when its prompt is computed."""
         while self.waiting or self.running:
             yield from self.step()
 
     @torch.no_grad()
-    def step(self) -> list[tuple[object, int]]:
+    def step(self) -> list[tuple[object, int | None]]:
         """One forward pass: a chunk of each joining request's prefill, or one token of every running request."""
         while self.waiting and len(self.running) < self.max_batch and self._admit(self.waiting[0]):
             self.running.append(self.waiting.popleft())
@@ -157,7 +131,7 @@ class Engine:
         enough; the last token is always computed, for its logits. It waits while a joining request computes the
         first block it lacks: then it reads that block instead."""
         bt, pool = self.pool.block_tokens, self.pool
-        chain = full_block_names(request.tokens[:-1], bt)
+        chain = [] if request.scores_prompt else full_block_names(request.tokens[:-1], bt)
         cached = next((i for i, name in enumerate(chain) if name not in pool.by_hash), len(chain))
         if cached < len(chain) and any(chain[cached] in full_block_names(r.tokens[:-1], bt, r.names)[len(r.names):]
                                        for r in self.running):  # only the blocks each has yet to name are hashed
@@ -171,6 +145,8 @@ class Engine:
             return False
         request.blocks += [pool.allocate() for _ in range(need)]
         request.fed = request.cached = len(request.names) * bt
+        if request.kept is not None and request.kept.cached_tokens is None:  # its first join: its prompt's count
+            request.kept.cached_tokens = request.cached
         self.stats = replace(self.stats, prompt_tokens=self.stats.prompt_tokens + len(request.tokens),
                              reused_tokens=self.stats.reused_tokens + request.cached)
         return True
@@ -197,12 +173,13 @@ class Engine:
         self.stats = replace(self.stats, preemptions=self.stats.preemptions + 1)
         request.preemptions += 1
 
-    def _forward(self, requests: list[Request], counts: list[int]) -> list[tuple[object, int]]:
+    def _forward(self, requests: list[Request], counts: list[int]) -> list[tuple[object, int | None]]:
         """One pass: counts[b] tokens of requests[b] each, right-padded; draw for each request fed to its end."""
         requests, t = list(requests), max(counts)  # those that finish leave self.running below
         tables, fed = [r.blocks for r in requests], [r.fed for r in requests]
         if t == 1 and self.buckets is not None:  # one token per row: a fixed-shape pass
             logits = self.buckets.decode([r.tokens[r.fed] for r in requests], tables, fed)
+            hidden = logits[:, None]
         else:
             ids = torch.tensor([r.tokens[r.fed:r.fed + n] + [0] * (t - n) for r, n in zip(requests, counts)],
                                device=self.device)
@@ -212,21 +189,30 @@ class Engine:
             logits = hidden[torch.arange(len(requests)), torch.tensor(counts) - 1]  # each row's last real token
         self.stats = replace(self.stats, passes=self.stats.passes + 1,
                              peak_blocks=max(self.stats.peak_blocks, self.pool.n_blocks - self.pool.available()))
-        for request, n in zip(requests, counts):
+        for b, (request, n) in enumerate(zip(requests, counts)):
+            rows = min(n, request.prompt_len - 1 - request.fed)  # positions that predict a prompt token
+            if request.scores_prompt and request.drawn == 0 and rows > 0:  # the first prefill: a preempted one drew
+                request.kept.prompt_logits.append(hidden[b, :rows].clone())
             request.fed += n
             self._name_full_blocks(request)
-        ready = [b for b, r in enumerate(requests) if r.fed == len(r.tokens)]  # others are still prefilling
+        scored = [r for r in requests if r.fed == len(r.tokens) and not r.max_new_tokens]  # nothing to draw
+        for request in scored:
+            self.running.remove(request)
+            self._free(request)
+        ready = [b for b, r in enumerate(requests) if r.fed == len(r.tokens) and r.max_new_tokens]  # others prefill
         if any(requests[b].generator or requests[b].sampling for b in ready):  # each draws its own way
             next_ids = [int((requests[b].sampling or self.sampling).next_token(
                 logits[b, None], requests[b].generator or self.generator)) for b in ready]
         else:
             next_ids = self.sampling.next_token(logits[ready], self.generator).tolist() if ready else []
-        drawn = []
+        drawn = [(request.name, None) for request in scored]
         for b, token in zip(ready, next_ids):
             request = requests[b]
             request.tokens.append(token)
             if self.keep_logits:
                 request.logits.append(logits[b])
+            if request.kept is not None and request.kept.draws:
+                request.kept.logits.append(logits[b])
             drawn.append((request.name, token))
             if request.drawn == request.max_new_tokens:
                 self.running.remove(request)

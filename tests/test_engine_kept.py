@@ -1,0 +1,75 @@
+"""What the engine keeps of a request for its caller (model/serving/request.py: Kept): the raw logits of each draw
+and of every prompt position, equal to a plain forward's, and how many prompt tokens it read from the cache."""
+
+import pytest
+import torch
+
+from model import Sampling
+from model.serving.engine import Engine
+from model.serving.request import Kept
+from tiny_models import random_model
+from tolerance import assert_forward_close
+
+BLOCK = 40  # the model's block_size
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9]  # three full blocks of 4, then one token
+
+
+def assert_kept_like_a_plain_forward(model, kept: Kept, tokens: list[int], prompt_len: int) -> None:
+    """Every prompt row and every draw's logits against the model's own forward over the whole text."""
+    plain = model(torch.tensor([tokens]))[0][0]  # (len(tokens), vocab_size): position i predicts token i + 1
+    assert_forward_close(torch.cat(kept.prompt_logits), plain[:prompt_len - 1], model, "prompt rows")
+    drawn = torch.stack(kept.logits)
+    assert_forward_close(drawn, plain[prompt_len - 1:prompt_len - 1 + len(drawn)], model, "draws")
+
+
+@torch.no_grad()
+def test_a_scored_prompt_is_computed_whole_though_cached_and_its_raw_logits_are_kept():
+    model = random_model(block_size=BLOCK)
+    engine = Engine(model, n_blocks=40, block_tokens=4, chunk=5, sampling=Sampling(temperature=0.5),
+                    generator=torch.Generator().manual_seed(0))
+    engine.add("first", PROMPT, 4)
+    list(engine.run())
+    reused = engine.stats.reused_tokens
+    kept = Kept(draws=True, prompt=True)
+    scored = engine.add("scored", PROMPT, 6, kept=kept)
+    list(engine.run())
+    assert kept.cached_tokens == 0 and engine.stats.reused_tokens == reused  # computed, not read
+    assert len(torch.cat(kept.prompt_logits)) == len(PROMPT) - 1 and len(kept.logits) == 6
+    assert_kept_like_a_plain_forward(model, kept, scored.tokens, len(PROMPT))
+    plain = Kept()
+    engine.add("plain", PROMPT, 2, kept=plain)
+    list(engine.run())
+    assert plain.cached_tokens == (len(PROMPT) - 1) // 4 * 4 == engine.stats.reused_tokens - reused
+    assert plain.logits == [] and plain.prompt_logits == []  # nothing asked, nothing kept
+
+
+@torch.no_grad()
+def test_a_request_of_no_new_tokens_computes_its_prompt_and_leaves():
+    model = random_model(block_size=BLOCK)
+    engine = Engine(model, n_blocks=8, block_tokens=4, chunk=3)
+    kept = Kept(draws=True, prompt=True)
+    engine.add("scored", PROMPT, 0, kept=kept)
+    assert list(engine.run()) == [("scored", None)]
+    assert engine.pool.refs == [0] * 8 and not engine.running
+    rows, logits = kept.take()
+    assert logits == [] and (kept.prompt_logits, kept.logits) == ([], [])
+    assert_forward_close(rows, model(torch.tensor([PROMPT]))[0][0, :-1], model)
+
+
+@pytest.mark.parametrize("prompt", [True, False], ids=["scored", "plain"])
+@torch.no_grad()
+def test_a_preempted_request_keeps_its_prompt_rows_once_every_draw_and_its_first_cached_count(prompt):
+    """Two requests outgrow a pool of 7 blocks: the later one is preempted and prefilled again with its draws,
+    reading its own blocks where it may. Its prompt read none of the cache when it first joined."""
+    model = random_model(block_size=BLOCK)
+    engine = Engine(model, n_blocks=7, block_tokens=4, chunk=4)
+    engine.add("first", [7, 7, 1, 2, 3], 10)
+    kept = Kept(draws=True, prompt=prompt)
+    later = engine.add("later", PROMPT[:6], 14, kept=kept)
+    list(engine.run())
+    assert later.preemptions > 0
+    assert kept.cached_tokens == 0 and later.cached == (0 if prompt else 12)  # 12: its own blocks, on rejoining
+    assert len(kept.logits) == 14
+    if prompt:
+        assert len(torch.cat(kept.prompt_logits)) == 5
+        assert_kept_like_a_plain_forward(model, kept, later.tokens, 6)
