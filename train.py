@@ -128,7 +128,7 @@ def announce(trainer: Trainer, chosen: str, why: str, preset: str | None, world_
     tc = trainer.tc
     to = tc.max_iters or f"the steps that fit in train.max_minutes={tc.max_minutes:g} (measured as it trains)"
     write_line(f"training {trainer.raw_model.num_params() / 1e6:.2f}M parameters ({chosen}) on {trainer.device} in "
-               f"{trainer.precision} ({f'{preset}; ' if preset else ''}{world_size} process(es), "
+               f"{trainer.precision} ({f'{preset}; ' if preset else ''}{world_size} process{'es' * (world_size > 1)}, "
                f"{trainer.tokens_per_step} tokens per step) from step {trainer.step} to {to}; run directory "
                f"{trainer.run_dir}")
     write_line(why)

@@ -30,7 +30,7 @@ from training.summaries import Summaries
 from training.text import prepare_data
 
 FIXED = [o for o in BUDGET if not o.startswith(("train.max_iters", "train.max_minutes"))]  # the budget's settings
-REPEATS = re.compile(r"\); (.*) in place of train.max_minutes repeats this run$")
+REPEATS = re.compile(r"\); to repeat this run exactly, give (.*) in place of train.max_minutes$")
 
 
 def scripted_val(patch, losses: dict[int, float]) -> None:
@@ -203,9 +203,9 @@ def test_a_run_planned_again_says_that_no_command_repeats_it(tmp_path, data_root
     assert REPEATS.search(promise)
     changes = [line for line in printed if "plans the run again" in line or "ends the run at step" in line]
     first = int(re.search(r"at step (\d+)", changes[0])[1])
-    assert changes[0].endswith(f"; no command repeats this run now: train.max_iters plans from step 0, and this "
-                               f"run's plan changed at step {first} (its checkpoints record the plan, which a resume "
-                               f"follows)")
+    assert changes[0].endswith(f"; the run goes on, but no command repeats it exactly now: its plan changed at step "
+                               f"{first}, and train.max_iters plans a run from step 0 (its checkpoints record the "
+                               f"change, and a resume follows it)")
     assert not [line for line in changes[1:] if "no command repeats" in line]
     steps = torch.load(run_dir / "last.pt", weights_only=True)["training"]["step"]
     train.main(config(tmp_path, data_root, *FIXED, f"train.max_iters={steps}"), tmp_path / "runs/steps")
@@ -310,7 +310,7 @@ def test_a_budget_run_whose_steps_change_thread_count_after_its_plan_says_no_com
         summaries.close()
     (promise,) = [line for line in printed if " fits " in line]
     assert REPEATS.search(promise)[1].endswith(" train.threads=2")
-    assert "threads: no command repeats this run now: its steps ran at 1 and 2 threads, whose sums round apart, and " \
-           "train.threads names one count" in printed
-    assert printed.index(promise) < [line.startswith("threads: no command") for line in printed].index(True)
+    assert "threads: the run goes on, but no command repeats it exactly now: its steps ran at 1 and 2 threads, which " \
+           "round sums slightly differently, and train.threads names one count" in printed
+    assert printed.index(promise) < [line.startswith("threads: the run goes on") for line in printed].index(True)
     shutil.rmtree(tmp_path / "run")

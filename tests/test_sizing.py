@@ -81,7 +81,7 @@ def test_the_thread_count_whose_step_is_fastest_now_is_chosen(tmp_path, data_roo
         timed.update({(2, 1): 0.01, (2, 2): seconds})
         threads, why = sizing.choose_threads(settings, data, torch.device("cpu"))
         assert (threads, torch.get_num_threads()) == (fastest, fastest)
-        assert why == f"the fastest now: 1 took 0.01 s a step, 2 took {seconds:.3g} s a step"
+        assert why == f"the fastest when timed: 1 thread took 0.01 s a step, 2 threads took {seconds:.3g} s a step"
     assert sizing.choose_threads(settings.replaced({"train.threads": 2}), data, torch.device("cpu")) == \
         (2, "as train.threads names")
 
@@ -106,9 +106,9 @@ def test_a_budget_run_trains_the_shape_and_threads_that_are_predicted_to_learn_m
     run_dir = tmp_path / "runs/sized"
     train.main(config(tmp_path, data_root, *BUDGET), run_dir, named=set())
     assert f"({shape} with {threads} thread{'s' * (threads > 1)}, sized to this machine)" in printed[0]
-    assert printed[1].startswith(f"sized: {shape} predict the lowest best val loss")
-    assert printed[1].endswith(f"threads: {threads}, the fastest now: 1 took {seconds[1, 1]:.3g} s a step, 2 took "
-                               f"{seconds[1, 2]:.3g} s a step")
+    assert printed[1].startswith(f"sized: {shape} should learn the most here, a best val loss of ")
+    assert printed[1].endswith(f"threads: {threads}, the fastest when timed: 1 thread took {seconds[1, 1]:.3g} s a "
+                               f"step, 2 threads took {seconds[1, 2]:.3g} s a step")
     recorded = torch.load(run_dir / "last.pt", weights_only=True)
     assert recorded["model_config"]["n_layer"] == shape.n_layer
     train_config = recorded["training"]["config"]["train"]
@@ -172,8 +172,8 @@ def test_train_py_times_its_threads_and_records_them(tmp_path, data_root):
     if os.cpu_count() == 1:
         assert second == "threads: 1, torch's default"
         return
-    timed = re.fullmatch(r"threads: (\d+), the fastest now: 1 took ([\d.e-]+) s a step, 2 took ([\d.e-]+) s a step.*",
-                         second)
+    timed = re.fullmatch(r"threads: (\d+), the fastest when timed: 1 thread took ([\d.e-]+) s a step, 2 threads "
+                         r"took ([\d.e-]+) s a step.*", second)
     assert timed, second
     threads, one, two = int(timed[1]), float(timed[2]), float(timed[3])
     assert threads == (1 if one <= two else 2)

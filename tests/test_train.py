@@ -379,8 +379,9 @@ AIM_AT_HALF = 0.5
 
 
 def chosen_steps(printed: str) -> int:
-    (steps, _), = re.findall(r"^train.max_minutes=0.1 fits (\d+) steps \(.*\); train.max_iters=\1 (model.n_layer=2 "
-                             r"train.batch_size=8 )?train.threads=1 in place of train.max_minutes repeats this run$",
+    (steps, _), = re.findall(r"^train.max_minutes=0.1 fits (\d+) steps \(.*\); to repeat this run exactly, give "
+                             r"train.max_iters=\1 (model.n_layer=2 train.batch_size=8 )?train.threads=1 in place of "
+                             r"train.max_minutes$",
                              printed, flags=re.MULTILINE)
     return int(steps)
 
@@ -793,7 +794,7 @@ def test_sigterm_leaves_loadable_last_pt(tmp_path, data_root):
                                text=True)
     try:
         first = process.stdout.readline()  # once printed, the signal handlers are in place
-        assert first.startswith("training ") and " (preset cpu, as named; 1 process(es), " in first
+        assert first.startswith("training ") and " (preset cpu, as named; 1 process, " in first
         time.sleep(2)
         process.send_signal(signal.SIGTERM)
         _, stderr = process.communicate(timeout=60)

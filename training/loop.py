@@ -119,8 +119,9 @@ class Trainer(BudgetPlan, ThreadWatch):
             self.budget.started_at -= state.get("seconds", 0.0)
             self.budget.resumed(state)
         if not restore_rng(state["rng"], self.batches, self.rank, self.world_size, self.device) and self.is_master:
-            print(f"resuming {len(state['rng'])} process(es) as {self.world_size}: batches and dropout draw "
-                  f"afresh from the seed")
+            before = len(state["rng"])
+            print(f"resuming a run of {before} process{'es' * (before > 1)} with {self.world_size}: its batches and "
+                  f"dropout cannot go on where they stopped, so they start afresh from the seed")
 
     def fit(self) -> float | None:
         """Train to max_iters (with a budget, to the steps that fit in it); return the last val loss (None if no

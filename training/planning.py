@@ -11,6 +11,7 @@ from .evaluation import evaluate
 from .optim import decay_begins, set_step
 
 FORESEEING_BATCHES = 2  # batches of each split timed, after an untimed one, to foresee an evaluation's cost
+UNREPEATED = "the run goes on, but no command repeats it exactly now"  # a change of plan or of threads says so
 
 
 def check_start(tc, named: set[str] | None, resumed: dict | None, started_at: float) -> None:
@@ -94,12 +95,12 @@ class BudgetPlan:
         names in place of train.max_minutes (the steps, and what the run chose for itself: the shape sizing chose,
         the CPU threads), or why none does."""
         if len(self.schedule.plan) > 1:
-            return (f"no command repeats this run now: train.max_iters plans from step 0, and this run's plan changed "
-                    f"at step {self.schedule.plan[-1][0]} (its checkpoints record the plan, which a resume follows)")
+            return (f"{UNREPEATED}: its plan changed at step {self.schedule.plan[-1][0]}, and train.max_iters plans a "
+                    f"run from step 0 (its checkpoints record the change, and a resume follows it)")
         if len(self.threads_used) > 1:
             counts = " and ".join(map(str, sorted(self.threads_used)))
-            return (f"no command repeats this run now: its steps ran at {counts} threads, whose sums round apart, "
-                    f"and train.threads names one count")
+            return (f"{UNREPEATED}: its steps ran at {counts} threads, which round sums slightly differently, and "
+                    f"train.threads names one count")
         named = {"train.max_iters": steps}
         for key in self.chosen:  # a run of fixed length is not sized: it trains the shape named
             section, name = key.split(".")
@@ -107,7 +108,7 @@ class BudgetPlan:
         if self.threads_used:  # on a CPU: a run that times its threads may choose another count
             named["train.threads"] = next(iter(self.threads_used))
         overrides = " ".join(f"{key}={value}" for key, value in named.items())
-        return f"{overrides} in place of train.max_minutes repeats this run"
+        return f"to repeat this run exactly, give {overrides} in place of train.max_minutes"
 
     def keep_to_budget(self, due: bool) -> None:
         """Once the budget has fixed the length: plan it again where the machine's speed has changed (Budget.replanned),

@@ -26,6 +26,7 @@ from runtime.errors import ConfigError
 from .budget import planned_seconds, steps_within
 from .config import Settings
 from .loop import Trainer
+from .threads import timings
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ def choose_threads(settings: Settings, data: PreparedData, device: torch.device)
         torch.set_num_threads(threads)
         return threads, why
     threads, seconds = fastest_threads(trainer_step(settings, data, device), TIMED_STEPS)
-    return threads, "the fastest now: " + ", ".join(f"{n} took {s:.3g} s a step" for n, s in seconds.items())
+    return threads, f"the fastest when timed: {timings(seconds)}"
 
 
 def kept_on_resume(settings: Settings, named: set[str] | None) -> tuple[str, ...]:
@@ -145,7 +146,8 @@ def size_to_host(settings: Settings, named: set[str] | None, data: PreparedData,
     settings = settings.replaced({"train.threads": threads})
     chosen = f"{threads} thread{'s' if threads > 1 else ''}"
     if not_sized is not None:
-        why_shape = f"; the model as configured ({not_sized})" if settings.train.size_to_host else ""
+        why_shape = f"; the model as configured, not sized to this machine ({not_sized})" \
+            if settings.train.size_to_host else ""
         return settings, chosen, f"threads: {threads}, {why_threads}{why_shape}"
     shapes = {shape: candidate.replaced({"train.threads": threads}) for shape, candidate in shapes.items()}
     seconds = time_in_turns({shape: (trainer_step(candidate, data, device), threads)
@@ -155,8 +157,8 @@ def size_to_host(settings: Settings, named: set[str] | None, data: PreparedData,
         steps = steps_affordable(candidate, seconds[shape], time.perf_counter() - started_at)
         predictions.append((shape.predicted_loss(steps), shape, seconds[shape], steps, candidate))
     loss, shape, _, steps, settings = min(predictions, key=lambda p: p[0])
-    timed = ", ".join(f"{s.n_layer} layers {step_s:.3g} s a step, {n} steps, {p:.3f}"
+    timed = "; ".join(f"{s.n_layer} layers: {step_s:.3g} s a step, {n} steps, {p:.3f} predicted"
                       for p, s, step_s, n, _ in predictions)
     return settings, f"{shape} with {chosen}, sized to this machine", (
-        f"sized: {shape} predict the lowest best val loss ({loss:.3f}) for the {steps} steps that fit here "
-        f"({timed}); threads: {threads}, {why_threads}")
+        f"sized: {shape} should learn the most here, a best val loss of {loss:.3f} predicted for the {steps} steps "
+        f"that fit ({timed}); threads: {threads}, {why_threads}")

@@ -60,8 +60,13 @@ class ThreadChoice:
         self.fastest = None  # the machine has changed: the next steps set the pace to watch
         if self.threads == before:
             return None
-        return (f"threads: {self.threads}, not {before}: steps took {slow:.3g} s at {before}, over {SLOWER:g}x the "
-                f"fastest seen; timed now: " + ", ".join(f"{n} took {s:.3g} s a step" for n, s in seconds.items()))
+        return (f"threads: {self.threads} from now on, not {before}: steps at {before} slowed to {slow:.3g} s, over "
+                f"{SLOWER:g}x their fastest, as when another program takes a core; timed again: {timings(seconds)}")
+
+
+def timings(seconds: dict[int, float]) -> str:
+    """Each thread count's seconds a step, in words."""
+    return ", ".join(f"{n} thread{'s' * (n > 1)} took {s:.3g} s a step" for n, s in seconds.items())
 
 
 class ThreadWatch:
