@@ -22,15 +22,18 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.summary.writer import event_file_writer
 
 import train
+from data import CharVocab
 from model import GPT
 from model.measuring.attention_weights import attention_weights
 from test_train import config
 from runtime.checkpoint import load_model
 import training.summaries
-from training.summaries import Summaries, heads_in_a_grid
+from tiny_models import random_model
+from training.summaries import LabelledHeads, Summaries, heads_in_a_grid
 
 RESUMED = "2026-01-01_00-02-00"  # crashed in step 7, after its checkpoint at step 5, resumed from it and extended
 RUNS = {"2026-01-01_00-00-00": ["optim.lr=1e-2", "train.precision=bf16"],
@@ -118,15 +121,18 @@ class Server:
 
 @pytest.fixture(scope="module")
 def logdir(tmp_path_factory) -> Path:
+    """The runs, their attention maps drawn as grey grids whether or not matplotlib is installed."""
     tmp_path = tmp_path_factory.mktemp("tensorboard")
     logdir = tmp_path / "runs"
-    for name, override in RUNS.items():
-        overrides = [f"train.max_iters={STEPS}", "train.eval_interval=5", *override]
-        if name == RESUMED:  # planned for fewer steps, crashed, and extended to STEPS when resumed
-            crash_in_step_7(tmp_path, [*override, "train.max_iters=8", "train.eval_interval=5", "train.log_interval=1"],
-                            logdir / name)
-            overrides.append(f"train.resume={logdir / name}")
-        train.main(config(tmp_path, tmp_path / "data", *overrides), logdir / name)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(training.summaries, "MATPLOTLIB", False)
+        for name, override in RUNS.items():
+            overrides = [f"train.max_iters={STEPS}", "train.eval_interval=5", *override]
+            if name == RESUMED:  # planned for fewer steps, crashed, and extended to STEPS when resumed
+                crash_in_step_7(tmp_path, [*override, "train.max_iters=8", "train.eval_interval=5",
+                                           "train.log_interval=1"], logdir / name)
+                overrides.append(f"train.resume={logdir / name}")
+            train.main(config(tmp_path, tmp_path / "data", *overrides), logdir / name)
     return logdir
 
 
@@ -399,3 +405,64 @@ def test_five_heads_fill_a_grid_of_three_columns_in_reading_order():
         torch.testing.assert_close(image[top:top + 256, left:left + 256], expected.repeat_interleave(cell, 1))
         grey[top:top + 256, left:left + 256] = False
     assert (image[grey] == 0.5).all()  # the bars, and the sixth place, which no head fills
+
+
+def logged_attention(run_dir: Path) -> dict[str, tuple[np.ndarray, str]]:
+    """A tiny model's attention maps as Summaries logs them at one evaluation: each tag's RGB pixels and
+    description."""
+    vocab = CharVocab.from_text("abcdefghijk \n")  # tiny_models' 13 tokens
+    summaries = Summaries(run_dir, "{}")
+    summaries.sample_and_attention(random_model(), vocab, torch.tensor([vocab.encode("a bad cab\nhid")]), 4, 0, 0)
+    summaries.close()
+    events = EventAccumulator(str(run_dir), size_guidance={"tensors": 0})
+    events.Reload()
+    tags = [tag for tag in events.Tags()["tensors"] if tag.startswith("sample/attention/layer")]
+    png = {tag: events.Tensors(tag)[0].tensor_proto.string_val[2] for tag in tags}  # width, height, the PNG
+    return {tag: (np.asarray(Image.open(io.BytesIO(png[tag])).convert("RGB")),
+                  events.SummaryMetadata(tag).summary_description) for tag in tags}
+
+
+def test_without_matplotlib_each_map_is_a_grey_grid_whose_description_names_the_axes(tmp_path, monkeypatch):
+    monkeypatch.setattr(training.summaries, "MATPLOTLIB", False)
+    images = logged_attention(tmp_path)
+    assert set(images) == ATTENTION
+    for pixels, description in images.values():
+        assert (pixels == pixels[..., :1]).all()  # grey
+        assert "row i is the query" in description and "column j the key" in description
+        assert "Where matplotlib is installed, the map has the characters along its axes" in description
+
+
+def test_with_matplotlib_each_map_is_a_labelled_figure_in_colour(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    monkeypatch.setattr(training.summaries, "MATPLOTLIB", True)
+    images = logged_attention(tmp_path)
+    assert set(images) == ATTENTION
+    for pixels, description in images.values():
+        assert (pixels != pixels[..., :1]).any()  # in colour
+        assert "row i is the query, the character that attends" in description
+
+
+def test_a_labelled_frame_paints_each_heads_map_into_its_box_and_keeps_its_labels_and_colour_bar():
+    """Each cell of each head's box shows its weight, scaled to its row's maximum, in the colour bar's colour;
+    later keys are white. Outside the boxes the frame stays as drawn: the characters and the colour bar."""
+    pytest.importorskip("matplotlib")
+    text = PROMPT[:BLOCK_SIZE]  # JULIET:↵O Romeo,
+    weights = torch.rand(3, BLOCK_SIZE, BLOCK_SIZE, generator=torch.Generator().manual_seed(0)).tril()
+    frame = LabelledHeads(3, text)
+    image, other = frame(weights), frame(weights.flip(0))
+    assert image.dtype == torch.uint8 and image.shape == frame.frame.shape and image.shape[-1] == 3
+    shades = (weights / weights.amax(dim=-1, keepdim=True) * 255).round().long()
+    outside = torch.ones(image.shape[:2], dtype=torch.bool)
+    for head, (top, left, bottom, right) in enumerate(frame.boxes):
+        outside[top:bottom, left:right] = False
+        for i in range(BLOCK_SIZE):
+            for j in range(BLOCK_SIZE):
+                y = top + int((i + 0.5) * (bottom - top) / BLOCK_SIZE)
+                x = left + int((j + 0.5) * (right - left) / BLOCK_SIZE)
+                want = frame.colours[shades[head, i, j]] if j <= i else torch.full((3,), 255, dtype=torch.uint8)
+                assert torch.equal(image[y, x], want), (head, i, j)
+    assert torch.equal(image[outside], other[outside])  # only the boxes are painted again
+    top, left, bottom, _ = frame.boxes[0]
+    assert (image[top:bottom, :left] < 128).any()  # the characters and the axis's name, left of the first head
+    for end in (frame.colours[0], frame.colours[255]):  # the colour bar, from 0 to its row's maximum
+        assert ((image[outside].int() - end.int()).abs() <= 2).all(dim=-1).any()

@@ -9,12 +9,14 @@ evaluations read as measured. Everything goes to the run's one event file, so th
 """
 
 import contextlib
+import importlib.util
 import math
 import os
 import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from google.protobuf.struct_pb2 import Value
 from tensorboard.compat.proto.summary_pb2 import Summary
@@ -59,8 +61,17 @@ ATTENTION = ("Attention of layer {layer}'s {n_head} heads (head 0 top left, then
              "between grey bars) on the last {size} characters of train.sample_prompt (below, and in the text "
              "sample/attention). In each head row i is the query at position i, column j the key at position j; "
              "the upper triangle is black because a query never sees later keys. Each row is scaled to its own "
-             "maximum, so white marks each query's strongest key, not an absolute weight.\n\n{characters}")
+             "maximum, so white marks each query's strongest key, not an absolute weight. Where matplotlib is "
+             "installed, the map has the characters along its axes and a colour bar.\n\n{characters}")
+ATTENTION_FIGURE = ("Attention of layer {layer}'s {n_head} heads on the last {size} characters of train.sample_prompt "
+                    "(below, and in the text sample/attention). In each head row i is the query, the character that "
+                    "attends, and column j the key, the character attended to; the upper triangle is blank because "
+                    "a query never sees later keys. Each row is scaled to its own maximum, so the brightest cell "
+                    "marks each query's strongest key, not an absolute weight.\n\n{characters}")
 HEAD_PIXELS = 256  # about the side of each head's map: small prompts get cells of several pixels
+MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None  # labels the maps where installed; not required
+LABELLED = 64  # the most characters labelled along an axis of a head's map: longer prompts label every n-th
+COLOURS = "viridis"  # the labelled maps' colour scale: dark to bright, and read alike by the colour-blind
 BAR = 0.5  # the grey of the bars between heads
 
 
@@ -73,6 +84,11 @@ def report_thread_error(args: threading.ExceptHookArgs) -> None:
         threading.__excepthook__(args)
 
 
+def shown(character: str) -> str:
+    """A character as a person can see it: a newline as ↵, other characters that print nothing as ·."""
+    return "↵" if character == "\n" else character if character.isprintable() else "·"
+
+
 def as_code(text: str) -> str:
     """Text as a Markdown code block, which is how TensorBoard shows it verbatim."""
     return "\n".join("    " + line for line in text.splitlines())
@@ -83,8 +99,7 @@ def by_position(text: str) -> str:
     other characters that print nothing as ·."""
     tens = "".join(f"{position:<10}" for position in range(0, len(text), 10)).rstrip()
     units = "".join(str(position % 10) for position in range(len(text)))
-    shown = "".join("↵" if c == "\n" else c if c.isprintable() else "·" for c in text)
-    return as_code("\n".join((tens, units, shown)))
+    return as_code("\n".join((tens, units, "".join(map(shown, text)))))
 
 
 def heads_in_a_grid(weights: torch.Tensor) -> torch.Tensor:
@@ -105,6 +120,62 @@ def heads_in_a_grid(weights: torch.Tensor) -> torch.Tensor:
     return image
 
 
+class LabelledHeads:
+    """matplotlib's frame for one layer's heads on one text, drawn once: a head's axes with the characters along
+    them (a space as ␣), its title, and one colour bar. Each evaluation paints its maps into the frame's boxes, so
+    that the costly text is drawn once a run. The heads go in rows of ceil(sqrt(n_head)), as in heads_in_a_grid."""
+
+    def __init__(self, n_head: int, text: str):
+        from matplotlib.backends.backend_agg import FigureCanvasAgg  # imported here: train.py runs without it
+        from matplotlib.figure import Figure
+
+        size = len(text)
+        columns = math.ceil(math.sqrt(n_head))
+        rows = math.ceil(n_head / columns)
+        ticks = list(range(0, size, math.ceil(size / LABELLED)))
+        labels = ["␣" if text[i] == " " else shown(text[i]) for i in ticks]
+        side = 1.2 + 0.1 * len(ticks)  # inches a head: room for a label a row
+        figure = Figure(figsize=(columns * side + 1, rows * side), dpi=100, layout="constrained")
+        axes = list(figure.subplots(rows, columns, squeeze=False).flat)
+        for head, ax in enumerate(axes):
+            if head >= n_head:
+                ax.set_axis_off()
+                continue
+            drawn = ax.imshow(np.zeros((size, size)), cmap=COLOURS, vmin=0, vmax=1)
+            ax.set_title(f"head {head}")
+            ax.set_xticks(ticks, labels, fontsize=7)
+            ax.set_yticks(ticks, labels, fontsize=7)
+            ax.tick_params(length=0)
+            ax.set_xlabel("key: the character attended to")
+            ax.set_ylabel("query: the character attending")
+        figure.colorbar(drawn, ax=axes[:n_head], label="weight / its row's maximum")
+        canvas = FigureCanvasAgg(figure)
+        canvas.draw()
+        self.frame = torch.from_numpy(np.asarray(canvas.buffer_rgba())[..., :3].copy())  # uint8
+        height = self.frame.shape[0]
+        self.boxes = []  # (top, left, bottom, right) in pixels: inside each head's axes, its frame line kept
+        for ax in axes[:n_head]:
+            box = ax.get_window_extent()  # from the bottom left
+            self.boxes.append((round(height - box.y1) + 1, round(box.x0) + 1, round(height - box.y0) - 1,
+                               round(box.x1) - 1))
+        self.colours = torch.from_numpy(drawn.cmap(np.linspace(0, 1, 256), bytes=True)[:, :3].copy())
+        self.unseen = torch.ones(size, size, dtype=torch.bool).triu(1)  # later keys, never seen: left white
+        self.size = size
+
+    def __call__(self, weights: torch.Tensor) -> torch.Tensor:
+        """One layer's attention weights (n_head, T, T) as an RGB image (H, W, 3) of uint8: each row scaled to its
+        own maximum, as in heads_in_a_grid; the keys a query never sees left white."""
+        maps = (weights / weights.amax(dim=-1, keepdim=True)).float().cpu()
+        cells = self.colours[(maps * 255).round().long().clamp(0, 255)]  # (n_head, T, T, 3)
+        cells[:, self.unseen] = 255
+        image = self.frame.clone()
+        for head, (top, left, bottom, right) in enumerate(self.boxes):
+            rows = torch.arange(bottom - top) * self.size // (bottom - top)  # the query each pixel row shows
+            columns = torch.arange(right - left) * self.size // (right - left)
+            image[top:bottom, left:right] = cells[head][rows[:, None], columns[None, :]]
+        return image
+
+
 def hparam_name(key: str) -> str:
     """"optim.lr" -> "02 optim.lr": TensorBoard sorts the columns by this name and shows the key."""
     return f"{HPARAMS.index(key) + 1:02d} {key}"
@@ -123,8 +194,9 @@ def hparams_summary(tag: str, data: plugin_data_pb2.HParamsPluginData) -> Summar
 
 
 def described_image(tag: str, pixels: torch.Tensor, description: str) -> Summary:
-    """A grey-scale image (H, W) in [0, 1] with a description, which TensorBoard shows beside it."""
-    png = image(tag, pixels, dataformats="HW").value[0].image  # torch's add_image takes no description
+    """An image, grey (H, W) in [0, 1] or RGB (H, W, 3) of uint8, with a description, which TensorBoard shows
+    beside it."""
+    png = image(tag, pixels, dataformats="HW" if pixels.dim() == 2 else "HWC").value[0].image  # add_image takes none
     return Summary(value=[Summary.Value(
         tag=tag, metadata=image_metadata.create_summary_metadata(tag, description),
         tensor=make_tensor_proto([str(png.width).encode(), str(png.height).encode(), png.encoded_image_string]))])
@@ -157,6 +229,7 @@ class Summaries:
         after_earlier_lives(run_dir)
         self.writer = SummaryWriter(str(run_dir), purge_step=first_step)
         self.first_step = first_step
+        self.frames = {}  # (n_head, text) -> its LabelledHeads, drawn at the first evaluation
         self.writer.add_text("config", as_code(config_yaml))
         self.writer.add_custom_scalars({  # one series a chart: a multiline chart draws a run's series in one colour
             "loss": {LOSS_CHART: ["Margin", [VAL_LOSS, TRAIN_EVAL_LOSS, VAL_LOSS]]},  # the line, the band's edges
@@ -192,21 +265,30 @@ class Summaries:
     def sample_and_attention(self, model: GPT, vocab: CharVocab, prompt: torch.Tensor, n_tokens: int, seed: int,
                              step: int):
         """A sample continuing the prompt (KV-cache generation, fixed seed), and each layer's attention on it, its
-        heads in one image, with the characters at each position beside it."""
+        heads in one image, with the characters at each position beside it: a labelled figure where matplotlib is
+        installed, else a grey grid (heads_in_a_grid)."""
         model.eval()
         generator = torch.Generator(prompt.device).manual_seed(seed)  # leaves the training RNG untouched
         ids = generate(model, prompt, n_tokens, sampling=Sampling(), generator=generator)
         self.writer.add_text("sample", as_code(vocab.decode(ids[0].tolist())), step)
         context = prompt[:, -model.config.block_size:]
-        characters = by_position(vocab.decode(context[0].tolist()))
+        text = vocab.decode(context[0].tolist())
+        characters = by_position(text)
         if step == self.first_step:  # the same at every evaluation
             self.writer.add_text("sample/attention", characters, step)
         for layer, weights in enumerate(attention_weights(model, context)):  # (1, n_head, T, T)
-            description = ATTENTION.format(layer=layer, n_head=weights.shape[1], size=context.shape[1],
-                                           characters=characters)
+            pixels = self.labelled(weights.shape[1], text)(weights[0]) if MATPLOTLIB else heads_in_a_grid(weights[0])
+            description = (ATTENTION_FIGURE if MATPLOTLIB else ATTENTION).format(
+                layer=layer, n_head=weights.shape[1], size=context.shape[1], characters=characters)
             self.writer.file_writer.add_summary(
-                described_image(f"sample/attention/layer{layer}", heads_in_a_grid(weights[0]), description), step)
+                described_image(f"sample/attention/layer{layer}", pixels, description), step)
         model.train()
+
+    def labelled(self, n_head: int, text: str) -> LabelledHeads:
+        """The frame for n_head heads on text, drawn once."""
+        if (n_head, text) not in self.frames:
+            self.frames[n_head, text] = LabelledHeads(n_head, text)
+        return self.frames[n_head, text]
 
     def start_session(self, config: dict, device_type: str, precision: str):
         """The HParams dashboard's row for this run: its settings now, its metrics read from loss/val_best
