@@ -6,9 +6,10 @@ import os
 import socket
 from pathlib import Path
 
+from model.caches.factory import CACHES
 from model.decoding.quantize import DECODING_PRECISIONS
 from model.serving.engine import Engine, check_servable
-from model.serving.paged import BlockPool
+from model.serving.paged import POOLED, BlockPool
 from runtime.devices import (DEFAULT_THREADS, MEMORY_SHARE, environment_threads, gib, memory_of, threads_refused,
                              usable_cores)
 from runtime.errors import OneLineErrorParser, UsageError
@@ -34,9 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="auto: cuda, else mps, else cpu (default: %(default)s)")
     parser.add_argument("--precision", choices=DECODING_PRECISIONS, default="fp32",
                         help="the weights as trained (fp32), in bf16, or int8 weights (default: %(default)s)")
-    parser.add_argument("--kv-cache", choices=("float", "int8"), default="float",
-                        help="the pool's keys and values: in the dtype attention computes in, or int8 with a "
-                             "scale per token and head (default: %(default)s)")
+    parser.add_argument("--kv-cache", choices=tuple(CACHES), default="float",
+                        help="the pool's keys and values: float, in the dtype attention computes in, or int8 "
+                             "with a scale per token and head; sample.py decodes with the others (default: "
+                             "%(default)s)")
     parser.add_argument("--max-batch", metavar="N", type=int, default=MAX_BATCH,
                         help="completions decoded together at most (default: %(default)s)")
     parser.add_argument("--max-waiting", metavar="N", type=int, default=MAX_WAITING,
@@ -68,6 +70,9 @@ def check_options(args) -> None:
         raise UsageError(f"--port must be from 0 to 65535, got {args.port}")
     if args.threads is not None and (why := threads_refused(args.threads)):
         raise UsageError(f"--threads {why}")
+    if args.kv_cache not in POOLED:
+        raise UsageError(f"--kv-cache {args.kv_cache} keeps one text's cache, not a pool of blocks: serve with "
+                         f"{' or '.join(POOLED)}; sample.py --kv-cache {args.kv_cache} decodes with it")
     source = "--api-key"
     if args.api_key is None and os.environ.get(KEY_VARIABLE):  # an empty variable is taken as unset
         args.api_key, source = os.environ[KEY_VARIABLE], KEY_VARIABLE

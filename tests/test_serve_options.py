@@ -76,3 +76,19 @@ def test_the_decoding_threads_leave_the_event_loop_a_core(monkeypatch, cores, to
         monkeypatch.setenv("OMP_NUM_THREADS", environment)
     monkeypatch.setattr("runtime.devices.usable_cores", lambda: cores)  # what OMP_NUM_THREADS is checked against
     assert options.serving_threads(args(**({"threads": given} if given else {}))) == decoding
+
+
+def test_kv_cache_offers_every_cache_by_name_and_refuses_in_one_line_those_a_pool_cannot_keep():
+    from model.caches.factory import CACHES
+    from model.serving.paged import POOLED
+
+    offered = next(a for a in options.build_parser()._actions if a.dest == "kv_cache").choices
+    assert tuple(offered) == tuple(CACHES) and set(POOLED) < set(CACHES)
+    for name in CACHES:
+        if name in POOLED:
+            options.check_options(args(kv_cache=name))
+            continue
+        with pytest.raises(UsageError) as refused:
+            options.check_options(args(kv_cache=name))
+        assert str(refused.value) == (f"--kv-cache {name} keeps one text's cache, not a pool of blocks: serve with "
+                                      f"float or int8; sample.py --kv-cache {name} decodes with it")

@@ -20,6 +20,8 @@ from ..kv_cache import CachePass
 from ..caches.ring import cache_shape
 from .blocks import BlockBooks, full_block_names
 
+POOLED = ("float", "int8")  # the caches of model/caches/factory.py whose keys and values a pool stores
+
 
 class BlockPool(BlockBooks):
     """n_blocks blocks of block_tokens slots: every layer's keys and values, and the books (BlockBooks) of them."""
