@@ -24,8 +24,9 @@ if __name__ == "__main__":
 from pathlib import Path  # noqa: E402
 
 from exporting.folder import FORMATS, export  # noqa: E402
-from runtime.errors import (Interrupted, OneLineErrorParser, OutputError, fail, flush_standard_output,  # noqa: E402
-                            mistakes, one_line, ready_standard_streams, silence)
+from runtime.command import run_command  # noqa: E402
+from runtime.errors import Interrupted, OneLineErrorParser, OutputError, one_line  # noqa: E402
+from runtime.streams import flush_standard_output, silence  # noqa: E402
 from runtime.signals import StopSignals  # noqa: E402
 
 
@@ -57,22 +58,17 @@ def say_exported(line: str) -> None:
 
 def main(argv=None) -> None:
     parser = build_parser()
-    try:
-        with StopSignals() as signals:  # the first stop signal ends the export at its next step, a second at once
-            ready_standard_streams()
-            try:
-                args = parser.parse_args(argv)
-                if EARLY_SIGNALS:
-                    raise Interrupted(EARLY_SIGNALS[0])
-                out = export(args.checkpoint, args.out, args.format, args.precision, signals,
-                             warn=lambda line: print(f"{parser.prog}: warning: {line}", file=sys.stderr))
-                say_exported(f"exported {args.checkpoint} to {out} ({args.format})")
-            finally:  # --help's text too: a write that fails is one line, here
-                flush_standard_output()
-    except BrokenPipeError:  # the reader stopped early (`--help | head`): nothing more is wanted
-        silence(sys.stdout)
-    except (*mistakes(), OutputError, OSError, KeyboardInterrupt) as e:
-        fail(parser.prog, e)
+
+    def command():
+        args = parser.parse_args(argv)
+        if EARLY_SIGNALS:
+            raise Interrupted(EARLY_SIGNALS[0])
+        out = export(args.checkpoint, args.out, args.format, args.precision, signals,
+                     warn=lambda line: print(f"{parser.prog}: warning: {line}", file=sys.stderr))
+        say_exported(f"exported {args.checkpoint} to {out} ({args.format})")
+
+    with StopSignals() as signals:  # the first stop signal ends the export at its next step, a second at once
+        run_command(parser.prog, command)
 
 
 if __name__ == "__main__":

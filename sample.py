@@ -22,7 +22,6 @@ be written (a full disk) is one line with status 1; a reader that stops early (`
 """
 
 import signal
-import sys
 
 from runtime.stop_signals import stop_signals
 
@@ -34,8 +33,8 @@ if __name__ == "__main__":
 from model import Sampling  # noqa: E402
 from runtime.checkpoint import find_latest_checkpoint, load_model, resolve_checkpoint  # noqa: E402
 from runtime.devices import choose_device  # noqa: E402
-from runtime.errors import (Interrupted, OutputError, UsageError, fail, flush_standard_output,  # noqa: E402
-                            mistakes, ready_standard_streams, silence)
+from runtime.command import run_command  # noqa: E402
+from runtime.errors import Interrupted, UsageError  # noqa: E402
 from runtime.signals import StopSignals, interrupt_naming_the_signal  # noqa: E402
 from sampling.modes import Loaded, each_line, interactive, plain, speculative  # noqa: E402
 from sampling.options import (MAX_NEW_TOKENS, build_parser, check_each_line, check_options,  # noqa: E402
@@ -78,19 +77,14 @@ def main(argv=None) -> None:
     parser = build_parser()
     for stop_signal in StopSignals.SIGNALS:  # at once, until the text begins: then after the token being drawn
         signal.signal(stop_signal, interrupt_naming_the_signal)
-    try:
-        ready_standard_streams()
-        try:
-            args = parser.parse_args(argv)
-            if EARLY_SIGNALS:
-                raise Interrupted(EARLY_SIGNALS[0])
-            sample(args)
-        finally:  # --help's text too: a write that fails is one line, here
-            flush_standard_output()
-    except BrokenPipeError:  # the reader stopped early (`--help | head`): nothing more is wanted
-        silence(sys.stdout)
-    except (*mistakes(), OutputError, OSError, KeyboardInterrupt) as e:
-        fail(parser.prog, e)
+
+    def command():
+        args = parser.parse_args(argv)
+        if EARLY_SIGNALS:
+            raise Interrupted(EARLY_SIGNALS[0])
+        sample(args)
+
+    run_command(parser.prog, command)
 
 
 if __name__ == "__main__":

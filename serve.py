@@ -16,7 +16,8 @@ import sys
 
 from runtime.checkpoint import find_latest_checkpoint, load_model, resolve_checkpoint
 from runtime.devices import choose_device
-from runtime.errors import UsageError, fail, mistakes, ready_standard_streams
+from runtime.command import run_command
+from runtime.errors import UsageError
 from runtime.signals import StopSignals, interrupt_on_signals
 
 try:
@@ -60,11 +61,7 @@ def serve(args) -> None:
 def main(argv=None) -> None:
     parser = build_parser()
     interrupt_on_signals()  # until the server takes them: loading is cut short, with status 130
-    try:
-        ready_standard_streams()
-        serve(parser.parse_args(argv))
-    except (*mistakes(), OSError, KeyboardInterrupt) as e:
-        fail(parser.prog, e)
+    run_command(parser.prog, lambda: serve(parser.parse_args(argv)))
 
 
 if __name__ == "__main__":

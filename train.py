@@ -36,8 +36,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from model import build_model
 from runtime.devices import choose_device, keep_freed_memory, thread_counts
-from runtime.errors import (ConfigError, OutputError, exit_status, fail, flush_standard_output,
-                            one_line, ready_standard_streams, silence, write_line)
+from runtime.command import fail, run_command
+from runtime.errors import ConfigError, OutputError, exit_status, one_line
+from runtime.streams import write_line
 from training.applies import named_keys
 from training.budget import process_started
 from training.config import explained, register, validate
@@ -180,24 +181,26 @@ def hydra_main(cfg: DictConfig) -> float | None:
         failed_jobs.append(exit_status(e))  # the sweep goes on with its other jobs, and fails at its end
 
 
+def command() -> None:
+    """train.py's command line: its own flags, then Hydra's run or sweep."""
+    flags = read_flags(sys.argv[1:])
+    sys.stdout.reconfigure(line_buffering=True)  # evaluation lines reach a log file as they happen
+    try:
+        with info_written(flags):
+            hydra_main()
+    except Exception as e:  # an override naming no setting: said as one
+        if (said := explained(e)) is not e:
+            raise said from None
+        raise
+
+
 if __name__ == "__main__":
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises its errors as they are, for fail() to report in one line
     keep_freed_memory()
     interrupt_on_signals()
     threading.excepthook = report_thread_error
     try:
-        ready_standard_streams()
-        try:
-            flags = read_flags(sys.argv[1:])
-            sys.stdout.reconfigure(line_buffering=True)  # evaluation lines reach a log file as they happen
-            with info_written(flags):
-                hydra_main()
-        finally:  # --help's and --cfg's text too: a write that fails is one line, here
-            flush_standard_output()
-    except BrokenPipeError:  # the reader stopped early (`--help | head`): nothing more is wanted
-        silence(sys.stdout)
-    except (Exception, KeyboardInterrupt) as e:
-        fail("train.py", explained(e), speak=is_rank_zero())
+        run_command("train.py", command, ends=(Exception,), speak=is_rank_zero())
     finally:  # the run has ended, and its status is set: a signal now would only add a traceback or change it
         for stop_signal in StopSignals.SIGNALS:
             signal.signal(stop_signal, signal.SIG_IGN)

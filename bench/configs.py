@@ -18,7 +18,8 @@ from data import SHAKESPEARE, PreparedData, prepare_shakespeare  # noqa: E402
 from model import GPTConfig, build_model, new_cache  # noqa: E402
 from model.serving.engine import check_servable  # noqa: E402
 from runtime.devices import choose_device, threads_refused  # noqa: E402
-from runtime.errors import USAGE, UsageError, fail, mistakes, one_line, positive_int  # noqa: E402
+from runtime.command import run_command  # noqa: E402
+from runtime.errors import USAGE, UsageError, mistakes, one_line, positive_int  # noqa: E402
 from runtime.files import cannot_write_atomically, special_kind  # noqa: E402
 from training.config import MAX_TRAINING_SEED, Settings, register, validate  # noqa: E402
 
@@ -186,9 +187,6 @@ def training_failed(what: str, result: subprocess.CompletedProcess) -> BaseExcep
 
 
 def run_tool(main) -> None:
-    """Run a benchmark's main as the entry points run theirs: a mistake (a missing checkpoint, a bad option) is one
-    line on stderr with status 2, never a traceback."""
-    try:
-        main()
-    except (*mistakes(), OSError, KeyboardInterrupt) as e:
-        fail(Path(sys.argv[0]).name, e)
+    """Run a benchmark's main as the entry points run theirs (runtime/command.py): a mistake (a missing checkpoint,
+    a bad option) is one line on stderr with status 2, never a traceback."""
+    run_command(Path(sys.argv[0]).name, main)

@@ -6,7 +6,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from runtime.errors import Interrupted, silence
+from runtime.errors import Interrupted
+from runtime.streams import silence
 from runtime.stop_signals import HANGUP, stop_signals
 
 

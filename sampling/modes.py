@@ -22,7 +22,8 @@ from model.protocol import Step
 from model.serving.conversation import Conversation
 from model.serving.speculative import SpeculativeStats, speculative_generate
 from runtime.checkpoint import trained_on
-from runtime.errors import UsageError, silence
+from runtime.errors import UsageError
+from runtime.streams import silence
 from .options import cache_for, drafts_per_pass
 from .output import checked, continue_lines, held, interact, keep_session, take_up, write_samples
 from .setup import kept_or_compiled_step

@@ -253,7 +253,7 @@ def test_a_file_size_limit_is_one_line_and_leaves_nothing(run, fmt):
 def test_a_full_disk_is_one_line_and_leaves_the_folder_empty(run, capsys, monkeypatch, mount, fmt):
     """A real full disk: a 48 KiB tmpfs, too small for the weights."""
     mount_point = mount("48k")
-    monkeypatch.setattr("runtime.errors.silence", lambda stream: None)  # capsys' stdout has no file to point away
+    monkeypatch.setattr("runtime.command.silence", lambda stream: None)  # capsys' stdout has no file to point away
     status, err = run_export(capsys, "--checkpoint", run, mount_point, "--format", fmt)
     assert status == 1 and err.count("\n") == 1 and "(No space left on device" in err, err
     assert list(mount_point.iterdir()) == []
@@ -269,7 +269,7 @@ def test_the_weights_on_a_full_disk_are_one_line(run, capsys, monkeypatch):
         return write_bytes(path, data)
 
     monkeypatch.setattr(Path, "write_bytes", full)
-    monkeypatch.setattr("runtime.errors.silence", lambda stream: None)
+    monkeypatch.setattr("runtime.command.silence", lambda stream: None)
     status, err = run_export(capsys, "--checkpoint", run, run.parent / "out")
     assert status == 1 and err.count("\n") == 1 and "(No space left on device" in err, err
     assert sorted(p.name for p in run.parent.iterdir()) == ["run"]

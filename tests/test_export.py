@@ -281,7 +281,7 @@ def test_a_failed_export_leaves_no_folder_and_a_refusal_is_one_line_from_the_com
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr("exporting.folder.write_tokenizer", full_disk)
-    monkeypatch.setattr("runtime.errors.silence", lambda stream: None)  # capsys' stdout has no file to point away
+    monkeypatch.setattr("runtime.command.silence", lambda stream: None)  # capsys' stdout has no file to point away
     status, err = run_export(capsys, "--checkpoint", run, run / "out")
     assert status == 1 and "No space left on device" in err and err.count("\n") == 1, err
     (run / "empty").mkdir()

@@ -407,3 +407,19 @@ def test_the_server_reads_the_engine_through_its_census():
             if node.attr == "pool" or not (stored or tested or cancelled or named):
                 read.append(f"{path.relative_to(REPO)}:{node.lineno} reads {ast.unparse(node)}")
     assert not read, "\n".join(read)
+
+
+def test_every_entry_point_ends_through_the_one_run_command():
+    """Each entry point hands its command to runtime/command.py's run_command: where it starts (main(), or the
+    `__main__` block), none readies the streams, catches a closed pipe or reports an error itself."""
+    for name in ENTRY_POINTS:
+        tree = ast.parse((REPO / name).read_text())
+        starts = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "main" or
+                  isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)]
+        nodes = [n for start in starts for n in ast.walk(start)]
+        called = {n.func.id for n in nodes if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+        caught = {n.id for h in nodes if isinstance(h, ast.ExceptHandler) and h.type is not None
+                  for n in ast.walk(h.type) if isinstance(n, ast.Name)}
+        assert "run_command" in called, name
+        assert not called & {"ready_standard_streams", "flush_standard_output", "fail", "silence"}, name
+        assert not caught & {"BrokenPipeError", "KeyboardInterrupt", "Exception", "OSError"}, name

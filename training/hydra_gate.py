@@ -16,7 +16,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from runtime.errors import ConfigError, UsageError, fail, unwritable_output
+from runtime.command import fail
+from runtime.errors import ConfigError, UsageError
+from runtime.streams import unwritable_output
 
 from .applies import named_keys
 from .distributed import is_rank_zero

@@ -16,8 +16,9 @@ from data import Batches, PreparedData
 from model import GPT
 from runtime.checkpoint import build_checkpoint, load_checkpoint, save_checkpoint
 from runtime.devices import RESOLVED_PRECISIONS, training_dtype
-from runtime.errors import ConfigError, write_line
+from runtime.errors import ConfigError
 from runtime.signals import StopSignals
+from runtime.streams import write_line
 
 from . import budget as clock
 from .budget import Budget

@@ -16,8 +16,9 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, read_write
 
 from runtime.checkpoint import is_export, load_checkpoint, resolve_checkpoint
+from runtime.command import fail
+from runtime.errors import CheckpointError, ConfigError, one_line
 from runtime.hf import exported_from
-from runtime.errors import CheckpointError, ConfigError, fail, one_line
 
 from .applies import check_runs_dir_applies
 from .distributed import is_rank_zero
