@@ -10,7 +10,9 @@ points turn it into a line and a status (runtime/command.py: run_command).
 """
 
 import argparse
+import math
 import os
+from decimal import Decimal, InvalidOperation
 import signal
 import sys
 
@@ -99,4 +101,19 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
+def float_as_written(text: str) -> float:
+    """An argparse type: a float that holds the number written. One that rounds to 0 (1e-400) or to infinity
+    (1e400) is refused, so that no option means what its value does not say."""
+    try:
+        value, written = float(text), Decimal(text.strip())
+    except (ValueError, InvalidOperation):
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if value == 0 and written != 0:
+        raise argparse.ArgumentTypeError(f"{text} rounds to 0 in a float, whose smallest is about 5e-324: give a "
+                                         f"value it holds")
+    if math.isinf(value) and written.is_finite():
+        raise argparse.ArgumentTypeError(f"{text} is beyond a float's range (about 1.8e308)")
     return value

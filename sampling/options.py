@@ -16,7 +16,7 @@ from model.caches.factory import kv_cache_dtype
 from model.serving.engine import check_servable
 from .compiled_step import COMPILE_PAYS_AFTER, DEVICES as STEP_DEVICES
 from runtime.devices import MEMORY_SHARE, environment_threads, gib, memory_of, threads_refused
-from runtime.errors import OneLineErrorParser, UsageError, one_line
+from runtime.errors import OneLineErrorParser, UsageError, float_as_written, one_line
 from runtime.files import cannot_write_atomically, link_loop, special_kind
 
 MAX_NEW_TOKENS = 500  # --max-new-tokens's default
@@ -34,10 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-new-tokens", metavar="N", type=int,
                         help=f"characters to generate (default: {MAX_NEW_TOKENS}; with --each-line, half of the "
                              f"model's block_size)")
-    parser.add_argument("--temperature", metavar="T", type=float, default=0.8,
+    parser.add_argument("--temperature", metavar="T", type=float_as_written, default=0.8,
                         help="0 means greedy (default: %(default)s)")
     parser.add_argument("--top-k", metavar="K", type=int, help="sample only from the K likeliest characters")
-    parser.add_argument("--top-p", metavar="P", type=float,
+    parser.add_argument("--top-p", metavar="P", type=float_as_written,
                         help="sample only from the fewest likeliest characters whose probabilities reach P")
     parser.add_argument("--num-samples", metavar="N", type=int, default=1,
                         help="samples, generated together as one batch (default: %(default)s)")

@@ -49,3 +49,30 @@ def test_a_huge_temperature_draws_every_token_alike():
     """Any finite temperature past float32's 3.4e38 is inf there: each logit, less the best, over it is 0."""
     probs = Sampling(temperature=1e300).probs(torch.tensor([[1e30, 0.0, -1e30]]))
     assert torch.equal(probs, torch.full((1, 3), 1 / 3))
+
+
+@pytest.mark.parametrize("written, fragment", [
+    ("1e-400", "1e-400 rounds to 0 in a float, whose smallest is about 5e-324: give a value it holds"),
+    ("-1e-330", "-1e-330 rounds to 0 in a float, whose smallest is about 5e-324: give a value it holds"),
+    ("1e400", "1e400 is beyond a float's range (about 1.8e308)"),
+    ("0.5x", "must be a number, got '0.5x'"),
+])
+@pytest.mark.parametrize("option", ["--temperature", "--top-p"])
+def test_a_number_a_float_cannot_hold_is_refused_as_written_not_taken_as_0_or_infinity(option, written, fragment,
+                                                                                       capsys):
+    """1e-400 would otherwise parse to 0.0: a temperature of 0 decodes greedily, which the value written never
+    asked for."""
+    from sampling.options import build_parser
+
+    with pytest.raises(SystemExit) as ended:
+        build_parser().parse_args([f"{option}={written}"])
+    assert ended.value.code == 2
+    assert capsys.readouterr().err.endswith(f"error: argument {option}: {fragment}\n")
+
+
+@pytest.mark.parametrize("written, value", [("0", 0.0), ("5e-324", 5e-324), ("1e308", 1e308), (" 0.8 ", 0.8),
+                                            ("inf", float("inf"))])
+def test_a_number_a_float_holds_is_taken_as_written(written, value):
+    from runtime.errors import float_as_written
+
+    assert float_as_written(written) == value
