@@ -33,7 +33,8 @@ from test_train import config
 from runtime.checkpoint import load_model
 import training.summaries
 from tiny_models import random_model
-from training.summaries import LabelledHeads, Summaries, heads_in_a_grid
+from training.attention_maps import LabelledHeads, heads_in_a_grid
+from training.summaries import Summaries
 
 RESUMED = "2026-01-01_00-02-00"  # crashed in step 7, after its checkpoint at step 5, resumed from it and extended
 RUNS = {"2026-01-01_00-00-00": ["optim.lr=1e-2", "train.precision=bf16"],
