@@ -1,6 +1,8 @@
-"""The HTTP routes: OpenAI's completions and models, health, Prometheus metrics, and the page with the pool.
+"""The HTTP routes: OpenAI's completions and models, health, Prometheus metrics, the page with the pool and its
+timeline.
 
-Every /v1 route and the pool's picture (it shows prompts) take the API key as a bearer token when one is set.
+Every /v1 route, the pool's picture and its timeline (they show prompts) take the API key as a bearer token when
+one is set.
 Every error is OpenAI's error JSON; no request names a file: the model is chosen when the server starts.
 """
 
@@ -89,6 +91,14 @@ def build_app(runner: EngineRunner, vocab: CharVocab, limits: Limits, api_key: s
     async def pool(request: Request):
         authorize(request)
         return runner.snapshot
+
+    @app.get("/timeline")
+    async def timeline(request: Request):
+        authorize(request)
+        since = request.query_params.get("since", "0")
+        if not (since.isascii() and since.isdigit()):
+            raise ApiError(400, f"since must be a pass's number, 0 or more, got {since!r}", "since")
+        return runner.timeline.since(int(since))
 
     @app.post("/v1/completions")
     async def completions(request: Request):

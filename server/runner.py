@@ -19,6 +19,7 @@ from model import Sampling
 from model.serving.engine import Engine
 from .metrics import Metrics
 from .stops import StopScan
+from .timeline import Timeline
 
 RECENT_SECONDS = 20  # how long the page still shows a finished request
 PICTURE_SECONDS = 0.05  # the engine's picture is drawn again after a pass at most this often
@@ -73,6 +74,7 @@ class EngineRunner:
         self.failed = ""  # why the engine stopped, if it failed
         self.metrics = Metrics()
         self.drawn_at = 0.0
+        self.timeline = Timeline()  # a census after each pass, for the page's timeline
         self.draw()  # snapshot and gauges: what the page and /metrics read, redrawn as the engine runs
         self.thread = threading.Thread(target=self.serve, name="engine", daemon=True)
 
@@ -130,6 +132,7 @@ class EngineRunner:
                 drawn = engine.step() if engine.waiting or engine.running else []
                 with self.lock:
                     self.deliver(drawn)
+                    self.timeline.record(engine.census())
                     if time.monotonic() - self.drawn_at >= PICTURE_SECONDS:
                         self.draw()
             except Exception as e:  # noqa: BLE001  a fault of the engine's or its text's: no client waits for ever

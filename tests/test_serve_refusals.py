@@ -137,11 +137,11 @@ def test_a_full_queue_gets_429_with_retry_after_and_serves_again_once_it_empties
         served.stop()
 
 
-def test_an_api_key_is_asked_on_every_v1_route_and_the_pool(checkpoint):
+def test_an_api_key_is_asked_on_every_v1_route_the_pool_and_its_timeline(checkpoint):
     served = Served(checkpoint, env={**ENV, "KVGPT_API_KEY": "s3cret"})
     try:
         for path, method, body in (("/v1/models", "GET", None), ("/v1/completions", "POST", {"prompt": "ok"}),
-                                   ("/pool", "GET", None)):
+                                   ("/pool", "GET", None), ("/timeline", "GET", None)):
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
                 status, _, answer = post(served, body, headers, path, method)
                 assert status == 401 and answer["error"]["code"] == "invalid_api_key", (path, headers)
