@@ -8,6 +8,8 @@ import uuid
 
 import torch
 
+from model.serving.request import Kept
+from .logprobs import ChoiceScores, logprobs_json
 from .protocol import ApiError, Completion
 from .runner import EngineRunner, Job, QueueFull, Stopping
 from .stops import StopScan
@@ -16,7 +18,8 @@ GONE = object()  # put in a request's events when its client has disconnected
 
 
 class Carried:
-    """A request's jobs in the engine, and the pieces of text they yield: (choice index, text, finish_reason)."""
+    """A request's jobs in the engine, and the pieces of text they yield: (choice index, text, finish_reason,
+    the text's tokens scored or None)."""
 
     def __init__(self, completion: Completion, runner: EngineRunner, model: str):
         self.completion, self.runner, self.model = completion, runner, model
@@ -25,8 +28,11 @@ class Carried:
         loop, device = asyncio.get_running_loop(), runner.engine.device
         pairs = [(prompt, ids) for prompt, ids in zip(completion.prompts, completion.prompt_ids)
                  for _ in range(completion.n)]
+        top, echo = completion.logprobs, completion.echo
         self.jobs = [Job(f"{self.id}-{i}", i, prompt, ids, completion.max_tokens, completion.sampling,
-                         seeded(device, completion.seed, i), StopScan(completion.stop), self.events, loop)
+                         seeded(device, completion.seed, i), StopScan(completion.stop), self.events, loop, echo,
+                         None if top is None else ChoiceScores(top, runner.decode),
+                         Kept(draws=top is not None, prompt=echo and top is not None))
                      for i, (prompt, ids) in enumerate(pairs)]
         try:
             runner.submit(self.jobs)
@@ -46,9 +52,9 @@ class Carried:
                 return
             if isinstance(event, Exception):
                 raise ApiError(503, f"the server stopped before the completion ended: {event}", kind="server_error")
-            text, finish_reason = event
+            text, finish_reason, scored = event
             running -= finish_reason is not None
-            yield job.index, text, finish_reason
+            yield job.index, text, finish_reason, scored
 
     def gone(self) -> None:
         """The client disconnected: its jobs leave the engine, and pieces() ends."""
@@ -59,6 +65,10 @@ class Carried:
         prompt, drawn = sum(len(ids) for ids in self.completion.prompt_ids), sum(job.drawn for job in self.jobs)
         return {"prompt_tokens": prompt, "completion_tokens": drawn, "total_tokens": prompt + drawn}
 
+    def logprobs(self, scored: list | None, offset: int) -> dict | None:
+        """A choice's logprobs field, when they are asked: its tokens from offset in its text."""
+        return None if self.completion.logprobs is None else logprobs_json(scored or [], offset)
+
     def answer(self, choices: list[dict], usage: dict | None = None) -> dict:
         body = {"id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.model, "choices": choices}
@@ -66,21 +76,25 @@ class Carried:
 
     async def whole(self) -> dict:
         """The answer in one JSON object, after every choice has ended."""
-        texts, reasons = [""] * len(self.jobs), [None] * len(self.jobs)
+        texts, reasons, scores = [""] * len(self.jobs), [None] * len(self.jobs), [[] for _ in self.jobs]
         try:
-            async for index, text, reason in self.pieces():
+            async for index, text, reason, scored in self.pieces():
                 texts[index] += text
                 reasons[index] = reason or reasons[index]
+                scores[index] += scored or []
         finally:  # a client gone, or the server stopping: the jobs leave the engine
             self.runner.cancel(self.jobs)
-        return self.answer([choice(i, texts[i], reasons[i]) for i in range(len(self.jobs))], self.usage())
+        return self.answer([choice(i, texts[i], reasons[i], self.logprobs(scores[i], 0))
+                            for i in range(len(self.jobs))], self.usage())
 
     async def stream(self):
         """The answer as server-sent events: a chunk per piece, the usage if asked, then [DONE]. A server that
         stops ends the stream with an error event."""
+        sent = [0] * len(self.jobs)  # each choice's characters sent: where its next token starts
         try:
-            async for index, text, reason in self.pieces():
-                yield event(self.answer([choice(index, text, reason)]))
+            async for index, text, reason, scored in self.pieces():
+                yield event(self.answer([choice(index, text, reason, self.logprobs(scored, sent[index]))]))
+                sent[index] += len(text)
             if self.completion.include_usage:
                 yield event(self.answer([], self.usage()))
             yield "data: [DONE]\n\n"
@@ -100,8 +114,8 @@ def seeded(device: torch.device, seed: int | None, index: int) -> torch.Generato
     return generator
 
 
-def choice(index: int, text: str, finish_reason: str | None) -> dict:
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+def choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def event(body: dict) -> str:

@@ -1,8 +1,8 @@
 """OpenAI's completions API, as serve.py speaks it: a request's JSON checked field by field, and the JSON of
 its answers and errors. Each mistake is an ApiError, which the server sends as OpenAI's error JSON.
 
-A field that OpenAI defines but kvgpt cannot honour (logprobs, echo, penalties) is accepted only at its
-default value, and refused otherwise: a client never gets text drawn other than it asked.
+A field that OpenAI defines but kvgpt cannot honour (best_of, penalties, logit_bias, suffix) is accepted only at
+its default value, and refused otherwise: a client never gets text drawn other than it asked.
 """
 
 import math
@@ -14,11 +14,12 @@ from model import Sampling
 DEFAULT_MAX_TOKENS = 16  # OpenAI's own default for completions
 MAX_STOPS = 4  # as many stop strings as OpenAI takes
 MAX_SEED = 2**63 - 1
+MAX_LOGPROBS = 20  # the likeliest tokens listed at each place at most, as vLLM's default
 # Fields OpenAI defines that change nothing at these values; any other value is refused.
-INERT = {"echo": (None, False), "logprobs": (None,), "best_of": (None, 1), "frequency_penalty": (None, 0, 0.0),
-         "presence_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "suffix": (None, "")}
+INERT = {"best_of": (None, 1), "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0),
+         "logit_bias": (None, {}), "suffix": (None, "")}
 FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
-          "stream_options", "user", *INERT}
+          "stream_options", "user", "logprobs", "echo", *INERT}
 
 
 class ApiError(Exception):
@@ -54,6 +55,8 @@ class Completion:
     stop: list[str]
     stream: bool
     include_usage: bool
+    logprobs: int | None  # how many of the likeliest tokens to list at each place; None: no log-probabilities
+    echo: bool  # the prompt comes before the completion, in its text and its log-probabilities
 
 
 def parse_completion(body, vocab: CharVocab, limits: Limits) -> Completion:
@@ -77,12 +80,13 @@ def parse_completion(body, vocab: CharVocab, limits: Limits) -> Completion:
     if len(prompts) * n > limits.max_choices:
         raise ApiError(400, f"{len(prompts)} prompts times n={n} ask for {len(prompts) * n} completions; this "
                             f"server runs and queues at most {limits.max_choices} at once", "n")
-    longest = max(len(ids) for ids in prompt_ids)
-    if longest >= limits.context:
+    echo = flag(body, "echo")
+    max_tokens = parse_max_tokens(body, echo)
+    longest, least = max(len(ids) for ids in prompt_ids), min(max_tokens, 1)  # least: the new tokens that must fit
+    if longest + least > limits.context:
         raise ApiError(400, f"this model's context is {limits.context} tokens (max_model_len), and the prompt has "
-                            f"{longest}: a prompt can have at most {limits.context - 1}, so that one new token fits",
-                       "prompt", "context_length_exceeded")
-    max_tokens = integer(body, "max_tokens", DEFAULT_MAX_TOKENS, minimum=1)
+                            f"{longest}: a prompt can have at most {limits.context - least}"
+                            f"{', so that one new token fits' if least else ''}", "prompt", "context_length_exceeded")
     if longest + max_tokens > limits.context:
         raise ApiError(400, f"this model's context is {limits.context} tokens (max_model_len), and the prompt has "
                             f"{longest}: max_tokens can be at most {limits.context - longest}, got "
@@ -92,7 +96,7 @@ def parse_completion(body, vocab: CharVocab, limits: Limits) -> Completion:
         raise ApiError(400, f"user must be a string, got {user!r}", "user")
     return Completion(prompts, prompt_ids, n, max_tokens, parse_sampling(body), parse_seed(body),
                       parse_stop(body.get("stop"), vocab, limits.context), flag(body, "stream"),
-                      parse_stream_options(body))
+                      parse_stream_options(body), parse_logprobs(body), echo)
 
 
 def parse_prompts(prompt) -> list[str]:
@@ -123,6 +127,23 @@ def integer(body: dict, name: str, default: int, minimum: int) -> int:
         raise ApiError(400, f"{name} must be an integer, got {value!r}", name)
     if value < minimum:
         raise ApiError(400, f"{name} must be at least {minimum}, got {value}", name)
+    return value
+
+
+def parse_max_tokens(body: dict, echo: bool) -> int:
+    """At least 1; 0 as well with echo, which then returns the prompt alone (and scores it, with logprobs)."""
+    if body.get("max_tokens") == 0 and type(body["max_tokens"]) is int and not echo:
+        raise ApiError(400, "max_tokens must be at least 1, got 0: only with echo may it be 0, to return the prompt "
+                            "alone", "max_tokens")
+    return integer(body, "max_tokens", DEFAULT_MAX_TOKENS, minimum=0 if echo else 1)
+
+
+def parse_logprobs(body: dict) -> int | None:
+    value = body.get("logprobs")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or not 0 <= value <= MAX_LOGPROBS):
+        raise ApiError(400, f"logprobs must be an integer from 0 to {MAX_LOGPROBS}, how many of the likeliest tokens "
+                            f"to list at each place; got {value!r}", "logprobs")
     return value
 
 

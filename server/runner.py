@@ -17,6 +17,8 @@ import torch
 
 from model import Sampling
 from model.serving.engine import Engine
+from model.serving.request import Kept
+from .logprobs import ChoiceScores
 from .metrics import Metrics
 from .stops import StopScan
 from .timeline import Timeline
@@ -35,8 +37,9 @@ class Stopping(Exception):
 
 @dataclass(eq=False)
 class Job:
-    """One completion: a prompt continued once. events gets (job, (text, finish_reason)) for each pass's new
-    text, finish_reason "stop" or "length" with the last, or (job, an Exception) when the server stops."""
+    """One completion: a prompt continued once. events gets (job, (text, finish_reason, scored)) for each pass's
+    new text, finish_reason "stop" or "length" with the last, or (job, an Exception) when the server stops;
+    scored: the text's tokens scored (server/logprobs.py), or None when no log-probabilities are asked."""
     id: str
     index: int  # its place in the answer's choices
     prompt: str
@@ -47,6 +50,9 @@ class Job:
     stops: StopScan
     events: asyncio.Queue
     loop: asyncio.AbstractEventLoop
+    echo: bool = False  # its first text begins with the prompt
+    scores: ChoiceScores | None = None  # its log-probabilities, when asked
+    kept: Kept = field(default_factory=Kept)  # what the engine keeps of it for the job: logits, cached tokens
     submitted: float = field(default_factory=time.monotonic)
     first_token: float | None = None
     finished: float | None = None
@@ -122,7 +128,8 @@ class EngineRunner:
                 if self.stopping:
                     return
                 for job in self.adding:
-                    job.request = engine.add(job.id, job.prompt_ids, job.max_tokens, job.generator, job.sampling)
+                    job.request = engine.add(job.id, job.prompt_ids, job.max_tokens, job.generator, job.sampling,
+                                             job.kept)
                 for job in self.cancelling:
                     if job.id in self.live:
                         engine.cancel(job.request)
@@ -140,16 +147,18 @@ class EngineRunner:
                 self.stop(self.failed)
                 return
 
-    def deliver(self, drawn: list[tuple[str, int]]) -> None:
-        """Hand each job its new text; a job ends at a stop string or with all its tokens."""
+    def deliver(self, drawn: list[tuple[str, int | None]]) -> None:
+        """Hand each job its new text, and its scores; a job ends at a stop string or with all its tokens (a job
+        of no new tokens, once its prompt is computed: token None)."""
         now, tokens = time.monotonic(), {}
         for name, token in drawn:
-            tokens.setdefault(name, []).append(token)
+            tokens.setdefault(name, []).extend([] if token is None else [token])
         for name, new in tokens.items():
             job = self.live.get(name)
             if job is None:
                 continue
-            if job.first_token is None:
+            first = job.first_token is None
+            if first:
                 job.first_token = now
                 self.metrics.first_token(now - job.submitted)
             job.drawn += len(new)
@@ -158,8 +167,13 @@ class EngineRunner:
             ended = "stop" if stopped else "length" if job.drawn == job.max_tokens else None
             if ended == "length":
                 text += job.stops.flush()
+            prompt_rows, logits = job.kept.take()
+            scored = job.scores.sent(new, logits, text) if job.scores else None
+            if first and job.echo:  # the prompt comes first, and no stop string is looked for in it
+                text = job.prompt + text
+                scored = job.scores.prompt(job.prompt_ids, prompt_rows) + scored if job.scores else None
             if text or ended:
-                job.tell((text, ended))
+                job.tell((text, ended, scored))
             if ended:
                 self.engine.cancel(job.request)  # a stopped job's blocks go back now (a finished one holds none)
                 self.end(self.live.pop(name), ended)
