@@ -62,8 +62,11 @@ class Carried:
         self.events.put_nowait((GONE, None))
 
     def usage(self) -> dict:
+        """Each prompt counted once, as OpenAI counts it, its cached tokens those its first choice read."""
         prompt, drawn = sum(len(ids) for ids in self.completion.prompt_ids), sum(job.drawn for job in self.jobs)
-        return {"prompt_tokens": prompt, "completion_tokens": drawn, "total_tokens": prompt + drawn}
+        cached = sum(job.kept.cached_tokens or 0 for job in self.jobs[::self.completion.n])
+        return {"prompt_tokens": prompt, "completion_tokens": drawn, "total_tokens": prompt + drawn,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def logprobs(self, scored: list | None, offset: int) -> dict | None:
         """A choice's logprobs field, when they are asked: its tokens from offset in its text."""

@@ -1,12 +1,14 @@
-"""serve.py's logprobs and echo, through OpenAI's own client: each log-probability is torch's log_softmax of the
-logits the model gives over the text in one plain forward, the loss of a scored text is the model's own
-cross-entropy, and streams and whole answers agree to the bit."""
+"""serve.py's logprobs, echo and cached tokens, through OpenAI's own client: each log-probability is torch's
+log_softmax of the logits the model gives over the text in one plain forward, the loss of a scored text is the
+model's own cross-entropy, streams and whole answers agree to the bit, and cached_tokens counts the blocks read."""
+
+import urllib.request
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from serving import VOCAB, checkpoint, greedy_alone, local_model, server  # noqa: F401  fixtures
+from serving import VOCAB, Served, checkpoint, greedy_alone, local_model, server  # noqa: F401  fixtures
 from tolerance import forward_atol
 
 openai = pytest.importorskip("openai", reason="the tests drive serve.py with OpenAI's client: pip install openai")
@@ -90,3 +92,30 @@ def test_a_stream_and_a_whole_answer_give_the_same_tokens_and_logprobs_to_the_bi
     assert streamed == {field: getattr(whole.logprobs, field) for field in streamed}
     assert_scored_like_the_model(local_model, whole.logprobs, prompt + full[:full.index(stop)],
                                  0 if echo else len(prompt), 4)
+
+
+def test_cached_tokens_count_the_full_blocks_a_prompt_reads(checkpoint):
+    """A fresh server of blocks of 8: cold, then the same prompt again, whole, streamed, and scored (computed)."""
+    served = Served(checkpoint, "--block-tokens", 8)
+    try:
+        api = client(served)
+        first = api.completions.create(model=None, prompt=TEXT[:45], max_tokens=5, temperature=0)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        shared = (45 - 1) // 8 * 8  # full blocks before the last prompt token, which is always computed
+        before = hits(served)
+        again = api.completions.create(model=None, prompt=TEXT[:45], max_tokens=5, temperature=0)
+        assert again.usage.prompt_tokens_details.cached_tokens == shared == hits(served) - before
+        chunks = list(api.completions.create(model=None, prompt=TEXT[:45], max_tokens=5, stream=True,
+                                             stream_options={"include_usage": True}))
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens == shared
+        scored = api.completions.create(model=None, prompt=TEXT[:45], max_tokens=0, echo=True, logprobs=1)
+        assert scored.usage.prompt_tokens_details.cached_tokens == 0
+    finally:
+        served.stop()
+
+
+def hits(served) -> float:
+    """The engine's own count of prompt tokens read from cached blocks, from /metrics."""
+    with urllib.request.urlopen(served.url + "/metrics", timeout=30) as response:
+        lines = response.read().decode().splitlines()
+    return next(float(line.split()[-1]) for line in lines if line.startswith("kvgpt_prefix_cache_hit_tokens_total"))
