@@ -22,11 +22,15 @@ be written (a full disk) is one line with status 1; a reader that stops early (`
 """
 
 import signal
+import sys
 
 from runtime.stop_signals import stop_signals
 
 EARLY_SIGNALS = []  # a stop signal that came while the modules below loaded, which takes seconds
 if __name__ == "__main__":
+    if sys.stderr is not None and sys.stderr.isatty():  # the modules take seconds: say so, cleared in main()
+        sys.stderr.write("loading torch…")
+        sys.stderr.flush()
     for _stop_signal in stop_signals():
         signal.signal(_stop_signal, lambda signum, frame: EARLY_SIGNALS.append(signal.Signals(signum).name))
 
@@ -36,6 +40,7 @@ from runtime.devices import choose_device  # noqa: E402
 from runtime.command import run_command  # noqa: E402
 from runtime.errors import Interrupted, UsageError  # noqa: E402
 from runtime.signals import StopSignals, interrupt_naming_the_signal  # noqa: E402
+from runtime.streams import show_status, waiting_on  # noqa: E402
 from sampling.modes import Loaded, each_line, interactive, plain, speculative  # noqa: E402
 from sampling.options import (MAX_NEW_TOKENS, build_parser, check_each_line, check_options,  # noqa: E402
                               check_samples_fit_memory, encode_prompt, read_prompt)
@@ -57,7 +62,8 @@ def sample(args) -> None:
     prompt = read_prompt(args)
     # without --checkpoint: the newest under the working directory, where train.py writes
     path = resolve_checkpoint(args.checkpoint) if args.checkpoint else find_latest_checkpoint("runs")
-    model, vocab, contents = load_model(path, device, precision=args.precision)
+    with waiting_on(f"loading {path}"):
+        model, vocab, contents = load_model(path, device, precision=args.precision)
     prompt_ids = encode_prompt(vocab, prompt, "the prompt" if args.prompt or args.prompt_file else
                                "the default prompt (give --prompt)")
     if args.max_new_tokens is None:
@@ -74,6 +80,7 @@ def sample(args) -> None:
 
 
 def main(argv=None) -> None:
+    show_status("")  # the modules are loaded
     parser = build_parser()
     for stop_signal in StopSignals.SIGNALS:  # at once, until the text begins: then after the token being drawn
         signal.signal(stop_signal, interrupt_naming_the_signal)

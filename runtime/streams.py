@@ -1,6 +1,7 @@
 """The standard streams of a command: refused when closed at the start, every write whole or an error, a write
 that fails said as an OutputError, and a stream whose reader has gone pointed away so that the exit stays quiet."""
 
+import contextlib
 import io
 import os
 import sys
@@ -89,3 +90,24 @@ def write_line(text: str) -> None:
         sys.stdout.flush()
     except OSError as e:
         raise unwritable_output(e) from None
+
+
+@contextlib.contextmanager
+def waiting_on(what: str):
+    """While inside, a terminal's stderr shows what the command waits for, on a line that is cleared at the end;
+    a pipe or a file gets nothing, so that logs hold only what happened."""
+    show_status(f"{what}…")
+    try:
+        yield
+    finally:
+        show_status("")
+
+
+def show_status(line: str) -> None:
+    """Replace the status line on a terminal's stderr with line ("": clear it); elsewhere do nothing."""
+    try:
+        if sys.stderr is not None and sys.stderr.isatty():
+            sys.stderr.write(f"\r\x1b[2K{line}")
+            sys.stderr.flush()
+    except (OSError, ValueError):  # a terminal that hung up: the status was only a courtesy
+        pass
