@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from serving import VOCAB, Served, checkpoint, greedy_alone, local_model, server  # noqa: F401  fixtures
+from serving import BLOCK_SIZE, VOCAB, Served, checkpoint, greedy_alone, local_model, server  # noqa: F401  fixtures
 from tolerance import forward_atol
 
 openai = pytest.importorskip("openai", reason="the tests drive serve.py with OpenAI's client: pip install openai")
@@ -64,12 +64,14 @@ def test_echo_with_no_new_tokens_scores_the_prompt_its_first_token_null(server, 
 
 
 def test_the_loss_of_a_scored_text_is_the_models_own_cross_entropy(server, local_model):
-    answer = client(server).completions.create(model=None, prompt=TEXT, max_tokens=0, echo=True, logprobs=0)
+    """A text as long as the model's whole context: with no new token, the prompt may fill it."""
+    text = (TEXT * 2)[:BLOCK_SIZE]
+    answer = client(server).completions.create(model=None, prompt=text, max_tokens=0, echo=True, logprobs=0)
     logprobs = answer.choices[0].logprobs
     assert all(listed == {token: logprob} for token, logprob, listed in
                zip(logprobs.tokens[1:], logprobs.token_logprobs[1:], logprobs.top_logprobs[1:]))  # the token alone
-    served = -sum(logprobs.token_logprobs[1:]) / (len(TEXT) - 1)
-    ids = torch.tensor([VOCAB.encode(TEXT)])
+    served = -sum(logprobs.token_logprobs[1:]) / (len(text) - 1)
+    ids = torch.tensor([VOCAB.encode(text)])
     with torch.no_grad():
         logits = local_model(ids[:, :-1])[0][0]
     assert abs(served - F.cross_entropy(logits, ids[0, 1:]).item()) <= 1e-5
