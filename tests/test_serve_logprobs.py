@@ -63,6 +63,15 @@ def test_echo_with_no_new_tokens_scores_the_prompt_its_first_token_null(server, 
     assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (len(PROMPT), 0)
 
 
+def test_echo_without_logprobs_puts_each_prompt_before_each_of_its_choices(server, local_model):
+    prompts = [PROMPT[:6], "JULIET:"]
+    answer = client(server).completions.create(model=None, prompt=prompts, n=2, max_tokens=8, temperature=0,
+                                               echo=True)
+    expected = [prompt + greedy_alone(local_model, prompt, 8) for prompt in prompts for _ in range(2)]
+    assert [(c.text, c.logprobs) for c in answer.choices] == [(text, None) for text in expected]
+    assert answer.usage.completion_tokens == 4 * 8
+
+
 def test_the_loss_of_a_scored_text_is_the_models_own_cross_entropy(server, local_model):
     """A text as long as the model's whole context: with no new token, the prompt may fill it."""
     text = (TEXT * 2)[:BLOCK_SIZE]
