@@ -61,6 +61,11 @@ def runs(tmp_path_factory) -> Path:
     ("engines.py", ["--checkpoint", "RUNS/plain", "--design", "gpt2"], ["--design", "--checkpoint"]),
     ("engines.py", ["--prompts", "0"], ["--prompts", "got 0"]),
     ("serve_load.py", ["--threads", "0"], ["--threads", "got 0"]),
+    ("determinism.py", ["--checkpoint", "RUNS/plain", "--new", "100"], ["--new 100 leaves no room"]),
+    ("determinism.py", ["--checkpoint", "RUNS/local"], ["--checkpoint", "local layers"]),
+    ("determinism.py", ["--sends", "0"], ["--sends", "got 0"]),
+    ("eval_api.py", ["--checkpoint", "RUNS/local"], ["--checkpoint", "local layers"]),
+    ("eval_api.py", ["--checkpoint", "RUNS/none"], ["--checkpoint", "no checkpoint at"]),
 ])
 def test_a_benchmark_refuses_a_mistake_in_one_line_with_status_2_before_any_output(runs, tmp_path, script, args,
                                                                                     fragments):

@@ -1,0 +1,120 @@
+"""Does serve.py answer a greedy request the same, to the bit, whatever else it serves? The protocol of Thinking
+Machines' "Defeating Nondeterminism in LLM Inference" (2025): one prompt sent many times at temperature 0, the
+distinct completions counted and their log-probabilities compared.
+
+    python bench/determinism.py                          # the classic shape (block 256), random weights
+    python bench/determinism.py --checkpoint runs/RUN    # a trained model
+
+A serve.py started on a free loopback port gets the probe (a line of the val split) --sends times in two phases:
+alone, one request at a time on an idle server; then among --traffic other requests from --clients clients at once,
+a third of which share the probe's first half (prefix-cache hits) and the rest other val lines. Each phase reports
+its distinct completions, and whether every completion's token logprobs equal the first alone answer's to the
+bit. The clients are plain asyncio HTTP.
+"""
+
+import asyncio
+import json
+import random
+import sys
+import tempfile
+import urllib.parse
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.configs import check_room, check_servable_model, host, model_config, run_tool, shakespeare  # noqa: E402
+from bench.serve_load import start_server  # noqa: E402
+from model import build_model  # noqa: E402
+from runtime.checkpoint import build_checkpoint, existing_checkpoint, load_model, save_checkpoint, \
+    training_text  # noqa: E402
+from runtime.errors import OneLineErrorParser, UsageError, positive_int  # noqa: E402
+
+TOP = 5  # logprobs asked for: the top tokens at each place, compared too
+
+
+async def complete(port: int, prompt: str, new: int) -> tuple[str, list]:
+    """One greedy completion with its logprobs: its text, and each token's logprob with its top ones."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    body = json.dumps({"prompt": prompt, "max_tokens": new, "temperature": 0, "logprobs": TOP}).encode()
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    reply = await reader.read()
+    writer.close()
+    head, _, payload = reply.partition(b"\r\n\r\n")
+    status = head.split(b"\r\n")[0].decode()
+    if " 200 " not in status:
+        raise UsageError(f"serve.py answered {status}: {payload.decode()[:300]}")
+    choice = json.loads(payload)["choices"][0]
+    return choice["text"], list(zip(choice["logprobs"]["token_logprobs"], choice["logprobs"]["top_logprobs"]))
+
+
+async def phase(port: int, probe: str, others: list[str], sends: int, clients: int, new: int) -> list:
+    """The probe sent `sends` times, shuffled among others, by `clients` clients at once: the probe's answers."""
+    queue = [(True, probe)] * sends + [(False, other) for other in others]
+    random.Random(0).shuffle(queue)
+    answers = []
+
+    async def client():
+        while queue:
+            is_probe, prompt = queue.pop()
+            answer = await complete(port, prompt, new)
+            if is_probe:
+                answers.append(answer)
+
+    await asyncio.gather(*(client() for _ in range(clients)))
+    return answers
+
+
+def report(name: str, answers: list, reference: tuple) -> str:
+    distinct = len({text for text, _ in answers})
+    same_bits = sum(scored == reference[1] for _, scored in answers)
+    return f"| {name} | {len(answers)} | {distinct} | {same_bits} of {len(answers)} |"
+
+
+def main() -> None:
+    parser = OneLineErrorParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", type=existing_checkpoint, help="a run directory or .pt file")
+    parser.add_argument("--sends", type=positive_int, default=100, help="times the probe is sent in each phase")
+    parser.add_argument("--traffic", type=positive_int, default=200, help="other requests in the mixed phase")
+    parser.add_argument("--clients", type=positive_int, default=32)
+    parser.add_argument("--new", type=positive_int, default=64, help="tokens each completion draws")
+    parser.add_argument("--kv-cache", choices=("float", "int8"), default="float", help="serve.py's --kv-cache")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as folder:
+        if args.checkpoint:
+            model, vocab, contents = load_model(args.checkpoint, "cpu")
+            data, checkpoint = training_text(contents), args.checkpoint
+        else:
+            data = shakespeare()
+            torch.manual_seed(0)
+            model, vocab = build_model(model_config("classic")).eval(), data.vocab
+            checkpoint = save_checkpoint(build_checkpoint(model, vocab), Path(folder) / "best.pt")
+        check_servable_model(f"--checkpoint {args.checkpoint}", model)
+        check_room("--new", args.new, model.config.block_size)
+        longest = model.config.block_size - args.new
+        lines = [line[:longest] for line in vocab.decode(data.val.tolist()).splitlines() if len(line) >= 20]
+        if len(lines) < args.traffic + 1:
+            raise UsageError(f"--traffic {args.traffic}: the val split has {len(lines) - 1} other lines to send")
+        probe, rest = lines[0], lines[1:args.traffic + 1]
+        shared = [probe[:len(probe) // 2] + other[len(probe) // 2:] for other in rest[:args.traffic // 3]]
+        others = shared + rest[args.traffic // 3:]
+        server, url = start_server(checkpoint, "--max-batch", str(args.clients), "--kv-cache", args.kv_cache)
+        port = urllib.parse.urlsplit(url).port
+        try:
+            alone = asyncio.run(phase(port, probe, [], args.sends, 1, args.new))
+            mixed = asyncio.run(phase(port, probe, others, args.sends, args.clients, args.new))
+        finally:
+            server.terminate()
+            server.wait(30)
+    print(f"# serve.py, --kv-cache {args.kv_cache}: the probe {probe!r} sent {args.sends} times per phase, greedy, "
+          f"{args.new} tokens; mixed: among {len(others)} others ({len(shared)} sharing its first half), "
+          f"{args.clients} clients; {host()}, torch {torch.__version__}")
+    print("| phase | completions | distinct | token logprobs equal to the first alone, to the bit |")
+    print("|---|---|---|---|")
+    print(report("alone", alone, alone[0]))
+    print(report("mixed traffic", mixed, alone[0]))
+
+
+if __name__ == "__main__":
+    run_tool(main)
