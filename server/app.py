@@ -30,12 +30,13 @@ from .runner import EngineRunner
 STOP_SECONDS = 3  # how long a stopping server waits for its connections to close
 MAX_BODY_BYTES = 1 << 20  # a request body past this is refused (413)
 PAGE = Path(__file__).with_name("page.html")
+PAGE_SCRIPT = Path(__file__).with_name("timeline.js")  # the page's timeline, a script of its own
 
 
 def build_app(runner: EngineRunner, vocab: CharVocab, limits: Limits, api_key: str | None) -> FastAPI:
     app = FastAPI(title="kvgpt", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.stopping = asyncio.Event()  # set once the server stops: a body still arriving is refused then
-    page = PAGE.read_text(encoding="utf-8")
+    page, page_script = PAGE.read_text(encoding="utf-8"), PAGE_SCRIPT.read_text(encoding="utf-8")
     created = int(time.time())
 
     def authorize(request: Request) -> None:
@@ -59,7 +60,11 @@ def build_app(runner: EngineRunner, vocab: CharVocab, limits: Limits, api_key: s
     @app.get("/", response_class=HTMLResponse)
     async def index():
         return HTMLResponse(page, headers={"Content-Security-Policy": "default-src 'self'; style-src 'unsafe-inline'; "
-                                                                      "script-src 'unsafe-inline'"})
+                                                                      "script-src 'self' 'unsafe-inline'"})
+
+    @app.get("/timeline.js")
+    async def timeline_script():
+        return Response(page_script, media_type="text/javascript")
 
     @app.get("/health")
     async def health():

@@ -28,10 +28,10 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 START_SECONDS = 60
 
 
-def write_checkpoint(folder: Path) -> Path:
+def write_checkpoint(folder: Path, block_size: int = BLOCK_SIZE) -> Path:
     """A random GPT with weights well above GPT-2's init, so that every token of the context moves its logits."""
     torch.manual_seed(0)
-    model = build_model(GPTConfig(vocab_size=len(VOCAB), block_size=BLOCK_SIZE, n_layer=4, n_head=4, n_embd=256))
+    model = build_model(GPTConfig(vocab_size=len(VOCAB), block_size=block_size, n_layer=4, n_head=4, n_embd=256))
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
