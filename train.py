@@ -45,7 +45,7 @@ from training.config import explained, register, validate
 from training.distributed import init_distributed, is_rank_zero
 from training.hydra_gate import CONFIG_DIR, CONFIG_NAME, VERSION_BASE, info_written, read_flags
 from training.loop import Stopped, Trainer
-from training.planning import check_start
+from training.clock import check_start
 from training.resume import resumed_settings
 from training.runs import take_run_dir
 from runtime.signals import StopSignals, interrupt_on_signals

@@ -15,8 +15,8 @@ from tensorboard.plugins.hparams import api_pb2, plugin_data_pb2
 
 import train
 import training.budget
+import training.clock
 import training.loop
-import training.planning
 import training.threads
 from model import build_model
 from programs import assert_one_line_error, data_root, train_cli  # noqa: F401 (data_root: a fixture)
@@ -163,13 +163,13 @@ def test_a_resumed_budget_run_that_cannot_hold_its_final_evaluation_is_refused_b
     kept = (run_dir / "last.pt").read_bytes()
     with pytest.MonkeyPatch.context() as patch:
         clock = StandInClock(patch, 1)
-        evaluate = training.planning.__dict__.get("evaluate", training.loop.evaluate)
+        evaluate = training.clock.evaluate
 
         def slow_evaluate(*args, **kwargs):
             clock.now += 2.5 * args[4]  # eval_iters batches of each split
             return evaluate(*args, **kwargs)
 
-        patch.setattr(training.planning, "evaluate", slow_evaluate, raising=False)
+        patch.setattr(training.clock, "evaluate", slow_evaluate)
         taken = steps_counted(patch)
         with pytest.raises(ConfigError) as refused:
             train.main(config(tmp_path, data_root, *BUDGET, f"train.resume={run_dir}"), run_dir, started_at=clock.now)

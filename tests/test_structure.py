@@ -423,3 +423,39 @@ def test_every_entry_point_ends_through_the_one_run_command():
         assert "run_command" in called, name
         assert not called & {"ready_standard_streams", "flush_standard_output", "fail", "silence"}, name
         assert not caught & {"BrokenPipeError", "KeyboardInterrupt", "Exception", "OSError"}, name
+
+
+def test_the_trainer_is_one_class_with_no_base():
+    """The Trainer's methods are all in training/loop.py: what it reads is what it defines there, nothing mixed in."""
+    tree = ast.parse((REPO / "training/loop.py").read_text())
+    trainer, = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Trainer"]
+    assert not trainer.bases and not trainer.keywords, ast.unparse(trainer).splitlines()[0]
+
+
+# What a library's base class sets on its instances, which a subclass reads as the library documents it
+LIBRARY_STATE = {"torch.optim.Muon": {"param_groups", "state"}}  # torch's Optimizer.__init__ sets both
+
+
+def defined_by(cls: ast.ClassDef) -> set[str]:
+    """The names a class defines itself: its methods and properties, its class attributes and fields (a dataclass's,
+    a NamedTuple's), and every self.X its methods assign."""
+    body = cls.body
+    names = {node.name for node in body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    names |= {target.id for node in body if isinstance(node, ast.Assign)
+              for target in node.targets if isinstance(target, ast.Name)}
+    names |= {node.target.id for node in body if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
+    return names | {node.attr for node in ast.walk(cls) if isinstance(node, ast.Attribute) and
+                    isinstance(node.ctx, ast.Store) and isinstance(node.value, ast.Name) and node.value.id == "self"}
+
+
+def test_no_training_class_reads_an_attribute_it_does_not_define():
+    """Every self.X a class in training/ reads, it defines itself (defined_by): no mixin reads its host's state, and
+    following a name never leaves the class."""
+    read = []
+    for path in sorted((REPO / "training").glob("*.py")):
+        for cls in (node for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)):
+            own = defined_by(cls).union(*(LIBRARY_STATE.get(ast.unparse(base), ()) for base in cls.bases))
+            read += sorted({f"{path.relative_to(REPO)}: {cls.name} reads self.{node.attr}" for node in ast.walk(cls)
+                            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load)
+                            and isinstance(node.value, ast.Name) and node.value.id == "self" and node.attr not in own})
+    assert not read, "\n".join(read)

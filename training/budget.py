@@ -12,7 +12,7 @@ run ends there, evaluated and saved.
 
 A budget that cannot hold even the shortest run is refused at once (unheld): one spent by the start-up, or too
 short for the evaluations every run takes, whose cost a few batches foresee before the first
-(BudgetPlan.check_budget)."""
+(Clock.check)."""
 
 import math
 import os
@@ -106,7 +106,7 @@ class Budget:
         self.since = None  # (step, when): the steps since then measure a plan (Budget.replanned)
         self.pace = None  # seconds a step, as the steps before the latest evaluation or plan measured it
         self.planned_step_s = None  # a step's cost when the length was fixed, in this life of the run
-        self.foreseen_s = 0.0  # an evaluation's cost with its saves until one is measured (BudgetPlan.check_budget)
+        self.foreseen_s = 0.0  # an evaluation's cost with its saves until one is measured (Clock.check)
         self.recorded_s = 0.0  # the latest evaluation's cost in the run's last life, for a resumed run
 
     def record(self) -> dict:

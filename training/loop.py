@@ -20,16 +20,16 @@ from runtime.errors import ConfigError
 from runtime.signals import StopSignals
 from runtime.streams import write_line
 
-from . import budget as clock
+from . import budget as timing
 from .budget import Budget
-from .planning import BudgetPlan
+from .clock import Clock, Plan, repeated_by
 from .config import Settings
 from .distributed import gather
 from .evaluation import evaluate
 from .optim import Schedule, make_optimizers, make_scheduler, set_step
 from .rng import restore_rng, rng_state
 from .summaries import Summaries
-from .threads import ThreadChoice, ThreadWatch
+from .threads import ThreadChoice
 
 
 class Diverged(Exception):
@@ -40,7 +40,7 @@ class Stopped(Exception):
     """A stop signal (SIGINT, SIGTERM, SIGHUP) stopped the run after last.pt was saved."""
 
 
-class Trainer(BudgetPlan, ThreadWatch):
+class Trainer:
     """Trains one model on one process (of world_size), from step 0 or from a checkpoint's training state.
     Rank 0 alone writes checkpoints, events and progress."""
 
@@ -55,7 +55,7 @@ class Trainer(BudgetPlan, ThreadWatch):
         (training/threads.py); None: the count stays. chosen: the settings the run chose rather than the command
         ("model.n_layer", ...: what sizing chose), which a command that repeats it names (repeated_by)."""
         tc = self.tc = settings.train
-        self.chosen = chosen
+        self.chosen = {key: settings.config[section][name] for key in chosen for section, name in [key.split(".")]}
         try:
             self.dtype = training_dtype(tc.precision, device)  # bfloat16: the steps and evaluations run under autocast
         except ValueError as e:
@@ -68,7 +68,7 @@ class Trainer(BudgetPlan, ThreadWatch):
         self.vocab = data.vocab
         self.prompt = torch.tensor([self.vocab.encode(tc.sample_prompt)], device=device)
         self.batches = Batches(data.train, model.config.block_size, tc.batch_size, device, seed=tc.seed + rank)
-        self.budget = Budget(tc.max_minutes, clock.clock() if started_at is None else started_at)
+        self.budget = Budget(tc.max_minutes, timing.clock() if started_at is None else started_at)
         self.optimizers = make_optimizers(model, settings.optim, fused=device.type == "cuda")
         # With a budget, fit() fixes the length as it trains, and plans it again as the speed changes; until
         # then the schedule is open (see Schedule)
@@ -92,6 +92,7 @@ class Trainer(BudgetPlan, ThreadWatch):
         if self.resumed:
             self.restore(resumed)
         self.start_step = self.step
+        self.clock = Clock(self.budget, tc, settings.optim, world_size, self.step if self.resumed else None)
         self.evaluated = self.model if self.ema is None else compile_if_asked(self.eval_model)  # what evaluations run
         self.autocast = torch.autocast(device.type, dtype=self.dtype) if self.dtype != torch.float32 else nullcontext()
         self.tokens_per_step = tc.batch_size * model.config.block_size * tc.grad_accum_steps * world_size
@@ -130,15 +131,15 @@ class Trainer(BudgetPlan, ThreadWatch):
         self.timer = time.perf_counter()
         with self.signals as stop:
             if self.tc.max_minutes is not None:
-                self.check_budget()
+                self.clock.check(self.step, self.evaluation)
             if self.step % self.tc.eval_interval == 0:  # a run resumed between evaluations adds no point of its own
                 self.evaluate_and_save()
             if self.tc.max_iters is not None:  # else once the budget has fixed it
                 self.start_session()
             self.budget.start(self.step)
             if self.resumed and self.tc.max_iters is not None and self.tc.max_minutes is not None:
-                self.check_resumed_plan()
-            self.trained_since = (self.step, clock.clock())
+                self.follow(self.clock.resumed(self.step, self.tc.max_iters, len(self.schedule.plan) > 1))
+            self.trained_since = (self.step, timing.clock())
             with tqdm(total=self.tc.max_iters, initial=self.step, unit="step", dynamic_ncols=True,
                       disable=None if self.is_master else True) as bar:  # None: no bar unless stderr is a terminal
                 while self.tc.max_iters is None or self.step < self.tc.max_iters:
@@ -148,7 +149,7 @@ class Trainer(BudgetPlan, ThreadWatch):
                     bar.update()
                     due = self.step % self.tc.eval_interval == 0  # an evaluation this step takes anyway
                     if self.tc.max_iters is None:
-                        self.plan_to_budget()
+                        self.follow(self.clock.fix(self.step, self.threads_used, self.chosen))
                     elif self.tc.max_minutes is not None and self.step < self.tc.max_iters:
                         self.keep_to_budget(due)
                     if bar.total != self.tc.max_iters:
@@ -164,8 +165,60 @@ class Trainer(BudgetPlan, ThreadWatch):
         self.end_session(STATUS_SUCCESS)
         return self.last_val_loss
 
+    def keep_to_budget(self, due: bool) -> None:
+        """Once the budget has fixed the length: follow the clock's new plan, if the speed has changed or the run must
+        end at this step (Clock.kept). due: this step evaluates anyway."""
+        self.follow(self.clock.kept(self.step, self.tc.max_iters, due, len(self.schedule.plan) > 1))
+
+    def follow(self, plan: Plan | None) -> None:
+        """The run's length is now plan.steps (None: the plan stands): the schedule and the settings change with it,
+        rank 0 says why and records it."""
+        if plan is None:
+            return
+        if plan.first:  # this step's rate is the open schedule's: the plan's decay begins here or later
+            self.schedule.set(plan.steps)
+        else:  # the rest of the decay refitted from here, the optimisers' rates with it from the next step
+            self.schedule.replan(self.step, plan.steps)
+            for scheduler in self.schedulers:
+                set_step(scheduler, self.step)
+        self.settings = self.settings.planned(plan.steps, self.tc.max_minutes)
+        self.tc = self.settings.train
+        if self.is_master:
+            self.say(plan.line)
+            self.summaries.plan(self.step, plan.steps)
+        if plan.first:
+            self.start_session()
+
+    def start_session(self) -> None:
+        """The run's HParams session, once its length is known (rank 0)."""
+        if self.is_master:
+            self.summaries.start_session(self.settings.config, self.device.type, self.precision)
+
+    def end_session(self, status: int) -> None:
+        """status: TensorBoard's STATUS_SUCCESS or STATUS_FAILURE (rank 0). A budget run that ends before its length
+        is fixed (train.patience, a divergence) starts its session first: the dashboard shows every run that ended."""
+        if self.tc.max_iters is None:
+            self.start_session()
+        if self.is_master:
+            self.summaries.end_session(status)
+
     def say(self, line: str) -> None:
         write_line(line)
+
+    def timed_step(self) -> None:
+        """train_step(), at the thread count that is fastest now (ThreadChoice). Once a budget has fixed the run's
+        length, a step at a count not used before says that train.max_iters no longer repeats the run."""
+        if self.threads is None:
+            return self.train_step()
+        threads, changed = self.threads.take(self.train_step)
+        counts = len(self.threads_used)
+        self.threads_used.add(threads)
+        if changed and self.is_master:
+            self.say(changed)
+            self.summaries.threads(self.step, self.threads.threads)
+        promised = self.tc.max_minutes and self.tc.max_iters and len(self.schedule.plan) == 1
+        if counts == 1 < len(self.threads_used) and promised and self.is_master:
+            self.say(f"threads: {repeated_by(self.tc.max_iters, self.threads_used, self.chosen)}")
 
     def train_step(self) -> None:
         """One optimiser step over grad_accum_steps micro-batches; its values stay on the device until logged."""
@@ -214,10 +267,9 @@ class Trainer(BudgetPlan, ThreadWatch):
     def evaluate_and_save(self) -> None:
         """Evaluate; save best.pt where val improved, and last.pt; end the run where train.patience runs out (last.pt
         then holds best.pt's weights)."""
-        tc, started = self.tc, clock.clock()
+        tc, started = self.tc, timing.clock()
         speed = self.training_speed(started)
-        losses = evaluate(self.evaluated, self.data, self.raw_model.config.block_size, tc.batch_size, tc.eval_iters,
-                          tc.seed + self.rank, self.device, self.autocast, self.world_size)
+        losses = evaluate(*self.evaluation(tc.eval_iters))
         if not all(math.isfinite(v) for v in losses.values()):
             raise self.diverged(f"non-finite evaluation loss {losses} at step {self.step}")
         self.last_val_loss = losses["val"]
@@ -247,7 +299,12 @@ class Trainer(BudgetPlan, ThreadWatch):
                        f"{' (best)' if improved else ''}, lr {self.schedulers[0].get_last_lr()[0]:.2e}{speed}")
         self.timer = time.perf_counter()  # tokens/s counts training only
         self.budget.evaluated(self.step, started)
-        self.trained_since = (self.step, clock.clock())
+        self.trained_since = (self.step, timing.clock())
+
+    def evaluation(self, batches: int) -> tuple:
+        """evaluate()'s arguments for `batches` batches of each split: the model evaluated, on this process's seed."""
+        return (self.evaluated, self.data, self.raw_model.config.block_size, self.tc.batch_size, batches,
+                self.tc.seed + self.rank, self.device, self.autocast, self.world_size)
 
     def training_speed(self, now: float) -> str:
         """The evaluation line's ", N tokens/s": the training tokens a second since the previous evaluation line (or

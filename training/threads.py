@@ -9,6 +9,7 @@ fastest. The steps timed are the run's own: nothing is thrown away."""
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
@@ -28,19 +29,18 @@ class ThreadChoice:
         self.fastest = None  # the least median of WATCHED steps seen at this count
         self.trial = []  # the counts the next steps take, in turns, while the counts are timed
         self.timed = {}  # count -> seconds of its steps in the trial
-        self.started = None
 
-    def before_step(self) -> None:
+    def take(self, step: Callable[[], None]) -> tuple[int, str | None]:
+        """Run `step` at the count that is fastest now, timed: the count it ran at, and a line to print if the
+        count changed after it, else None."""
         if self.trial:
             torch.set_num_threads(self.trial[0])
-        self.started = step_timer()
-
-    def after_step(self) -> str | None:
-        """The step has ended: a line to print if the thread count changed, else None."""
-        seconds = step_timer() - self.started
+        threads, started = torch.get_num_threads(), step_timer()
+        step()
+        seconds = step_timer() - started
         if self.trial:
             self.timed.setdefault(self.trial.pop(0), []).append(seconds)
-            return None if self.trial else self.choose()
+            return threads, None if self.trial else self.choose()
         self.latest.append(seconds)
         if len(self.latest) == WATCHED:
             median = statistics.median(self.latest)
@@ -48,7 +48,7 @@ class ThreadChoice:
             if median > SLOWER * self.fastest:
                 self.trial = [n for _ in range(TRIAL_STEPS) for n in self.counts]
                 self.timed = {}
-        return None
+        return threads, None
 
     def choose(self) -> str | None:
         """Keep the count whose steps were fastest in the trial."""
@@ -68,25 +68,3 @@ def timings(seconds: dict[int, float]) -> str:
     """Each thread count's seconds a step, in words."""
     return ", ".join(f"{n} thread{'s' * (n > 1)} took {s:.3g} s a step" for n, s in seconds.items())
 
-
-class ThreadWatch:
-    """The Trainer's steps at the thread count that is fastest now, and the counts they ran at (threads_used). It
-    uses the Trainer's threads (a ThreadChoice, or None where the count stays), step, settings, schedule and
-    summaries."""
-
-    def timed_step(self) -> None:
-        """train_step(), at the thread count that is fastest now (ThreadChoice). Once a budget has fixed the run's
-        length, a step at a count not used before says that train.max_iters no longer repeats the run."""
-        if self.threads is None:
-            return self.train_step()
-        self.threads.before_step()
-        counts = len(self.threads_used)
-        self.threads_used.add(torch.get_num_threads())
-        self.train_step()
-        changed = self.threads.after_step()
-        if changed and self.is_master:
-            self.say(changed)
-            self.summaries.threads(self.step, self.threads.threads)
-        promised = self.tc.max_minutes and self.tc.max_iters and len(self.schedule.plan) == 1
-        if counts == 1 < len(self.threads_used) and promised and self.is_master:
-            self.say(f"threads: {self.repeated_by(self.tc.max_iters)}")
