@@ -56,12 +56,14 @@ function sized(id) {  // a canvas as wide as it is drawn, cleared
 }
 
 function drawTimeline(pool) {
-  const moments = timeline.moments, n = moments.length, blocks = pool.blocks.length;
+  const moments = timeline.moments, n = moments.length;
   showMoment();
   drawWords(pool);
   const [g, w, h] = sized("chart");
+  const top = Math.max(1, ...moments.map(m => m.used + m.cached));  // the most the kept passes reach
   const x = (i) => (n > 1 ? i * (w - 2) / (n - 1) : 0) + 1;
-  const y = (v) => h - 2 - v / Math.max(blocks, 1) * (h - 14);
+  const y = (v) => h - 2 - v / top * (h - 14);
+  g.fillStyle = "#555"; g.font = "11px system-ui"; g.fillText(`${top} blocks`, 6, 20);
   for (const [field, style] of [["cached", "#aaa"], ["used", "#233"], ["shared", "#e80"]]) {
     g.strokeStyle = style; g.lineWidth = 2; g.beginPath();
     moments.forEach((m, i) => (i ? g.lineTo(x(i), y(m[field])) : g.moveTo(x(i), y(m[field]))));
