@@ -3,7 +3,8 @@
     python bench/page_screenshot.py --checkpoint runs/RUN --out docs/serving_page.png
 
 It starts serve.py on a free loopback port, opens the page in Debian's chromium (headless, through Playwright),
-sends one prompt three times, and takes the picture as soon as the page shows all three decoding.
+sends one prompt three times, and takes the picture as soon as the page shows all three decoding: the whole page,
+its timeline included.
 """
 
 import shutil
@@ -33,7 +34,7 @@ def attempt(page) -> bytes | None:
     while time.monotonic() < deadline and page.evaluate(
             "document.querySelectorAll('#jobs tr[data-state=decoding]').length") < 3:
         time.sleep(0.005)
-    picture = page.screenshot()
+    picture = page.screenshot(full_page=True)
     drawing = page.evaluate("[...document.querySelectorAll('.card .meta')].filter(m => "
                             "m.textContent.endsWith('drawing')).length")
     while page.evaluate("document.querySelectorAll('#jobs tr[data-state=decoding]').length"):
