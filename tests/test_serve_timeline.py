@@ -57,6 +57,19 @@ def test_a_moment_is_json_the_page_reads():
                                      "tokens": 1, "blocks": 3, "preemptions": 0}
 
 
+@torch.no_grad()
+def test_moments_whose_blocks_did_not_change_share_one_copy_of_them():
+    """Decoding within a block changes no block: the history keeps one copy, not one per pass."""
+    engine, timeline = Engine(random_model(block_size=40), n_blocks=600, block_tokens=16), Timeline()
+    engine.add("a", [1, 2, 3], 10)
+    for _ in range(6):
+        engine.step()
+        timeline.record(engine.census())
+        assert [list(b) for b in timeline.moments[-1].blocks] == [[b.owner, b.refs, b.cached]
+                                                                  for b in engine.census().blocks]
+    assert len({id(m.blocks) for m in timeline.moments}) == 1
+
+
 def get(url: str) -> dict:
     with urllib.request.urlopen(url, timeout=30) as answer:
         return json.load(answer)
