@@ -70,11 +70,12 @@ class Plan:
 class Clock:
     """Decides a budget run's length from what its Budget measures. Rank 0's clock decides for every process."""
 
-    def __init__(self, budget: Budget, tc: TrainConfig, oc: OptimConfig, world_size: int, resumed_at: int | None):
-        """resumed_at: the step a resumed run continues from (None: a new run, from step 0)."""
-        self.budget, self.optim, self.world_size, self.resumed_at = budget, oc, world_size, resumed_at
+    def __init__(self, budget: Budget, tc: TrainConfig, oc: OptimConfig, world_size: int, start_step: int,
+                 resumed: bool):
+        """start_step: the step this life of the run trains from; resumed: from a checkpoint."""
+        self.budget, self.optim, self.world_size = budget, oc, world_size
         self.minutes, self.eval_interval, self.eval_iters = tc.max_minutes, tc.eval_interval, tc.eval_iters
-        self.start_step = resumed_at or 0
+        self.start_step, self.is_resumed = start_step, resumed
 
     def check(self, step: int, evaluation: Callable[[int], tuple]) -> None:
         """Before a budget run's first evaluation: foresee an evaluation's cost here from a few of its batches, and
@@ -86,7 +87,7 @@ class Clock:
         evaluate(*evaluation(FORESEEING_BATCHES))
         self.budget.foreseen_s = (timing.clock() - started) * self.eval_iters / FORESEEING_BATCHES
         why = unheld(self.minutes, self.budget.spent(), 1 + (step % self.eval_interval == 0),
-                     self.budget.foreseen_s, self.resumed_at)
+                     self.budget.foreseen_s, self.resumed_at(step))
         why = gather(why, self.world_size)[0]
         if why is not None:
             raise ConfigError(why)
@@ -106,7 +107,7 @@ class Clock:
         if fits <= oc.warmup_iters:
             raise ConfigError(f"train.max_minutes={self.minutes:g} leaves time for {fits} step{'s' * (fits != 1)} "
                               f"here ({measured}), no more than optim.warmup_iters={oc.warmup_iters}; "
-                              f"{more_time(self.resumed_at)}")
+                              f"{more_time(self.resumed_at(step))}")
         steps = fits
         while decay_begins(oc, steps) < step:  # the steps taken at the peak rate stay so in the plan
             steps += 1
@@ -140,6 +141,10 @@ class Clock:
         return Plan(end, f"train.max_minutes={self.minutes:g} plans the run again at step {step}: {end} steps, not "
                          f"{max_iters} ({measured}); the learning rate reaches optim.min_lr={self.optim.min_lr:g} at "
                          f"step {end}{self.unrepeated(step, changed)}")
+
+    def resumed_at(self, step: int) -> int | None:
+        """The step a resumed run's advice to train on by steps names (more_time): this one; None for a new run."""
+        return step if self.is_resumed else None
 
     @staticmethod
     def unrepeated(step: int, changed: bool) -> str:

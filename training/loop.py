@@ -92,7 +92,7 @@ class Trainer:
         if self.resumed:
             self.restore(resumed)
         self.start_step = self.step
-        self.clock = Clock(self.budget, tc, settings.optim, world_size, self.step if self.resumed else None)
+        self.clock = Clock(self.budget, tc, settings.optim, world_size, self.start_step, self.resumed)
         self.evaluated = self.model if self.ema is None else compile_if_asked(self.eval_model)  # what evaluations run
         self.autocast = torch.autocast(device.type, dtype=self.dtype) if self.dtype != torch.float32 else nullcontext()
         self.tokens_per_step = tc.batch_size * model.config.block_size * tc.grad_accum_steps * world_size
