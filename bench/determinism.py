@@ -13,7 +13,6 @@ bit. The clients are plain asyncio HTTP.
 """
 
 import asyncio
-import json
 import random
 import sys
 import tempfile
@@ -23,11 +22,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.configs import check_room, check_servable_model, host, model_config, run_tool, shakespeare  # noqa: E402
-from bench.serve_load import start_server  # noqa: E402
-from model import build_model  # noqa: E402
-from runtime.checkpoint import build_checkpoint, existing_checkpoint, load_model, save_checkpoint, \
-    training_text  # noqa: E402
+from bench.configs import check_room, host, run_tool  # noqa: E402
+from bench.serve_load import post_completion, served_model, start_server  # noqa: E402
+from runtime.checkpoint import existing_checkpoint  # noqa: E402
 from runtime.errors import OneLineErrorParser, UsageError, positive_int  # noqa: E402
 
 TOP = 5  # logprobs asked for: the top tokens at each place, compared too
@@ -35,17 +32,8 @@ TOP = 5  # logprobs asked for: the top tokens at each place, compared too
 
 async def complete(port: int, prompt: str, new: int) -> tuple[str, list]:
     """One greedy completion with its logprobs: its text, and each token's logprob with its top ones."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    body = json.dumps({"prompt": prompt, "max_tokens": new, "temperature": 0, "logprobs": TOP}).encode()
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-    reply = await reader.read()
-    writer.close()
-    head, _, payload = reply.partition(b"\r\n\r\n")
-    status = head.split(b"\r\n")[0].decode()
-    if " 200 " not in status:
-        raise UsageError(f"serve.py answered {status}: {payload.decode()[:300]}")
-    choice = json.loads(payload)["choices"][0]
+    answer = await post_completion(port, {"prompt": prompt, "max_tokens": new, "temperature": 0, "logprobs": TOP})
+    choice = answer["choices"][0]
     return choice["text"], list(zip(choice["logprobs"]["token_logprobs"], choice["logprobs"]["top_logprobs"]))
 
 
@@ -82,15 +70,7 @@ def main() -> None:
     parser.add_argument("--kv-cache", choices=("float", "int8"), default="float", help="serve.py's --kv-cache")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
-        if args.checkpoint:
-            model, vocab, contents = load_model(args.checkpoint, "cpu")
-            data, checkpoint = training_text(contents), args.checkpoint
-        else:
-            data = shakespeare()
-            torch.manual_seed(0)
-            model, vocab = build_model(model_config("classic")).eval(), data.vocab
-            checkpoint = save_checkpoint(build_checkpoint(model, vocab), Path(folder) / "best.pt")
-        check_servable_model(f"--checkpoint {args.checkpoint}", model)
+        model, vocab, data, checkpoint = served_model(args.checkpoint, Path(folder))
         check_room("--new", args.new, model.config.block_size)
         longest = model.config.block_size - args.new
         lines = [line[:longest] for line in vocab.decode(data.val.tolist()).splitlines() if len(line) >= 20]

@@ -12,7 +12,6 @@ installed, this says so and how to point it at the server, and where it is not, 
 
 import asyncio
 import importlib.util
-import json
 import math
 import sys
 import time
@@ -24,27 +23,17 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.configs import check_servable_model, host, run_tool  # noqa: E402
-from bench.serve_load import start_server  # noqa: E402
+from bench.serve_load import post_completion, start_server  # noqa: E402
 from runtime.checkpoint import existing_checkpoint, load_model, training_text  # noqa: E402
-from runtime.errors import OneLineErrorParser, UsageError, positive_int  # noqa: E402
+from runtime.errors import OneLineErrorParser, positive_int  # noqa: E402
 
 CLIENTS = 8  # windows scored at once
 
 
 async def scored(port: int, text: str) -> list[float]:
-    """The log-probabilities serve.py gives each token of text but the first."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    body = json.dumps({"prompt": text, "max_tokens": 0, "echo": True, "logprobs": 0}).encode()
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-    reply = await reader.read()
-    writer.close()
-    head, _, payload = reply.partition(b"\r\n\r\n")
-    status = head.split(b"\r\n")[0].decode()
-    if " 200 " not in status:
-        raise UsageError(f"serve.py answered {status}: {payload.decode()[:300]}")
-    logprobs = json.loads(payload)["choices"][0]["logprobs"]["token_logprobs"]
-    return logprobs[1:]  # the first is null: nothing before it predicts it
+    """The log-probabilities serve.py gives each token of text but the first (null: nothing predicts it)."""
+    answer = await post_completion(port, {"prompt": text, "max_tokens": 0, "echo": True, "logprobs": 0})
+    return answer["choices"][0]["logprobs"]["token_logprobs"][1:]
 
 
 async def score_all(port: int, windows: list[str]) -> list[list[float]]:

@@ -68,6 +68,37 @@ async def load(port: int, prompts: list[str], new: int, clients: int):
     return time.perf_counter() - start, [first for first, _ in results], [text for _, text in results]
 
 
+def served_model(checkpoint: Path | None, folder: Path):
+    """The model a benchmark serves: the checkpoint's, or the classic shape's with random weights saved in folder;
+    with its vocabulary, the text it was trained on, and the checkpoint's path. One serve.py cannot serve is
+    refused in one line."""
+    if checkpoint:
+        model, vocab, contents = load_model(checkpoint, "cpu")
+        data = training_text(contents)
+    else:
+        data = shakespeare()
+        torch.manual_seed(0)
+        model, vocab = build_model(model_config("classic")).eval(), data.vocab
+        checkpoint = save_checkpoint(build_checkpoint(model, vocab), folder / "best.pt")
+    check_servable_model(f"--checkpoint {checkpoint}", model)
+    return model, vocab, data, checkpoint
+
+
+async def post_completion(port: int, body: dict) -> dict:
+    """One completion, whole (not streamed), over its own connection: serve.py's JSON answer."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    payload = json.dumps(body).encode()
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(payload), payload))
+    reply = await reader.read()
+    writer.close()
+    head, _, answer = reply.partition(b"\r\n\r\n")
+    status = head.split(b"\r\n")[0].decode()
+    if " 200 " not in status:
+        raise UsageError(f"serve.py answered {status}: {answer.decode()[:300]}")
+    return json.loads(answer)
+
+
 def start_server(checkpoint: Path, *options: str) -> tuple[subprocess.Popen, str]:
     """serve.py on a free loopback port, and the URL it prints once it listens; where it does not start, its own
     one-line error, with its status."""
@@ -95,15 +126,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as folder:
-        if args.checkpoint:
-            model, vocab, contents = load_model(args.checkpoint, "cpu")
-            data, checkpoint = training_text(contents), args.checkpoint
-        else:
-            data = shakespeare()
-            torch.manual_seed(0)
-            model, vocab = build_model(model_config("classic")).eval(), data.vocab
-            checkpoint = save_checkpoint(build_checkpoint(model, vocab), Path(folder) / "best.pt")
-        check_servable_model(f"--checkpoint {args.checkpoint}", model)
+        model, vocab, data, checkpoint = served_model(args.checkpoint, Path(folder))
         check_room("--new", args.new, model.config.block_size)
         val = vocab.decode(data.val.tolist())
         longest = model.config.block_size - args.new
