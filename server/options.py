@@ -8,7 +8,7 @@ from pathlib import Path
 
 from model.caches.factory import CACHES
 from model.decoding.quantize import DECODING_PRECISIONS
-from model.serving.engine import Engine, check_servable
+from model.serving.engine import Engine, check_servable, pass_rows
 from model.serving.paged import POOLED, BlockPool
 from runtime.devices import (DEFAULT_THREADS, MEMORY_SHARE, environment_threads, gib, memory_of, threads_refused,
                              usable_cores)
@@ -113,7 +113,7 @@ def new_engine(args, model) -> Engine:
 def check_pool_fits(args, model, blocks: int) -> None:
     """Refuse, before allocating it, a pool larger than the share of memory a KV cache may take (MEMORY_SHARE)."""
     bt, int8, device = args.block_tokens, args.kv_cache == "int8", next(model.parameters()).device
-    needed, memory = BlockPool.bytes_needed(model, blocks, bt, int8, args.max_batch), memory_of(device)
+    needed, memory = BlockPool.bytes_needed(model, blocks, bt, int8, pass_rows(args.max_batch)), memory_of(device)
     if needed > MEMORY_SHARE * memory:
         raise UsageError(f"a pool of {blocks} blocks of {bt} tokens for --max-batch {args.max_batch} needs "
                          f"{gib(needed)} GiB, more than {MEMORY_SHARE:.0%} of the {gib(memory)} GiB of "

@@ -9,12 +9,15 @@ after vLLM and nano-vllm. The pool's tensors are in model/serving/paged.py, its 
 Each step is one forward pass. A waiting request joins as soon as the pool has blocks for its text; full blocks
 that another request has already computed for the same first tokens are read, not recomputed. While a joining
 request is computing the first block it lacks, it waits, and then reads that block. Joining requests are
-prefilled together, a chunk of at most `chunk` tokens each per step; then every running request decodes one
-token per step, together. When a decoding request needs a block and none is left, the request that joined last
+prefilled together, a chunk of at most `chunk` tokens each per step, as many chunks as pass_rows(max_batch, chunk)
+tokens hold; then every running request decodes one token per step, together. When a decoding request needs a block and none is left, the request that joined last
 is preempted: its blocks go back to the pool, and it waits to be prefilled again, with the tokens it has drawn.
 A request leaves when it has drawn its tokens, and its blocks go back. Each request's text is what it would get
 decoded alone (sampled too, with a generator of its own): a context of at most block_size tokens.
-Decoding is batch-invariant, to the last bit; prefill is not quite (model/serving/rowwise.py says why).
+Every pass is batch-invariant, to the last bit: a prompt's tokens are computed as decoding steps would compute
+them, each a row of its own (model/serving/rowwise.py says why). A request's logits are the same whatever else
+runs beside it, whether its prefix was read from the cache or computed, in one chunk or many, or again after a
+preemption.
 
 engine.census() is a frozen picture of it between steps (model/serving/census.py): each block's readers, each
 request's state and counts, the stats. A reader such as serve.py's page needs nothing else of the engine.
@@ -22,7 +25,7 @@ engine.add(..., kept=Kept(...)) keeps what a caller asks of one request (model/s
 of each draw, those of every prompt position, and how many prompt tokens it read from the cache.
 """
 
-import contextlib
+import itertools
 from collections import deque
 from dataclasses import replace
 
@@ -37,13 +40,20 @@ from .request import Kept, Request, check_servable
 from .rowwise import RowsAlone
 from ..decoding.sampling import GREEDY, Sampling
 
+CHUNK = 64  # prompt tokens a joining request feeds per step at most
+
+
+def pass_rows(max_batch: int, chunk: int = CHUNK) -> int:
+    """The most rows, one token each, of an engine pass: a decoding step's batch, or a prefill's tokens in all."""
+    return max(max_batch, chunk)
+
 
 class Engine:
     """Requests decoded over a pool of n_blocks blocks of block_tokens tokens; at most max_batch run at once.
     buckets: pad each decoding step to a fixed batch size (model/serving/buckets.py), each captured as a CUDA
     graph on CUDA; None: on CUDA only."""
 
-    def __init__(self, model, *, n_blocks: int, block_tokens: int = 16, max_batch: int = 16, chunk: int = 64,
+    def __init__(self, model, *, n_blocks: int, block_tokens: int = 16, max_batch: int = 16, chunk: int = CHUNK,
                  sampling: Sampling = GREEDY, generator: torch.Generator | None = None, keep_logits: bool = False,
                  int8: bool = False, buckets: bool | None = None):
         for name, value in (("n_blocks", n_blocks), ("block_tokens", block_tokens), ("max_batch", max_batch),
@@ -53,8 +63,8 @@ class Engine:
         check_servable(model)
         self.model, self.sampling, self.generator, self.keep_logits = model, sampling, generator, keep_logits
         # int8: keys and values in int8 (model/caches/int8.py)
-        self.pool = BlockPool(model, n_blocks, block_tokens, int8, max_rows=max_batch)
-        self.max_batch, self.chunk = max_batch, chunk
+        self.max_batch, self.chunk, self.rows = max_batch, chunk, pass_rows(max_batch, chunk)
+        self.pool = BlockPool(model, n_blocks, block_tokens, int8, max_rows=self.rows)
         on_cuda = self.device.type == "cuda"
         padded = buckets if buckets is not None else on_cuda
         self.buckets = DecodeBuckets(model, self.pool, max_batch, capture=on_cuda) if padded else None
@@ -119,8 +129,14 @@ class Engine:
         while self.waiting and len(self.running) < self.max_batch and self._admit(self.waiting[0]):
             self.running.append(self.waiting.popleft())
         joining = [r for r in self.running if r.prefilling]
-        if joining:  # prefilled together, a chunk each
-            return self._forward(joining, [min(self.chunk, len(r.tokens) - r.fed) for r in joining])
+        if joining:  # prefilled together, a whole chunk each while the pass has rows for it
+            chunks, left = [], self.rows
+            for request in joining:
+                n = min(self.chunk, len(request.tokens) - request.fed)
+                if n <= left:
+                    chunks.append((request, n))
+                    left -= n
+            return self._forward(*zip(*chunks))
         for request in list(self.running):  # each one's next token needs a slot
             while request in self.running and not self._grow(request):
                 self._preempt([r for r in self.running if r is not request][-1])
@@ -174,25 +190,27 @@ class Engine:
         request.preemptions += 1
 
     def _forward(self, requests: list[Request], counts: list[int]) -> list[tuple[object, int | None]]:
-        """One pass: counts[b] tokens of requests[b] each, right-padded; draw for each request fed to its end."""
-        requests, t = list(requests), max(counts)  # those that finish leave self.running below
-        tables, fed = [r.blocks for r in requests], [r.fed for r in requests]
-        if t == 1 and self.buckets is not None:  # one token per row: a fixed-shape pass
-            logits = self.buckets.decode([r.tokens[r.fed] for r in requests], tables, fed)
-            hidden = logits[:, None]
+        """One pass: counts[b] tokens of requests[b], each token a row of its own as a decoding step computes it
+        (model/serving/rowwise.py); draw for each request fed to its end."""
+        requests = list(requests)  # those that finish leave self.running below
+        rows = [(r, r.fed + j) for r, n in zip(requests, counts) for j in range(n)]  # (request, position)
+        ids, tables, fed = [r.tokens[p] for r, p in rows], [r.blocks for r, _ in rows], [p for _, p in rows]
+        if self.buckets is not None and len(rows) <= self.max_batch:  # a fixed-shape pass
+            hidden = self.buckets.decode(ids, tables, fed)
         else:
-            ids = torch.tensor([r.tokens[r.fed:r.fed + n] + [0] * (t - n) for r, n in zip(requests, counts)],
-                               device=self.device)
-            batch = PagedPass.of(self.pool, tables, fed, counts)
-            with RowsAlone() if t == 1 else contextlib.nullcontext():  # decoding: batch-invariant
-                hidden = self.model(ids, cache=batch)[0]  # (B, t, vocab_size)
-            logits = hidden[torch.arange(len(requests)), torch.tensor(counts) - 1]  # each row's last real token
+            batch = PagedPass.of(self.pool, tables, fed)
+            with RowsAlone():
+                hidden = self.model(torch.tensor(ids, device=self.device)[:, None], cache=batch)[0][:, 0]
+        ends = list(itertools.accumulate(counts))  # each request's rows end here: (rows, vocab_size)
+        logits = hidden[[end - 1 for end in ends]]  # each request's last token's
         self.stats = replace(self.stats, passes=self.stats.passes + 1,
                              peak_blocks=max(self.stats.peak_blocks, self.pool.n_blocks - self.pool.available()))
-        for b, (request, n) in enumerate(zip(requests, counts)):
-            rows = min(n, request.prompt_len - 1 - request.fed)  # positions that predict a prompt token
-            if request.scores_prompt and request.drawn == 0 and rows > 0:  # the first prefill: a preempted one drew
-                request.kept.prompt_logits.append(hidden[b, :rows].clone())
+        for request, n, end in zip(requests, counts, ends):
+            scoring = min(n, request.prompt_len - 1 - request.fed)  # positions that predict a prompt token
+            first = max(request.scored - request.fed, 0)  # a preempted one's are kept already
+            if request.scores_prompt and scoring > first:
+                request.kept.prompt_logits.append(hidden[end - n + first:end - n + scoring].clone())
+                request.scored = request.fed + scoring
             request.fed += n
             self._name_full_blocks(request)
         scored = [r for r in requests if r.fed == len(r.tokens) and not r.max_new_tokens]  # nothing to draw

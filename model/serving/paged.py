@@ -160,15 +160,14 @@ class PagedPass:
         self.mask = (keys <= self.positions[..., None])[:, None]  # (B, 1, t, L): causal, within its own length
 
     @classmethod
-    def of(cls, pool: BlockPool, tables: list[list[int]], fed: list[int], counts: list[int]) -> "PagedPass":
-        """A pass over the engine's block tables. A decoding pass (one token per row) reads the pool's table_width
-        blocks, so that each row's attention sums over as many keys whatever the others need (masked past its
-        length); a prefill pass reads only as many blocks as the longest row needs."""
-        decoding = max(counts) == 1
-        n = pool.table_width if decoding else -(-max(f + c for f, c in zip(fed, counts)) // pool.block_tokens)
-        device = pool.k[0].device
+    def of(cls, pool: BlockPool, tables: list[list[int]], fed: list[int]) -> "PagedPass":
+        """A pass of one token per row over the engine's block tables, after fed[b] tokens of its row's sequence.
+        Every row reads the pool's table_width blocks, so that its attention sums over as many keys whatever the
+        others need (masked past its length)."""
+        n, device = pool.table_width, pool.k[0].device
         table = torch.tensor([row[:n] + [0] * (n - len(row[:n])) for row in tables], device=device)
-        return cls(pool, table, torch.tensor(fed, device=device), torch.tensor(counts, device=device), max(counts))
+        fed = torch.tensor(fed, device=device)
+        return cls(pool, table, fed, torch.ones_like(fed), 1)
 
     def begin(self, t: int) -> CachePass:
         """The pass itself: the engine counts what each sequence has fed."""

@@ -41,6 +41,7 @@ class Request:
     sampling: Sampling | None = None  # its own (else the engine's)
     kept: Kept | None = None  # what its caller asked to keep
     preemptions: int = 0
+    scored: int = 0  # prompt positions whose logits are kept (Kept.prompt)
 
     @property
     def drawn(self) -> int:

@@ -1,19 +1,32 @@
-"""Batch invariance: each row of a decoding pass computed as it would be alone, to the last bit.
+"""Batch invariance: each row of an engine pass computed as it would be alone, to the last bit.
 
 A matmul of M rows may sum in another order than one of a single row: BLAS libraries pick their kernels by M (on
-some CPUs one for 1 row, another for 2 or 3, another from 4). A request's logits would then depend, by rounding,
-on how many others decode beside it, and an int8 pool can turn such a rounding into a whole int8 step of a key.
-So the engine's decoding passes run inside RowsAlone(), where every F.linear is a batched product of 1-row
-matrices, and each row's attention reads as many keys in every pass (paged.py: PagedPass.of).
+some CPUs one for 1 row, another for 2 or 3, another from 4), and attention's kernels sum by how many queries a
+pass holds. A request's logits would then depend, by rounding, on what else the engine runs, and an int8 pool can
+turn such a rounding into a whole int8 step of a key.
 
-Prefill is not batch-invariant: attention's kernels also sum by how many queries a pass holds, so a prompt
-prefilled beside others, or after a cached prefix, may differ from the same prompt alone in the last bits of its
-keys. Rarely, such a bit moves a key of an int8 pool by one level.
+So every pass of the engine, prefill included, feeds one token per row (model/serving/engine.py): a prompt's
+tokens are rows of their own, each reading its keys as a decoding step would, and each row's attention reads as
+many keys in every pass (model/serving/paged.py: PagedPass.of). Inside RowsAlone every product of the pass is
+computed one row at a time: F.linear and the int8 weights' packed kernel as 1-row matrices, an einsum per row of
+its first operand. Batched products (matmul, bmm, attention) whose operands are all batched pass as they are: each
+row is its own matrix there. Any other product raises UnroutedProduct, so that none escapes unnoticed.
 """
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+
+INT8_PACKED = torch.ops.aten._weight_int8pack_mm  # model/decoding/quantize.py: Int8Linear's fused kernel
+BATCHED = {"matmul", "__matmul__", "__rmatmul__", "bmm"}  # per row when both operands are batched (3-d or more)
+ATTENTION = {"scaled_dot_product_attention"}  # each (batch, head) its own queries and keys
+# products that sum rows together in one matrix: RowsAlone refuses them
+UNROUTED = {"mm", "addmm", "mv", "addmv", "dot", "vdot", "inner", "outer", "ger", "addr", "tensordot", "baddbmm",
+            "addbmm", "chain_matmul", "multi_dot", "bilinear", "conv1d", "conv2d", "conv3d", "kron", "_addmm_activation"}
+
+
+class UnroutedProduct(RuntimeError):
+    """A pass inside RowsAlone called a product that it cannot compute one row at a time."""
 
 
 def linear_by_rows(input, weight, bias=None):
@@ -23,8 +36,53 @@ def linear_by_rows(input, weight, bias=None):
     return y if bias is None else y + bias
 
 
+def int8_packed_by_rows(x, weight, scales):
+    """The int8 packed kernel (x (M, in) -> (M, out)), one row of x at a time."""
+    return torch.cat([INT8_PACKED(x[i:i + 1], weight, scales) for i in range(x.size(0))])
+
+
+def einsum_by_rows(equation, *operands):
+    """torch.einsum per index of the first operand's first dimension, which must lead the output and no other
+    operand: each row of a pass alone."""
+    operands = operands[0] if len(operands) == 1 and isinstance(operands[0], (list, tuple)) else operands
+    inputs, output = equation.replace(" ", "").split("->")
+    first, *others = inputs.split(",")
+    row = first[:1]
+    if not row.isalpha() or not output.startswith(row) or any(row in other for other in others):
+        raise UnroutedProduct(f"einsum {equation!r} has no dimension of rows that RowsAlone can split")
+    head, *rest = operands
+    return torch.cat([torch.einsum(equation, head[i:i + 1], *rest) for i in range(head.size(0))])
+
+
+def matmul_by_rows(a, b):
+    """A batched matmul as one bmm of contiguous matrices: each batch element laid out alike, whatever the batch
+    holds, so that every one takes the same kernel (a strided view of one row may take another than of many)."""
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    a, b = (t.expand(*batch, *t.shape[-2:]).reshape(-1, *t.shape[-2:]).contiguous() for t in (a, b))
+    return torch.bmm(a, b).view(*batch, a.size(-2), b.size(-1))
+
+
+def batched(args) -> bool:
+    """Whether a matmul's operands are both batched: torch folds a 2-d one's partner into one matrix of rows."""
+    tensors = [a for a in args[:2] if isinstance(a, torch.Tensor)]
+    return len(tensors) == 2 and all(t.dim() >= 3 for t in tensors)
+
+
 class RowsAlone(TorchFunctionMode):
-    """While inside, F.linear computes each row of its input as it would alone (linear_by_rows)."""
+    """While inside, every product computes each row of a pass as it would alone; UnroutedProduct for those that
+    cannot."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        return (linear_by_rows if func is F.linear else func)(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if func is F.linear:
+            return linear_by_rows(*args, **kwargs)
+        if getattr(func, "_overloadpacket", func) is INT8_PACKED:
+            return int8_packed_by_rows(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        if name == "einsum":
+            return einsum_by_rows(*args, **kwargs)
+        if name in BATCHED and batched(args):
+            return matmul_by_rows(*(args[::-1] if name == "__rmatmul__" else args[:2]))
+        if name in BATCHED or name in UNROUTED:
+            raise UnroutedProduct(f"{name} inside RowsAlone: compute it one row at a time (model/serving/rowwise.py)")
+        return func(*args, **kwargs)
