@@ -78,7 +78,7 @@ def busy(model, schedule, int8: bool, seed: int) -> tuple[dict, Engine]:
 @torch.no_grad()
 def test_each_greedy_request_gets_the_logits_it_gets_alone_to_the_bit(design, precision, int8_pool):
     model = served_model(design, precision)
-    schedule = arrivals(seed=len(design), n=24)
+    schedule = arrivals(seed=len(design), n=16)
     kept, engine = busy(model, schedule, int8_pool, seed=1)
     assert engine.stats.preemptions and engine.stats.reused_tokens  # the schedule preempted and read cached blocks
     checked = 0
@@ -89,7 +89,7 @@ def test_each_greedy_request_gets_the_logits_it_gets_alone_to_the_bit(design, pr
             if kept[name].prompt:
                 assert torch.equal(torch.cat(kept[name].prompt_logits), torch.cat(reference.prompt_logits)), name
             checked += 1
-    assert checked >= 8
+    assert checked >= 5
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "int8"])
