@@ -88,8 +88,7 @@ def test_the_loss_of_a_scored_text_is_the_models_own_cross_entropy(server, local
 
 @pytest.mark.parametrize("echo", [False, True], ids=["drawn", "echo"])
 def test_a_stream_and_a_whole_answer_give_the_same_tokens_and_logprobs_to_the_bit(server, local_model, echo):
-    """Greedy, cut by a stop string that the stream holds back as it arrives; a prompt shorter than a block, so
-    that none of it is read from the cache (a prefill after a cached prefix may differ in the last bits)."""
+    """Greedy, cut by a stop string that the stream holds back as it arrives."""
     prompt, full = PROMPT[:6], greedy_alone(local_model, PROMPT[:6], 40)
     stop = full[25:28]
     text = (prompt if echo else "") + full[:full.index(stop)]
