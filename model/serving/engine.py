@@ -10,8 +10,9 @@ Each step is one forward pass. A waiting request joins as soon as the pool has b
 that another request has already computed for the same first tokens are read, not recomputed. While a joining
 request is computing the first block it lacks, it waits, and then reads that block. Joining requests are
 prefilled together, a chunk of at most `chunk` tokens each per step, as many chunks as pass_rows(max_batch, chunk)
-tokens hold; then every running request decodes one token per step, together. When a decoding request needs a block and none is left, the request that joined last
-is preempted: its blocks go back to the pool, and it waits to be prefilled again, with the tokens it has drawn.
+tokens hold; then every running request decodes one token per step, together. When a decoding request needs a
+block and none is left, the request that joined last is preempted: its blocks go back to the pool, and it waits
+to be prefilled again, with the tokens it has drawn.
 A request leaves when it has drawn its tokens, and its blocks go back. Each request's text is what it would get
 decoded alone (sampled too, with a generator of its own): a context of at most block_size tokens.
 Every pass is batch-invariant, to the last bit: a prompt's tokens are computed as decoding steps would compute

@@ -22,7 +22,8 @@ BATCHED = {"matmul", "__matmul__", "__rmatmul__", "bmm"}  # per row when both op
 ATTENTION = {"scaled_dot_product_attention"}  # each (batch, head) its own queries and keys
 # products that sum rows together in one matrix: RowsAlone refuses them
 UNROUTED = {"mm", "addmm", "mv", "addmv", "dot", "vdot", "inner", "outer", "ger", "addr", "tensordot", "baddbmm",
-            "addbmm", "chain_matmul", "multi_dot", "bilinear", "conv1d", "conv2d", "conv3d", "kron", "_addmm_activation"}
+            "addbmm", "chain_matmul", "multi_dot", "bilinear", "conv1d", "conv2d", "conv3d", "kron",
+            "_addmm_activation"}
 
 
 class UnroutedProduct(RuntimeError):
