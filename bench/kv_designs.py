@@ -211,7 +211,8 @@ def train(args) -> None:
             print(f"|  | decoder - teacher-forced, largest over seeds: {max(gaps):.2e} | | | | | | | |")
     print(f"\nruns in {runs_dir}")
     if args.plot:
-        plots.designs(args.plot, points, "What a design costs and saves: KV-cache bytes against loss",
+        plots.designs(args.plot, points, len(args.seeds),
+                      "What a design costs and saves: KV-cache bytes against loss",
                       f"python train.py preset=cpu {' '.join(args.train_overrides)}, seeds "
                       f"{' '.join(map(str, args.seeds))}: {host()}, {datetime.date.today().isoformat()}")
         print(f"picture: {args.plot}")

@@ -76,9 +76,10 @@ def cache_buys(path: Path, positions: list[int], cached: list[list[float]], unca
     save(fig, path)
 
 
-def designs(path: Path, points: list[dict], title: str, caption: str) -> None:
+def designs(path: Path, points: list[dict], seeds: int, title: str, caption: str) -> None:
     """Loss against cache bytes per token, log scale: one labelled point per design (circles) and per cache over
-    the preset's model (squares). Each point: label, bytes, loss (median), low, high, cache (bool)."""
+    the preset's model (squares), over this many seeds. Each point: label, bytes, loss (median), low, high,
+    cache (bool); a bar from low to high."""
     from matplotlib.ticker import FuncFormatter
     fig, ax = figure(title, "KV-cache bytes per token (log scale)", "val loss through the decoder (nats)",
                      caption)
@@ -95,7 +96,8 @@ def designs(path: Path, points: list[dict], title: str, caption: str) -> None:
     pad = max(high - low, 1e-3) * 0.15
     ax.set_ylim(low - pad, high + pad)
     label_points(ax, points)
-    ax.legend(fontsize=9, title="median over seeds, bar: min-max", title_fontsize=8)
+    ax.legend(fontsize=9, title=f"median of {seeds} seeds, bar: min-max" if seeds > 1 else "one seed",
+              title_fontsize=8)
     save(fig, path)
 
 
@@ -128,27 +130,33 @@ def label_points(ax, points: list[dict], gap_pt: float = 12) -> None:
 def training(path: Path, runs: list[dict], title: str, caption: str) -> None:
     """Val loss against wall-clock seconds, one line per run (label, seconds, val), with each change of its plan
     (plans: seconds, steps) marked on its line: the first where the run fixed its length, the others where it
-    planned again; load: the second from which one core was busy (None: idle), a dotted line."""
+    planned again, the steps each planned in its legend entry; load: the second from which one core was busy
+    (None: idle), a dotted line. The untrained model's first evaluation is left off the lines."""
     import numpy as np
     fig, ax = figure(title, "wall-clock seconds since the run started", "val loss (nats)", caption)
+    drawn = []  # every loss on the axes: the limits hold them all
     for i, run in enumerate(runs):
         color = f"C{i % 10}"  # matplotlib's colour cycle
-        ax.plot(run["seconds"], run["val"], color=color, lw=1.5, marker=".", ms=5, label=run["label"])
+        first = 1 if len(run["val"]) > 1 else 0  # the untrained loss would squeeze the rest into a few pixels
+        planned = ", ".join(f"{steps:,}" for _, steps in run["plans"])
+        ax.plot(run["seconds"][first:], run["val"][first:], color=color, lw=1.5, marker=".", ms=5,
+                label=run["label"] + (f"; steps planned: {planned}" if planned else ""))
+        drawn += run["val"][first:]
         if run["load"] is not None:  # where the machine got busy
             ax.axvline(run["load"], color=color, ls=":", lw=1.2)
-        for j, (seconds, steps) in enumerate(run["plans"]):
-            loss = np.interp(seconds, run["seconds"], run["val"])  # on the line, between two evaluations
+        for j, (seconds, _) in enumerate(run["plans"]):
+            loss = float(np.interp(seconds, run["seconds"], run["val"]))  # on the line, between two evaluations
             ax.plot([seconds], [loss], color=color, ms=8, **(FIXED if j == 0 else AGAIN))
-            above = j % 2 == 0  # marks that follow closely keep their numbers apart
-            ax.annotate(f"{steps:,}", (seconds, loss), xytext=(0, 8 if above else -8), textcoords="offset points",
-                        ha="center", va="bottom" if above else "top", fontsize=7.5, color=color)
-    ax.plot([], [], color="0.3", ls="none", label="the run fixes its length (steps planned)", **FIXED)
-    ax.plot([], [], color="0.3", ls="none", label="the run plans again (steps planned)", **AGAIN)
+            drawn.append(loss)
+    ax.plot([], [], color="0.3", ls="none", label="the run fixes its length", **FIXED)
+    ax.plot([], [], color="0.3", ls="none", label="the run plans again", **AGAIN)
     if any(run["load"] is not None for run in runs):
         ax.plot([], [], color="0.3", ls=":", lw=1.2, label="one core gets busy")
-    ax.set_xlim(left=0)
-    later = [v for run in runs for v in run["val"][1:]]
-    if later:  # the untrained model's first loss would squeeze the rest into a few pixels
-        ax.set_ylim(min(later) - 0.05, max(later) + 0.05)
-    ax.legend(fontsize=9)
+    ax.set_xlim(0, max(s for run in runs for s in run["seconds"]) * 1.03)
+    pad = max(max(drawn) - min(drawn), 1e-3) * 0.05
+    ax.set_ylim(min(drawn) - pad, max(drawn) + pad)
+    untrained = [run["val"][0] for run in runs if len(run["val"]) > 1]
+    span = sorted({f"{v:.2f}" for v in (min(untrained), max(untrained))}) if untrained else []
+    note = f"not drawn: step 0, val {'-'.join(span)}" if span else None
+    ax.legend(fontsize=8.5, loc="upper right", title=note, title_fontsize=8)
     save(fig, path)

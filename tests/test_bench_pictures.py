@@ -138,10 +138,66 @@ def test_each_picture_is_drawn_into_a_png(tmp_path):
                      "past it", "title", "caption")
     points = [dict(label=k, bytes=b, loss=l, low=l - 0.01, high=l + 0.01, cache=c)
               for k, b, l, c in (("mha", 4096, 1.5, False), ("mqa", 1024, 1.52, False), ("int8", 1152, 1.5, True))]
-    plots.designs(tmp_path / "b.png", points, "title", "caption")
+    plots.designs(tmp_path / "b.png", points, 1, "title", "caption")
     runs = [dict(label="idle", seconds=[5, 100, 200], val=[4.2, 2.0, 1.5], plans=[(90, 900), (150, 850)], load=None),
             dict(label="busy", seconds=[5, 100, 200], val=[4.2, 2.1, 1.6], plans=[], load=60.0)]
     plots.training(tmp_path / "c.png", runs, "title", "caption")
     for name in ("a.png", "b.png", "c.png"):
         assert (tmp_path / name).read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.png", "b.png", "c.png"]  # no temporary left
+
+
+def drawn(monkeypatch, draw, *args):
+    """The figure a plots function draws, kept open and laid out instead of saved."""
+    pytest.importorskip("matplotlib")
+    from bench import plots
+    figures = []
+    monkeypatch.setattr(plots, "save", lambda fig, path: figures.append(fig))
+    getattr(plots, draw)(Path("unused.png"), *args)
+    figures[0].canvas.draw()
+    return figures[0], figures[0].axes[0]
+
+
+def test_the_designs_picture_draws_each_points_spread_over_seeds_as_a_bar(monkeypatch):
+    points = [dict(label=k, bytes=b, loss=l, low=l - d, high=l + 2 * d, cache=c) for k, b, l, d, c in
+              (("mha", 4096, 1.515, 0.004, False), ("mqa", 1024, 1.522, 0.006, False), ("int8", 1152, 1.515, 0.004,
+                                                                                         True))]
+    fig, ax = drawn(monkeypatch, "designs", points, 3, "title", "caption")
+    bars = {}  # (bytes, loss) of each point: its bar's lowest and highest loss
+    for container in ax.containers:
+        data, _, bar_lines = container.lines  # the points, the caps, the bars (none without a spread)
+        for segments in bar_lines:
+            for (x, y), segment in zip(data.get_xydata(), segments.get_segments()):
+                bars[x, y] = (segment[:, 1].min(), segment[:, 1].max())
+    assert bars == {(p["bytes"], p["loss"]): pytest.approx((p["low"], p["high"])) for p in points}
+    assert ax.get_legend().get_title().get_text() == "median of 3 seeds, bar: min-max"
+    low, high = ax.get_ylim()
+    assert all(low < p["low"] and p["high"] < high for p in points)
+
+
+def five_minutes() -> list[dict]:
+    """Runs shaped like docs/images/five_minutes.png's: an untrained loss far above the rest, plans close together."""
+    seconds = [25, 31, 55, 82, 107, 132, 157, 182, 207, 232, 257, 290]
+    val = [4.17, 1.96, 1.79, 1.72, 1.66, 1.66, 1.63, 1.61, 1.57, 1.55, 1.52, 1.48]
+    return [dict(label="cpu preset, idle", seconds=[s + 3 for s in seconds], val=[v + 0.01 for v in val],
+                 plans=[(147, 1940)], load=None),
+            dict(label="cpu preset, one core busy from 60 s", seconds=seconds, val=val, plans=[(138, 1796)], load=60),
+            dict(label="cpu preset, one core busy from 170 s", seconds=[s + 2 for s in seconds],
+                 val=[v - 0.005 for v in val], plans=[(147, 2237), (172, 2171), (175, 1857), (188, 2000)], load=170)]
+
+
+def test_the_training_picture_holds_every_curve_and_keeps_its_words_apart(monkeypatch):
+    runs = five_minutes()
+    fig, ax = drawn(monkeypatch, "training", runs, "title", "caption")
+    (x0, x1), (y0, y1) = ax.get_xlim(), ax.get_ylim()
+    lines = [line for line in ax.get_lines() if len(line.get_xdata()) and line.get_linestyle() != ":"]
+    points = [(x, y) for line in lines for x, y in line.get_xydata()]
+    assert len(points) == sum(len(r["val"]) - 1 + len(r["plans"]) for r in runs)  # all but each untrained loss
+    assert all(x0 <= x <= x1 and y0 <= y <= y1 for x, y in points)
+    renderer = fig.canvas.get_renderer()
+    legend = ax.get_legend().get_window_extent(renderer)
+    words = [t.get_window_extent(renderer) for t in ax.texts if t.get_visible() and t.get_text()]
+    assert not any(a.overlaps(b) for i, a in enumerate(words) for b in words[i + 1:])
+    assert not any(legend.overlaps(w) for w in words)
+    assert not any(legend.contains(*ax.transData.transform(p)) for p in points)
+    assert ax.get_legend().get_title().get_text() == "not drawn: step 0, val 4.17-4.18"
