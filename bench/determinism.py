@@ -4,6 +4,7 @@ distinct completions counted and their log-probabilities compared.
 
     python bench/determinism.py                          # the classic shape (block 256), random weights
     python bench/determinism.py --checkpoint runs/RUN    # a trained model
+    python bench/determinism.py --checkpoint runs/RUN --llama-cpp-python VENV/bin/python   # and llama.cpp's server
 
 A serve.py started on a free loopback port gets the probe (a line of the val split) --sends times in two phases:
 alone, one request at a time on an idle server; then among --traffic other requests from --clients clients at once,
@@ -23,11 +24,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.configs import check_room, host, run_tool  # noqa: E402
+from bench.other_python import check_module, export, start_llama_server, version  # noqa: E402
 from bench.serve_load import post_completion, served_model, start_server  # noqa: E402
 from runtime.checkpoint import existing_checkpoint  # noqa: E402
 from runtime.errors import OneLineErrorParser, UsageError, positive_int  # noqa: E402
 
 TOP = 5  # logprobs asked for: the top tokens at each place, compared too
+VLLM = "vLLM was not run: its CPU build is too heavy to install on a machine of this size"
 
 
 async def complete(port: int, prompt: str, new: int) -> tuple[str, list]:
@@ -60,6 +63,19 @@ def report(name: str, answers: list, reference: tuple) -> str:
     return f"| {name} | {len(answers)} | {distinct} | {same_bits} of {len(answers)} |"
 
 
+def llama_phases(python: str, checkpoint: Path, folder: Path, context: int, probe: str, others: list[str],
+                 args) -> tuple[list, list]:
+    """The same two phases, through the same client, against llama.cpp's server on the checkpoint's GGUF export."""
+    gguf = export(checkpoint, folder / "gguf", "--format", "gguf") / "model.gguf"
+    server, port = start_llama_server(python, gguf, context)
+    try:
+        alone = asyncio.run(phase(port, probe, [], args.sends, 1, args.new))
+        return alone, asyncio.run(phase(port, probe, others, args.sends, args.clients, args.new))
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
 def main() -> None:
     parser = OneLineErrorParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", type=existing_checkpoint, help="a run directory or .pt file")
@@ -68,7 +84,12 @@ def main() -> None:
     parser.add_argument("--clients", type=positive_int, default=32)
     parser.add_argument("--new", type=positive_int, default=64, help="tokens each completion draws")
     parser.add_argument("--kv-cache", choices=("float", "int8"), default="float", help="serve.py's --kv-cache")
+    parser.add_argument("--llama-cpp-python", metavar="PYTHON",
+                        help="a Python with llama-cpp-python[server]: the same phases against llama.cpp's server")
     args = parser.parse_args()
+    if args.llama_cpp_python:
+        check_module("--llama-cpp-python", args.llama_cpp_python, "llama.cpp's server", '"llama-cpp-python[server]"',
+                     "llama_cpp.server")
     with tempfile.TemporaryDirectory() as folder:
         model, vocab, data, checkpoint = served_model(args.checkpoint, Path(folder))
         check_room("--new", args.new, model.config.block_size)
@@ -87,6 +108,8 @@ def main() -> None:
         finally:
             server.terminate()
             server.wait(30)
+        llama = args.llama_cpp_python and llama_phases(args.llama_cpp_python, checkpoint, Path(folder),
+                                                       model.config.block_size, probe, others, args)
     print(f"# serve.py, --kv-cache {args.kv_cache}: the probe {probe!r} sent {args.sends} times per phase, greedy, "
           f"{args.new} tokens; mixed: among {len(others)} others ({len(shared)} sharing its first half), "
           f"{args.clients} clients; {host()}, torch {torch.__version__}")
@@ -94,6 +117,14 @@ def main() -> None:
     print("|---|---|---|---|")
     print(report("alone", alone, alone[0]))
     print(report("mixed traffic", mixed, alone[0]))
+    if llama:
+        print(report("llama.cpp server: alone", llama[0], llama[0][0]))
+        print(report("llama.cpp server: mixed traffic", llama[1], llama[0][0]))
+        print(f"llama.cpp: llama-cpp-python {version(args.llama_cpp_python, 'llama_cpp_python')}, on the GGUF "
+              "export; its logprobs are compared with its own first alone answer")
+    else:
+        print("llama.cpp's server was not run: --llama-cpp-python PYTHON runs it")
+    print(VLLM)
 
 
 if __name__ == "__main__":

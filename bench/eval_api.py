@@ -6,12 +6,11 @@
 The val split is cut into windows of block_size characters. Each is sent to a serve.py on a free loopback port with
 echo, logprobs 0 and max_tokens 0, which scores the text: every token's log-probability but the first's. The mean
 negative log-likelihood over those tokens is set beside kvgpt's own: the cross-entropy of one forward pass over the
-same windows, in this process. lm-evaluation-harness's `local-completions` scores the same way; where lm_eval is
-installed, this says so and how to point it at the server, and where it is not, that too.
+same windows, in this process. lm-evaluation-harness's `local-completions` scores the same way, from a Python of its
+own: bench/lm_eval_api.py runs it against serve.py.
 """
 
 import asyncio
-import importlib.util
 import math
 import sys
 import time
@@ -90,10 +89,8 @@ def main() -> None:
         mean = sum(losses) / len(losses)
         print(f"| {name} | {mean:.6f} | {math.exp(mean):.4f} |")
     print(f"largest difference of one token's NLL: {worst:.2e}; the API scored {len(api) / seconds:,.0f} tokens/s")
-    if importlib.util.find_spec("lm_eval") is None:
-        print("lm-evaluation-harness is not installed (pip install lm-eval): its local-completions run was skipped")
-    else:
-        print(f"lm-evaluation-harness is installed: point its local-completions at {url}/v1/completions")
+    print(f"lm-evaluation-harness, from a Python of its own: python bench/lm_eval_api.py --checkpoint "
+          f"{args.checkpoint} --lm-eval-python PYTHON")
 
 
 if __name__ == "__main__":

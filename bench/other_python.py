@@ -1,0 +1,74 @@
+"""Tools the benches run from a Python of their own (a venv outside this one): lm-evaluation-harness, and
+llama.cpp's server from llama-cpp-python. A Python that lacks the tool is refused in one line, before any work."""
+
+import json
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.configs import REPO, training_failed  # noqa: E402
+from runtime.errors import UsageError  # noqa: E402
+
+STARTUP = 300  # seconds llama.cpp's server may take to load the model and listen
+
+
+def check_module(option: str, python: str, tool: str, install: str, *modules: str) -> None:
+    """Refuse, in one line, a Python given by option that does not run or cannot import each module."""
+    for module in modules:
+        try:
+            found = subprocess.run([python, "-c", f"import {module}"], capture_output=True, timeout=300).returncode
+        except OSError as error:
+            raise UsageError(f"{option} {python}: {error.strerror}; {tool} was not run")
+        if found != 0:
+            raise UsageError(f"{option} {python} has no {module} (pip install {install} in its venv): "
+                             f"{tool} was not run")
+
+
+def run(command: list[str], what: str, **options) -> subprocess.CompletedProcess:
+    """A command that must succeed: where it fails, its own last line of stderr, as the error."""
+    result = subprocess.run([str(part) for part in command], capture_output=True, text=True, **options)
+    if result.returncode != 0:
+        raise training_failed(what, result)
+    return result
+
+
+def export(checkpoint: Path, out: Path, *options: str) -> Path:
+    """The checkpoint exported by export.py (for transformers, or as options say) to out."""
+    run([sys.executable, REPO / "export.py", "--checkpoint", checkpoint, out, *options], "export.py")
+    return out
+
+
+def version(python: str, package: str) -> str:
+    return run([python, "-c", f"import importlib.metadata as m; print(m.version({package!r}))"], python).stdout.strip()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_llama_server(python: str, gguf: Path, context: int) -> tuple[subprocess.Popen, int]:
+    """llama-cpp-python's OpenAI server on gguf, on a free loopback port, once it answers: the process and port.
+    The context is the model's block_size; logits_all lets it return logprobs."""
+    port = free_port()
+    errors = tempfile.TemporaryFile("w+")  # its log, kept for the error it may end with
+    process = subprocess.Popen([python, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
+                                "--port", str(port), "--n_ctx", str(context), "--n_threads", "1",
+                                "--logits_all", "True"], stdout=errors, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + STARTUP
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5))
+            return process, port
+        except OSError:
+            time.sleep(0.5)
+    process.kill()
+    process.wait()
+    errors.seek(0)
+    raise training_failed("llama_cpp.server", subprocess.CompletedProcess(process.args, 1, "", errors.read()))
