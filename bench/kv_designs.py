@@ -4,7 +4,8 @@
     python bench/kv_designs.py speed --compile            # the same, with each one-token step compiled
     python bench/kv_designs.py speed --designs smallest   # only these designs, beside MHA
     python bench/kv_designs.py train --seeds 1337 1 2     # each design trained with the cpu preset, then measured
-    python bench/kv_designs.py train --runs-dir keep/     # keep the runs; a design already trained there is reused
+    python bench/kv_designs.py train --runs-dir keep/     # keep the runs; one trained there is reused, one stopped
+                                                          # part-way (Ctrl-C) goes on from its last.pt
     python bench/kv_designs.py train --designs mha int8   # only these designs
     python bench/kv_designs.py train --plot docs/images/designs.png   # the picture too, from the same run
 
@@ -151,20 +152,30 @@ def speed(args) -> None:
         print(f"\nint8 cache / fp32 cache at batch 64: {median_spread(int8)}")
 
 
+def finished(run_dir: Path) -> bool:
+    """Whether the run in run_dir trained to its end: its last.pt at train.max_iters, or ended by train.patience."""
+    if not (run_dir / "best.pt").is_file() or not (run_dir / "last.pt").is_file():
+        return False
+    state = torch.load(run_dir / "last.pt", map_location="cpu", weights_only=True)["training"]
+    tc = state["config"]["train"]
+    return state["step"] == tc["max_iters"] or (tc.get("patience") is not None and state["since_best"] >= tc["patience"])
+
+
 def train_run(overrides: list[str], seed: int, runs_dir: Path, extra: list[str]) -> tuple[Path, float | None]:
-    """The run directory of `train.py preset=cpu` with these overrides and seed, trained unless already there;
-    the wall seconds it took (None when reused)."""
+    """The run directory of `train.py preset=cpu` with these overrides and seed, trained unless already there (one
+    stopped part-way goes on from its last.pt); the wall seconds of a whole run trained here (None otherwise)."""
     name = "-".join(o.split(".")[-1].replace("=", "") for o in overrides) or "preset"
     run_dir = (runs_dir / f"{name}-seed{seed}").resolve()
-    if (run_dir / "best.pt").is_file():
+    if finished(run_dir):
         return run_dir, None
+    resume = [f"train.resume={run_dir}"] if (run_dir / "last.pt").is_file() else []
     start = time.time()
     result = subprocess.run([sys.executable, str(REPO / "train.py"), "preset=cpu", *overrides, *extra,
-                             f"train.seed={seed}", f"hydra.run.dir={run_dir}"], cwd=REPO, capture_output=True,
+                             f"train.seed={seed}", f"hydra.run.dir={run_dir}", *resume], cwd=REPO, capture_output=True,
                             text=True)
     if result.returncode != 0:
         raise training_failed(f"training {overrides}", result)
-    return run_dir, time.time() - start
+    return run_dir, None if resume else time.time() - start
 
 
 def train(args) -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from bench.curve import read_curve, read_plans
-from bench.kv_designs import TRAINED, bytes_per_token
+from bench.kv_designs import TRAINED, bytes_per_token, train_run
 from bench.per_token import step_seconds
 from bench.train_quality import picture_run
 from model import kv_cache_bytes_per_token
@@ -201,3 +201,22 @@ def test_the_training_picture_holds_every_curve_and_keeps_its_words_apart(monkey
     assert not any(legend.overlaps(w) for w in words)
     assert not any(legend.contains(*ax.transData.transform(p)) for p in points)
     assert ax.get_legend().get_title().get_text() == "not drawn: step 0, val 4.17-4.18"
+
+
+def test_a_designs_run_is_reused_once_trained_to_its_end_and_one_stopped_part_way_goes_on(tmp_path, monkeypatch):
+    """A run stopped part-way already has a best.pt: measuring it as trained would compare designs at unequal steps."""
+    import bench.kv_designs
+    commands = []
+    monkeypatch.setattr(bench.kv_designs.subprocess, "run",
+                        lambda command, **_: commands.append(command) or subprocess.CompletedProcess(command, 0))
+    for name, step in (("preset-seed1", 1000), ("preset-seed2", 95)):  # trained to its end; stopped at step 95
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "best.pt").write_bytes(b"")
+        torch.save({"training": {"step": step, "since_best": 0, "config": {"train": {"max_iters": 1000}}}},
+                   tmp_path / name / "last.pt")
+    ran = {seed: train_run([], seed, tmp_path, ["train.max_iters=1000"]) for seed in (1, 2, 3)}
+    assert ran[1] == (tmp_path / "preset-seed1", None) and ran[2] == (tmp_path / "preset-seed2", None)
+    assert ran[3][0] == tmp_path / "preset-seed3" and ran[3][1] >= 0  # trained here, whole: its seconds
+    resumed, fresh = commands
+    assert resumed[-1] == f"train.resume={tmp_path / 'preset-seed2'}" and "train.seed=2" in resumed
+    assert "train.seed=3" in fresh and not any(a.startswith("train.resume=") for a in fresh)
