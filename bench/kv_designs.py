@@ -158,7 +158,8 @@ def finished(run_dir: Path) -> bool:
         return False
     state = torch.load(run_dir / "last.pt", map_location="cpu", weights_only=True)["training"]
     tc = state["config"]["train"]
-    return state["step"] == tc["max_iters"] or (tc.get("patience") is not None and state["since_best"] >= tc["patience"])
+    patience = tc.get("patience")
+    return state["step"] == tc["max_iters"] or (patience is not None and state["since_best"] >= patience)
 
 
 def train_run(overrides: list[str], seed: int, runs_dir: Path, extra: list[str]) -> tuple[Path, float | None]:
