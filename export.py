@@ -11,15 +11,11 @@ write (a full disk) is one line with status 1, and leaves no half-written folder
 export, removes what it wrote, and exits with 128 + the signal's number (130 for Ctrl-C, 143 for SIGTERM).
 """
 
-import signal
 import sys
 
-from runtime.stop_signals import stop_signals
+from runtime.stop_signals import ignoring_stop_signals_after, record_stop_signals
 
-EARLY_SIGNALS = []  # a stop signal that came while the modules below loaded, which takes seconds
-if __name__ == "__main__":
-    for _stop_signal in stop_signals():
-        signal.signal(_stop_signal, lambda signum, frame: EARLY_SIGNALS.append(signal.Signals(signum).name))
+EARLY_SIGNALS = record_stop_signals() if __name__ == "__main__" else []  # while the modules below load
 
 from pathlib import Path  # noqa: E402
 
@@ -72,8 +68,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    try:
+    with ignoring_stop_signals_after():  # the export is whole or gone by then
         main()
-    finally:  # the export is whole or gone and its status set: a signal now (as Python exits) would only change it
-        for _stop_signal in StopSignals.SIGNALS:
-            signal.signal(_stop_signal, signal.SIG_IGN)

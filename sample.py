@@ -24,15 +24,14 @@ be written (a full disk) is one line with status 1; a reader that stops early (`
 import signal
 import sys
 
-from runtime.stop_signals import stop_signals
+from runtime.stop_signals import ignoring_stop_signals_after, record_stop_signals
 
-EARLY_SIGNALS = []  # a stop signal that came while the modules below loaded, which takes seconds
+EARLY_SIGNALS = []  # a stop signal that came while the modules below loaded
 if __name__ == "__main__":
     if sys.stderr is not None and sys.stderr.isatty():  # the modules take seconds: say so, cleared in main()
         sys.stderr.write("loading torch…")
         sys.stderr.flush()
-    for _stop_signal in stop_signals():
-        signal.signal(_stop_signal, lambda signum, frame: EARLY_SIGNALS.append(signal.Signals(signum).name))
+    EARLY_SIGNALS = record_stop_signals()
 
 from model import Sampling  # noqa: E402
 from runtime.checkpoint import find_latest_checkpoint, load_model, resolve_checkpoint  # noqa: E402
@@ -95,8 +94,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    try:
+    with ignoring_stop_signals_after():
         main()
-    finally:  # only the exit is left: a signal now would interrupt its atexit callbacks, with a traceback
-        for _stop_signal in StopSignals.SIGNALS:
-            signal.signal(_stop_signal, signal.SIG_IGN)

@@ -11,14 +11,14 @@ error event. Before then, while it loads, a stop signal interrupts it (status 13
 one line on stderr with status 2. docs/serving.md says more.
 """
 
-import signal
 import sys
 
 from runtime.checkpoint import find_latest_checkpoint, load_model, resolve_checkpoint
 from runtime.devices import choose_device
 from runtime.command import run_command
 from runtime.errors import UsageError
-from runtime.signals import StopSignals, interrupt_on_signals
+from runtime.signals import interrupt_on_signals
+from runtime.stop_signals import ignoring_stop_signals_after
 
 try:
     from server.app import StoppingServer, build_app
@@ -65,8 +65,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    try:
+    with ignoring_stop_signals_after():
         main()
-    finally:  # the server has stopped and its status is set: a signal now would only add a traceback or change it
-        for stop_signal in StopSignals.SIGNALS:
-            signal.signal(stop_signal, signal.SIG_IGN)

@@ -21,7 +21,6 @@ outlives its terminal.
 import contextlib
 import dataclasses
 import os
-import signal
 import sys
 import threading
 import time
@@ -38,6 +37,7 @@ from model import build_model
 from runtime.devices import choose_device, keep_freed_memory, thread_counts
 from runtime.command import fail, run_command
 from runtime.errors import ConfigError, OutputError, exit_status, one_line
+from runtime.stop_signals import ignoring_stop_signals_after
 from runtime.streams import write_line
 from training.applies import named_keys
 from training.budget import process_started
@@ -199,10 +199,7 @@ if __name__ == "__main__":
     keep_freed_memory()
     interrupt_on_signals()
     threading.excepthook = report_thread_error
-    try:
+    with ignoring_stop_signals_after():
         run_command("train.py", command, ends=(Exception,), speak=is_rank_zero())
-    finally:  # the run has ended, and its status is set: a signal now would only add a traceback or change it
-        for stop_signal in StopSignals.SIGNALS:
-            signal.signal(stop_signal, signal.SIG_IGN)
     if failed_jobs:
         sys.exit(failed_jobs[0])

@@ -101,7 +101,7 @@ def test_a_stop_signal_during_a_reply_saves_the_session_with_every_character_sho
     saved is the text shown, to the character, with the line typed."""
     session = tmp_path / "chat.pt"
     process = started(sample_command(models["model"], "--interactive", "--temperature", 0, "--session", session,
-                                     "--max-new-tokens", 10**6), signum,
+                                     "--max-new-tokens", 10**6, "--no-compile"), signum,
                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     shown = []
     reader = threading.Thread(target=lambda: shown.extend(iter(lambda: process.stdout.read(1), "")), daemon=True)
