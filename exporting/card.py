@@ -1,6 +1,8 @@
 """The exported folder's model card (README.md) and generation_config.json: what the model is, what it was trained
 on, how far it was trained, and how to load it."""
 
+import json
+
 from runtime.hf import CLASSES, rolls
 
 
@@ -8,7 +10,9 @@ def facts(contents: dict) -> dict[str, str]:
     """What a checkpoint records of its training, as strings (model.safetensors' metadata holds them too)."""
     text, training = contents.get("text") or {}, contents.get("training") or {}
     loss = training.get("best_val_loss")
+    counts = text.get("char_counts")
     return {"data": text.get("source", "not recorded"), "data_sha256": text.get("sha256", ""),
+            "data_char_counts": json.dumps(counts) if counts is not None else "",
             "steps": str(training["step"]) if "step" in training else "not recorded",
             "best_val_loss": f"{loss:.4f}" if isinstance(loss, float) else "not recorded"}
 
@@ -27,8 +31,8 @@ def generation_config(config) -> dict:
             "pad_token_id": None}
 
 
-def model_card(config, kind: str, fmt: str, contents: dict) -> str:
-    """README.md of an exported folder."""
+def model_card(config, kind: str, fmt: str, contents: dict, special: str | None) -> str:
+    """README.md of an exported folder; special: the character its tokenizer names bos, eos and unk, if any."""
     f = facts(contents)
     c, sha = config, f" (sha256 {f['data_sha256'][:12]})" if f["data_sha256"] else ""
     engine = {"hf": "transformers", "onnx": "onnxruntime", "gguf": "llama.cpp"}[fmt]
@@ -53,6 +57,7 @@ def model_card(config, kind: str, fmt: str, contents: dict) -> str:
         use = ("model.onnx takes input_ids, position_ids and each layer's past keys and values, and returns the "
                "logits and each layer's present keys and values. kvgpt's docs/export.md shows the loop.\n")
         head = ""
+    named = f"; bos, eos and unk name {special!r} (docs/export.md)" if special is not None else ""
     close = " up to llama.cpp's arithmetic (docs/export.md)" if fmt == "gguf" else ""
     where = f"llama.cpp, {kind}" if fmt == "gguf" else f"transformers, {CLASSES[kind][0]}"
     return (f"{head}# A character-level GPT trained with kvgpt\n\n"
@@ -60,5 +65,5 @@ def model_card(config, kind: str, fmt: str, contents: dict) -> str:
             f"block_size {c.block_size}; in {where}\n"
             f"- data: {f['data']}{sha}\n"
             f"- training steps: {f['steps']}\n- best val loss: {f['best_val_loss']}\n"
-            f"- tokenizer: one token per character, {c.vocab_size} characters\n\n"
+            f"- tokenizer: one token per character, {c.vocab_size} characters{named}\n\n"
             f"Weights are float32 and give kvgpt's logits{close}. {past}\n\n{use}")

@@ -15,7 +15,7 @@ from runtime.checkpoint import load_model, resolve_checkpoint
 from runtime.errors import Interrupted, OutputError, UsageError, one_line
 from runtime.files import cannot_make_a_file_in
 from runtime.hf import GGUF_FILE, ONNX_FILE, SOURCE_KEY, check_layers, model_type, to_hf
-from runtime.tokenizer import write_tokenizer
+from runtime.tokenizer import special_token, write_tokenizer
 
 from .card import facts, generation_config, model_card
 from .gguf import gguf_arch, gguf_warning, write_gguf
@@ -59,7 +59,8 @@ def export(checkpoint, out, fmt: str = "hf", precision: str = "fp32", signals=No
     """Write checkpoint's model into the new or empty folder out, in format fmt ("hf": transformers; "onnx";
     "gguf": llama.cpp). signals: a StopSignals (runtime/signals.py), whose first stop signal ends the export at its
     next step and a second at once; either way what was written goes, and the export raises Interrupted.
-    warn: called with a line where the export runs kvgpt's model only in part (a GGUF past block_size)."""
+    warn: called with a line where the export runs kvgpt's model only in part (a GGUF past block_size), or where
+    the checkpoint records no character counts to choose the tokenizer's bos, eos and unk from."""
     out = Path(out)
     if fmt not in FORMATS:
         raise UsageError(f"--format {fmt} is not one of {', '.join(FORMATS)}")
@@ -72,14 +73,17 @@ def export(checkpoint, out, fmt: str = "hf", precision: str = "fp32", signals=No
         check_layers(model)
     except ValueError as e:
         raise UsageError(f"{path} cannot be exported: {e}") from None
-    if fmt == "gguf" and warn is not None and (line := gguf_warning(model)):
+    counts = (contents.get("text") or {}).get("char_counts")
+    special = None if fmt == "gguf" else special_token(vocab, counts)  # a GGUF file names none
+    line = gguf_warning(model) if fmt == "gguf" else None if counts is not None else unknown_counts(path, special)
+    if warn is not None and line:
         warn(line)
     inside = target.is_dir()  # an empty folder that exists is kept, and its files are moved into it at the end
     temporary = (target if inside else target.parent) / f".{target.name[:64]}.{uuid.uuid4().hex}.partial"
     try:
         stop(signals)
         os.mkdir(temporary)  # 0777 less the umask, as any new folder; its files get 0666 less it, as any new ones
-        for write in writes(model, vocab, contents, kind, fmt, path):
+        for write in writes(model, vocab, special, contents, kind, fmt, path):
             stop(signals)
             write(temporary)
         finish(signals)  # from here on a signal is only noted: the export is whole
@@ -94,6 +98,12 @@ def export(checkpoint, out, fmt: str = "hf", precision: str = "fp32", signals=No
         finish(signals)  # a signal cannot stop the cleaning up
         shutil.rmtree(temporary, ignore_errors=True)
     return out
+
+
+def unknown_counts(path: Path, special: str) -> str:
+    """The line export.py prints for a checkpoint that records no character counts (an earlier kvgpt's)."""
+    return (f"{path} records no character counts of its training text, so bos, eos and unk name the vocabulary's "
+            f"last character, {special!r}: CTranslate2 and vLLM end the text there unless told not to")
 
 
 def stop(signals) -> None:
@@ -125,9 +135,10 @@ def put_in_place(temporary: Path, target: Path, inside: bool) -> None:
         raise
 
 
-def writes(model, vocab, contents: dict, kind: str, fmt: str, source: Path) -> list:
-    """The export's files, each written by one call on the folder: the model, the tokenizer and the model card.
-    A stop signal ends the export between two. source: the checkpoint file exported."""
+def writes(model, vocab, special: str | None, contents: dict, kind: str, fmt: str, source: Path) -> list:
+    """The export's files, each written by one call on the folder: the model, the tokenizer (special named bos,
+    eos and unk) and the model card. A stop signal ends the export between two. source: the checkpoint file
+    exported."""
     def model_files(folder: Path) -> None:
         if fmt == "hf":
             write_hf(model, contents, folder, source)
@@ -137,8 +148,8 @@ def writes(model, vocab, contents: dict, kind: str, fmt: str, source: Path) -> l
             from .onnx import write_onnx
             write_onnx(model, folder / ONNX_FILE)
 
-    card = model_card(model.config, kind, fmt, contents)
-    tokenizer = [] if fmt == "gguf" else [lambda folder: write_tokenizer(vocab, folder)]
+    card = model_card(model.config, kind, fmt, contents, special)
+    tokenizer = [] if fmt == "gguf" else [lambda folder: write_tokenizer(vocab, special, folder)]
     return [model_files, *tokenizer, lambda folder: (folder / "README.md").write_text(card, encoding="utf-8")]
 
 

@@ -10,7 +10,8 @@ A checkpoint is a plain dict of tensors, numbers, strings, lists and dicts, so i
     model             the model's state_dict (no `_orig_mod.` or `module.` prefix)
 
 and one that train.py writes adds `text`, what it was trained on ({"source": tiny_shakespeare or the file's path,
-"sha256": the file's}), and `training`: optimizers, schedulers (one per optimiser), step, best_val_loss,
+"sha256": the file's, "char_counts": how often its training split holds each character, in id order, absent from
+files of earlier versions}), and `training`: optimizers, schedulers (one per optimiser), step, best_val_loss,
 rng, config and run_id (the identity of the run directory it was saved in: a run continues in place only in
 the directory whose checkpoints record its own; absent from files of earlier versions). A run with
 train.ema_decay saves the moving average of its weights as `model`, and the weights it trains as
@@ -19,12 +20,14 @@ training["raw_model"].
 
 import argparse
 import dataclasses
+import json
 import math
 import pickle
 import re
 import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from data import (DATASETS, SHAKESPEARE, VAL_FRACTION, CharVocab, DataError, PreparedData,
@@ -44,17 +47,22 @@ VERSION = 2  # bump when the layout changes; older files then get a clear error 
 LAYOUT = {"model_config": dict, "vocab": str, "model": dict, "text": dict, "training": dict}
 OPTIONAL = ("text", "training")
 TEXT = {"source": str, "sha256": str}
+COUNTING_CHUNK = 1 << 24  # tokens counted at once: np.bincount copies them into 64-bit integers
 TRAINING_KEYS = ("optimizers", "schedulers", "step", "best_val_loss", "rng", "config")
 
 
 def checkpoint_contents(config: GPTConfig, vocab: CharVocab, state: dict, *, source: str = "",
-                        sha256: str | None = None, training: dict | None = None) -> dict:
+                        sha256: str | None = None, char_counts: list[int] | None = None,
+                        training: dict | None = None) -> dict:
     """A checkpoint's contents in the layout above, the one place they are put together: a model's weights
-    (state), its config and vocabulary; the text it was trained on where its sha256 is known; the training state."""
+    (state), its config and vocabulary; the text it was trained on where its sha256 is known, with its characters'
+    counts where known; the training state."""
     contents = {"format": FORMAT, "version": VERSION, "model_config": dataclasses.asdict(config),
                 "vocab": vocab.chars, "model": state}
     if sha256 is not None:
         contents["text"] = {"source": source, "sha256": sha256}
+        if char_counts is not None:
+            contents["text"]["char_counts"] = char_counts
     if training is not None:
         missing = set(TRAINING_KEYS) - training.keys()
         if missing:
@@ -67,8 +75,17 @@ def build_checkpoint(model: GPT, vocab: CharVocab, training: dict | None = None,
                      text: PreparedData | None = None) -> dict:
     """A checkpoint's contents: the model and its vocabulary, what it was trained on, and for resuming, the
     training state."""
-    recorded = {} if text is None else {"source": text.source, "sha256": text.sha256}
+    recorded = {} if text is None else {"source": text.source, "sha256": text.sha256,
+                                        "char_counts": char_counts(text.train, len(vocab))}
     return checkpoint_contents(model.config, vocab, model.state_dict(), **recorded, training=training)
+
+
+def char_counts(tokens: np.ndarray, size: int) -> list[int]:
+    """How often each of the ids 0..size-1 occurs in tokens, a chunk at a time."""
+    counts = np.zeros(size, dtype=np.int64)
+    for start in range(0, len(tokens), COUNTING_CHUNK):
+        counts += np.bincount(tokens[start:start + COUNTING_CHUNK], minlength=size)
+    return counts.tolist()
 
 
 def save_checkpoint(contents: dict, path) -> Path:
@@ -163,10 +180,15 @@ def load_export(path: Path) -> dict:
     (runtime/hf.py: read_export). load_model checks the weights' names and shapes."""
     try:
         config, state, vocab, recorded = read_export(path)
+        counts = recorded.get("data_char_counts")
+        contents = checkpoint_contents(config, vocab, state, source=recorded.get("data", ""),
+                                       sha256=recorded.get("data_sha256") or None,
+                                       char_counts=json.loads(counts) if counts else None)
+        if damage := layout_damage(contents):
+            raise ValueError(damage)
     except Exception as e:  # a damaged file can fail anywhere in json, safetensors or the mapping
         raise CheckpointError(export_damaged(path, e)) from None
-    return checkpoint_contents(config, vocab, state, source=recorded.get("data", ""),
-                               sha256=recorded.get("data_sha256") or None)
+    return contents
 
 
 def export_damaged(path: Path, error: Exception) -> str:
@@ -190,6 +212,10 @@ def layout_damage(contents: dict) -> str | None:
     text = contents.get("text")
     if text is not None and not all(isinstance(text.get(key), kind) for key, kind in TEXT.items()):
         return "text is not a source and a sha256"
+    counts = (text or {}).get("char_counts")
+    if counts is not None and not (isinstance(counts, list) and len(counts) == len(contents["vocab"]) and
+                                   all(is_integer(n) and n >= 0 for n in counts)):
+        return "text's char_counts are not one count per character"
     state = contents.get("training")
     if state is None:
         return None

@@ -7,9 +7,10 @@ exactly. The vocabulary has no unknown token: the tokenizer drops a character ou
 characters first where that matters.
 
 CTranslate2 needs bos, eos and unk named, and its converter refuses a tokenizer larger than the model's logits. A
-token added for them (transformers adds any it does not find) would be one more, so all three name the vocabulary's
-first character (special_token): every id stays a character and the logits are kvgpt's. Engines that end the text at
-eos (CTranslate2, vLLM) then stop at that character unless told not to (docs/export.md)."""
+token added for them (transformers adds any it does not find) would be one more, so all three name one of the
+vocabulary's characters (special_token): the one the training text holds least often, which the model is least
+likely to write. Engines that end the text at eos (CTranslate2, vLLM) or leave special tokens out of it (the
+pipeline) then change kvgpt's text only where it holds that character (docs/export.md)."""
 
 import json
 from pathlib import Path
@@ -31,25 +32,29 @@ def tokenizer_json(vocab: CharVocab) -> dict:
     }
 
 
-def special_token(vocab: CharVocab) -> str:
-    """The character named bos, eos and unk: id 0, so that every id stays a character and no logit is added."""
-    return vocab.chars[0]
+def special_token(vocab: CharVocab, counts: list[int] | None) -> str:
+    """The character named bos, eos and unk: of counts (how often the training text holds each character, in id
+    order), the least frequent, the lowest id among equals. Without counts, the vocabulary's last character: the
+    highest code point, which is never the newline or the space in a text that has letters."""
+    if counts is None:
+        return vocab.chars[-1]
+    return vocab.chars[min(range(len(vocab)), key=lambda i: (counts[i], i))]
 
 
-def tokenizer_config(vocab: CharVocab) -> dict:
-    """What AutoTokenizer reads first: the fast tokenizer of tokenizer.json, which leaves spaces as they are."""
-    special = special_token(vocab)
+def tokenizer_config(special: str) -> dict:
+    """What AutoTokenizer reads first: the fast tokenizer of tokenizer.json, which leaves spaces as they are, with
+    the character special_token chose as bos, eos and unk."""
     return {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
             "model_input_names": ["input_ids", "attention_mask"],
             "bos_token": special, "eos_token": special, "unk_token": special}
 
 
-def write_tokenizer(vocab: CharVocab, folder: Path) -> None:
-    """Write tokenizer.json and tokenizer_config.json into folder."""
+def write_tokenizer(vocab: CharVocab, special: str, folder: Path) -> None:
+    """Write tokenizer.json and tokenizer_config.json into folder, special named bos, eos and unk."""
     (folder / "tokenizer.json").write_text(json.dumps(tokenizer_json(vocab), ensure_ascii=False, indent=1) + "\n",
                                            encoding="utf-8")
-    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(vocab), indent=1) + "\n",
-                                                  encoding="utf-8")
+    config = json.dumps(tokenizer_config(special), ensure_ascii=False, indent=1)
+    (folder / "tokenizer_config.json").write_text(config + "\n", encoding="utf-8")
 
 
 def read_vocab(folder: Path) -> CharVocab:

@@ -39,6 +39,8 @@ def damage(contents: dict, how: str) -> dict:
         del state["schedulers"]
     elif how == "the text recorded as a string":
         contents["text"] = "corpus.txt"
+    elif how == "character counts one short":
+        contents["text"]["char_counts"].pop()
     return contents
 
 
@@ -47,7 +49,8 @@ def damage(contents: dict, how: str) -> dict:
                                  "one optimizer too many",
                                  "a scheduler that is no dict", "best_val_loss of the wrong type",
                                  "rng of the wrong type", "a step that is a string",
-                                 "the training state missing a key", "the text recorded as a string"])
+                                 "the training state missing a key", "the text recorded as a string",
+                                 "character counts one short"])
 def test_a_damaged_checkpoint_that_still_loads_is_refused_in_one_line(tmp_path, data_root, short_run, how):
     path = tmp_path / "damaged.pt"
     save_checkpoint(damage(torch.load(short_run / "last.pt", weights_only=True), how), path)

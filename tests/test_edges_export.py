@@ -18,7 +18,7 @@ pytest.importorskip("onnxruntime")
 from programs import ENV, REPO, assert_one_line_error, child_signal  # noqa: E402
 from runtime.checkpoint import build_checkpoint, save_checkpoint  # noqa: E402
 import export as export_py  # noqa: E402
-from test_export import VOCAB, kvgpt_model, run_export  # noqa: E402
+from test_export import TRAINED_ON, VOCAB, kvgpt_model, run_export  # noqa: E402
 
 HF_FILES = ["README.md", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
             "tokenizer_config.json"]
@@ -29,7 +29,8 @@ ONNX_FILES = ["README.md", "model.onnx", "tokenizer.json", "tokenizer_config.jso
 def run(tmp_path) -> Path:
     """A run directory holding a tiny model's best.pt, alone in tmp_path."""
     (tmp_path / "run").mkdir()
-    save_checkpoint(build_checkpoint(kvgpt_model("learned multi-head"), VOCAB), tmp_path / "run" / "best.pt")
+    model = kvgpt_model("learned multi-head")
+    save_checkpoint(build_checkpoint(model, VOCAB, text=TRAINED_ON), tmp_path / "run" / "best.pt")
     return tmp_path / "run"
 
 

@@ -5,7 +5,6 @@ weights alone, says at once that it cannot be resumed and what to do instead."""
 import json
 import shutil
 import subprocess
-from types import SimpleNamespace
 
 import pytest
 
@@ -18,7 +17,7 @@ from runtime.checkpoint import (build_checkpoint, layout_damage, load_checkpoint
                                 save_checkpoint)
 from runtime.errors import CheckpointError  # noqa: E402
 from runtime.hf import SOURCE_KEY  # noqa: E402
-from test_export import VOCAB  # noqa: E402
+from test_export import TRAINED_ON, VOCAB  # noqa: E402
 from test_train import TINY, data_overrides  # noqa: E402
 from tiny_models import random_model  # noqa: E402
 from training.runs import weights_only  # noqa: E402
@@ -36,10 +35,10 @@ def exported(tmp_path_factory):
 
 def test_a_folder_reads_back_in_the_layout_of_the_checkpoint_it_was_exported_from(tmp_path):
     """One layout for every checkpoint: a folder read back holds the entries of the checkpoint it came from, the
-    text it was trained on recorded alike (all-zero biases read back as none: the same function)."""
+    text it was trained on and its characters' counts recorded alike (all-zero biases read back as none: the same
+    function)."""
     (tmp_path / "run").mkdir()
-    text = SimpleNamespace(source="corpus.txt", sha256="0123456789abcdef" * 4)
-    contents = build_checkpoint(random_model(), VOCAB, text=text)
+    contents = build_checkpoint(random_model(), VOCAB, text=TRAINED_ON)
     save_checkpoint(contents, tmp_path / "run" / "best.pt")
     back = load_checkpoint(export(tmp_path / "run", tmp_path / "hf"))
     assert layout_damage(back) is None and back.keys() == contents.keys()
@@ -106,6 +105,26 @@ def test_weights_of_another_shape_are_a_damaged_folder_not_another_version(expor
     message = str(error.value)
     assert message.startswith(f"{folder} {DAMAGED}RuntimeError: ") and message.endswith(AGAIN), message
     assert "size mismatch for blocks.0.mlp.proj.weight" in message and "version" not in message
+
+
+@pytest.mark.parametrize("counts, fragment", [
+    ("[1, 2]", "ValueError: text's char_counts are not one count per character"),
+    ("[1, 2", "JSONDecodeError: "),
+])
+def test_character_counts_damaged_in_the_metadata_are_a_damaged_folder(tmp_path, counts, fragment):
+    """The counts choose the bos, eos and unk of a folder exported from this one: damaged, they are refused."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+    (tmp_path / "run").mkdir()
+    save_checkpoint(build_checkpoint(random_model(), VOCAB, text=TRAINED_ON), tmp_path / "run" / "best.pt")
+    folder = export(tmp_path / "run", tmp_path / "hf")
+    with safe_open(folder / "model.safetensors", framework="pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(folder / "model.safetensors")
+    save_file(tensors, folder / "model.safetensors", metadata={**metadata, "data_char_counts": counts})
+    with pytest.raises(CheckpointError) as error:
+        load_model(folder)
+    assert str(error.value).startswith(f"{folder} {DAMAGED}{fragment}") and str(error.value).endswith(AGAIN)
 
 
 WEIGHTS_ALONE = "holds the weights alone, no optimiser state or step to continue: "

@@ -20,11 +20,13 @@ from runtime.hf import to_hf  # noqa: E402
 from model import GREEDY, CausalSelfAttention, KVCache, generate  # noqa: E402
 from runtime.checkpoint import build_checkpoint, load_model, save_checkpoint  # noqa: E402
 from runtime.errors import CheckpointError  # noqa: E402
-from tiny_models import BLOCK_SIZE, random_model  # noqa: E402
+from tiny_models import BLOCK_SIZE, random_model, trained_on  # noqa: E402
 from tolerance import assert_forward_close, forward_atol  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = CharVocab("\n !abcdefghij")  # 13 characters, spaces and newlines among them: tiny_models' VOCAB
+RAREST = "b"  # the training text's rarest character, named bos, eos and unk: the greedy texts below write none
+TRAINED_ON = trained_on(VOCAB, RAREST)
 # design -> (GPTConfig fields, transformers class, seed). The rotary models' seeds are ones whose greedy text past
 # block_size differs with and without kvgpt's window, so that a window lost on the way would show.
 DESIGNS = {
@@ -57,7 +59,7 @@ def exported(tmp_path_factory):
     for i, design in enumerate(DESIGNS):
         run = tmp_path_factory.mktemp(f"run{i}")
         model = kvgpt_model(design)
-        save_checkpoint(build_checkpoint(model, VOCAB), run / "best.pt")
+        save_checkpoint(build_checkpoint(model, VOCAB, text=TRAINED_ON), run / "best.pt")
         folders[design] = (model, export(run, run / "hf"), run)
     return folders
 
@@ -128,12 +130,12 @@ def test_rotary_multi_head_past_block_size_attends_every_token_in_transformers(e
 
 def test_the_pipeline_and_sample_py_give_the_greedy_text_of_the_folder(exported):
     model, folder, _ = exported["rotary grouped-query"]
-    n = 2 * BLOCK_SIZE
+    prompt, n = "\nab", 2 * BLOCK_SIZE  # its greedy text writes newlines, past block_size too
     pipe = transformers.pipeline("text-generation", model=str(folder))
-    # the pipeline leaves special tokens out by default: the newline, named bos, eos and unk, would go
-    text = pipe(ROTARY_PROMPT, do_sample=False, max_new_tokens=n, skip_special_tokens=False)[0]["generated_text"]
-    assert text == kvgpt_greedy(model, ROTARY_PROMPT, n)
-    sampled = subprocess.run([sys.executable, "sample.py", "--checkpoint", str(folder), "--prompt", ROTARY_PROMPT,
+    # at its defaults: it leaves special tokens out, and only RAREST is one, which this text does not hold
+    text = pipe(prompt, max_new_tokens=n)[0]["generated_text"]
+    assert text == kvgpt_greedy(model, prompt, n) and "\n" in text[len(prompt):]
+    sampled = subprocess.run([sys.executable, "sample.py", "--checkpoint", str(folder), "--prompt", prompt,
                               "--temperature", "0", "--max-new-tokens", str(n)],
                              cwd=REPO, capture_output=True, text=True, timeout=300)
     assert sampled.returncode == 0, sampled.stderr
@@ -149,12 +151,13 @@ def test_the_tokenizer_encodes_and_decodes_every_character_exactly(exported):
 
 
 def test_engines_read_bos_eos_unk_and_context_from_the_folder_which_adds_no_token_and_no_cap(exported):
-    """bos, eos and unk name the first character, so no id is added past the logits (the tests above give kvgpt's
-    logits and text with them); GPT-2 has n_ctx; a rolling design's config stops nothing at block_size."""
+    """bos, eos and unk name the training text's rarest character, so no id is added past the logits (the tests
+    above give kvgpt's logits and text with them); GPT-2 has n_ctx; a rolling design's config stops nothing at
+    block_size."""
     for design, (_, folder, _) in exported.items():
         tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
-        assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.unk_token) == (VOCAB.chars[0],) * 3
-        assert len(tokenizer) == len(VOCAB) and tokenizer.eos_token_id == 0
+        assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.unk_token) == (RAREST,) * 3
+        assert len(tokenizer) == len(VOCAB) and tokenizer.eos_token_id == VOCAB.encode(RAREST)[0]
         config = json.loads((folder / "config.json").read_text())
         if design in ROLLS:
             assert config["sliding_window"] == BLOCK_SIZE and config["max_position_embeddings"] >= 1 << 20
@@ -222,7 +225,7 @@ def run_export(capsys, *argv) -> tuple[int, str]:
 
 @pytest.fixture
 def run(tmp_path):
-    save_checkpoint(build_checkpoint(kvgpt_model("learned multi-head"), VOCAB), tmp_path / "best.pt")
+    save_checkpoint(build_checkpoint(kvgpt_model("learned multi-head"), VOCAB, text=TRAINED_ON), tmp_path / "best.pt")
     return tmp_path
 
 

@@ -31,6 +31,7 @@ import training.budget
 import training.config
 import training.loop
 import training.optim
+from data import VAL_FRACTION
 from model import GPT, GPTConfig, build_model
 from training.budget import EXIT_S, steps_within
 from runtime.checkpoint import save_checkpoint
@@ -64,6 +65,12 @@ def data_overrides(data_root: Path) -> list[str]:
 
 def corpus_file(data_root: Path) -> Path:
     return corpus.write_corpus(data_root.parent / f"{data_root.name}-source" / "corpus.txt")
+
+
+def training_counts(path: Path, vocab: str) -> list[int]:
+    """How often the training split of the text at path (all but its last VAL_FRACTION) holds each character."""
+    text = path.read_text(encoding="utf-8")
+    return [text[:int(len(text) * (1 - VAL_FRACTION))].count(char) for char in vocab]
 
 
 def config(tmp_path: Path, data_root: Path, *overrides: str):
@@ -144,7 +151,8 @@ def test_checkpoints_load_with_weights_only(tiny_run, data_root):
     assert last["training"]["step"] == 40 and best["training"]["step"] in (20, 40)
     assert last["training"]["best_val_loss"] == best["training"]["best_val_loss"] == pytest.approx(min(scalars(run_dir, "loss/val").values()))
     assert last["training"]["config"]["model"]["n_layer"] == 2 and last["training"]["config"]["data"]["text"] == str(corpus_file(data_root))
-    assert last["text"] == best["text"] == {"source": str(corpus_file(data_root)), "sha256": corpus.SHA256}
+    assert last["text"] == best["text"] == {"source": str(corpus_file(data_root)), "sha256": corpus.SHA256,
+                                            "char_counts": training_counts(corpus_file(data_root), last["vocab"])}
     assert set(last["training"]["rng"][0]) == {"torch", "batches"}
     model = build_model(GPTConfig(**last["model_config"]))
     model.load_state_dict(last["model"])  # strict: same keys, no wrapper prefixes
@@ -724,7 +732,8 @@ def test_own_text_trains_in_a_folder_of_its_own_and_is_recorded(tmp_path):
     last = torch.load(next((tmp_path / "runs").glob("*/last.pt")), weights_only=True)
     assert last["training"]["config"]["train"]["sample_prompt"] == "Le café est très bon, dit-elle.\n"  # recorded
     assert last["vocab"] == "".join(sorted(set(OWN_TEXT)))
-    assert last["text"] == {"source": "notes.txt", "sha256": sha256}
+    assert last["text"] == {"source": "notes.txt", "sha256": sha256,
+                            "char_counts": training_counts(tmp_path / "notes.txt", last["vocab"])}
     sampled = subprocess.run([sys.executable, str(REPO / "sample.py"), "--prompt", "Le", "--max-new-tokens", "5"],
                              cwd=tmp_path, env=train_env(), capture_output=True, text=True, timeout=120)
     best = next((tmp_path / "runs").glob("*/best.pt"))

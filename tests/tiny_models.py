@@ -1,5 +1,8 @@
 """Tiny GPTs for the tests: random ones with pronounced attention, and briefly trained ones."""
 
+from types import SimpleNamespace
+
+import numpy as np
 import torch
 
 from model import GPT, GPTConfig, build_model
@@ -22,6 +25,14 @@ def random_model(seed=0, **overrides) -> GPT:
             if p.dim() > 1:
                 p.normal_(0.0, 0.2)
     return model.eval()
+
+
+def trained_on(vocab, rarest: str) -> SimpleNamespace:
+    """What build_checkpoint records of a run's text (a PreparedData's source, sha256 and training split): every
+    character of vocab three times, but rarest once, so that an export names rarest bos, eos and unk."""
+    text = rarest + vocab.chars.replace(rarest, "") * 3
+    return SimpleNamespace(source="corpus.txt", sha256="0123456789abcdef" * 4,
+                           train=np.array(vocab.encode(text), dtype=np.uint16))
 
 
 def random_tokens(*shape, seed=0) -> torch.Tensor:
