@@ -134,7 +134,8 @@ class PagedLayer:
                 .view(B, n * bt, *store.shape[1:]).transpose(1, 2) for name, store in self.stores.items()}
         if not b.pool.int8:
             return rows["k"], rows["v"]
-        return tuple(Quantized(rows[x], rows[f"{x}_scale"].to(b.pool.dtype)) for x in ("k", "v"))
+        # int8 rows copied in order, cheaper than the float ones attention would otherwise copy (rowwise.py)
+        return tuple(Quantized(rows[x].contiguous(), rows[f"{x}_scale"].to(b.pool.dtype)) for x in ("k", "v"))
 
 
 class Int8PagedLayer(PagedLayer):

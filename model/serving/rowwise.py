@@ -55,11 +55,17 @@ def einsum_by_rows(equation, *operands):
     return torch.cat([torch.einsum(equation, head[i:i + 1], *rest) for i in range(head.size(0))])
 
 
+def one_layout(t: torch.Tensor) -> torch.Tensor:
+    """t as row-major matrices, or as column-major ones when it is so already: a layout that its batch keeps
+    whatever it holds. A strided view of one row merges into a batch of matrices that many rows would be copied to."""
+    return t if t.transpose(-2, -1).is_contiguous() else t.contiguous()
+
+
 def matmul_by_rows(a, b):
-    """A batched matmul as one bmm of contiguous matrices: each batch element laid out alike, whatever the batch
-    holds, so that every one takes the same kernel (a strided view of one row may take another than of many)."""
+    """A batched matmul as one bmm of matrices laid out alike, whatever the batch holds, so that every one takes
+    the same kernel."""
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-    a, b = (t.expand(*batch, *t.shape[-2:]).reshape(-1, *t.shape[-2:]).contiguous() for t in (a, b))
+    a, b = (one_layout(t.expand(*batch, *t.shape[-2:])).reshape(-1, *t.shape[-2:]) for t in (a, b))
     return torch.bmm(a, b).view(*batch, a.size(-2), b.size(-1))
 
 
