@@ -15,6 +15,7 @@ from model.decoding.quantize import to_precision
 from model.serving.engine import Engine
 from model.serving.request import Kept
 from model.serving.rowwise import RowsAlone, UnroutedProduct
+from torch.utils._python_dispatch import TorchDispatchMode
 from tiny_models import VOCAB, random_model
 
 BLOCK = 32  # block_size: a shared prefix, a request's own prompt and its draws
@@ -107,6 +108,38 @@ def test_every_product_of_a_pass_is_computed_a_row_at_a_time(design, precision):
     list(together.run())
     for prompt, mine in zip(prompts, kept):
         assert torch.equal(torch.cat(mine.prompt_logits), torch.cat(alone(model, prompt, 0, False).prompt_logits))
+
+
+class Products(TorchDispatchMode):
+    """Records each matrix product that reaches torch's kernels: its name and the rows of its first operand."""
+
+    BATCHED = {"bmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_attention_math"}
+    ROWS = {"mm", "addmm", "mv", "addmv", "dot", "vdot", "_weight_int8pack_mm"}
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._overloadpacket.__name__
+        if name in self.BATCHED | self.ROWS:
+            self.seen.append((name, 1 if name in self.BATCHED else args[1 if name.startswith("add") else 0].size(0)))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+@pytest.mark.parametrize("design", DESIGNS)
+@torch.no_grad()
+def test_no_kernel_of_a_pass_multiplies_two_rows_in_one_matrix(design, precision):
+    """Whatever a product's kernel does with its rows, RowsAlone hands it one row at a time: every matrix product
+    that reaches a kernel during a pass of many rows is batched (a matrix per row) or has a single row."""
+    model = served_model(design, precision)
+    engine = Engine(model, n_blocks=BLOCK, block_tokens=4, chunk=BLOCK)
+    for i, prompt in enumerate([[1, 2, 3, 4, 5, 6, 7], [7, 6, 5]]):
+        engine.add(i, prompt, 2)
+    with Products() as products:
+        list(engine.run())
+    assert products.seen and all(rows == 1 for _, rows in products.seen), sorted(set(products.seen))
 
 
 def test_rows_alone_refuses_a_product_it_cannot_split_into_rows():
