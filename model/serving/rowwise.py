@@ -9,8 +9,9 @@ So every pass of the engine, prefill included, feeds one token per row (model/se
 tokens are rows of their own, each reading its keys as a decoding step would, and each row's attention reads as
 many keys in every pass (model/serving/paged.py: PagedPass.of). Inside RowsAlone every product of the pass is
 computed one row at a time: F.linear and the int8 weights' packed kernel as 1-row matrices, an einsum per row of
-its first operand. Batched products (matmul, bmm, attention) whose operands are all batched pass as they are: each
-row is its own matrix there. Any other product raises UnroutedProduct, so that none escapes unnoticed.
+its first operand, a batched matmul (both operands 3-d or more) as one bmm of matrices laid out alike whatever the
+batch holds. Attention's own kernel takes each row's queries and keys apart already. Any other product raises
+UnroutedProduct, so that none escapes unnoticed.
 """
 
 import torch
@@ -19,7 +20,6 @@ from torch.overrides import TorchFunctionMode
 
 INT8_PACKED = torch.ops.aten._weight_int8pack_mm  # model/decoding/quantize.py: Int8Linear's fused kernel
 BATCHED = {"matmul", "__matmul__", "__rmatmul__", "bmm"}  # per row when both operands are batched (3-d or more)
-ATTENTION = {"scaled_dot_product_attention"}  # each (batch, head) its own queries and keys
 # products that sum rows together in one matrix: RowsAlone refuses them
 UNROUTED = {"mm", "addmm", "mv", "addmv", "dot", "vdot", "inner", "outer", "ger", "addr", "tensordot", "baddbmm",
             "addbmm", "chain_matmul", "multi_dot", "bilinear", "conv1d", "conv2d", "conv3d", "kron",
