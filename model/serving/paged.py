@@ -6,8 +6,8 @@ tensors; model/serving/blocks.py keeps their books (who reads each block, the pr
 goes next), and BlockPool is both: the books, and the tensors they count.
 
 A forward pass reads each sequence through its table (PagedPass): the model sees it as a cache, with one row per
-sequence, each row's keys gathered from its blocks and masked past its own length. model/serving/engine.py schedules
-requests over the pool.
+token the engine feeds, each row's keys gathered from its sequence's blocks and masked past its own position.
+model/serving/engine.py schedules requests over the pool.
 """
 
 import itertools
