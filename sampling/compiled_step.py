@@ -1,5 +1,5 @@
 """Compiled decoding steps kept on disk: compiling costs tens of seconds once, and loading a step compiled before
-takes about a second, most of it importing torch's compiler (model/decoding/aot_step.py).
+takes hundredths of a second: its native code is loaded without importing torch's compiler (model/decoding/aot_step.py).
 
 A step is built one of two ways. A shared step reads the weights of the model it is given, so one serves every
 model of its shape. A packed step holds one model's weights, frozen into it and laid out for the CPU's matrix
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 import model as model_package
-from model.decoding.aot_step import AotStep, export_step, quiet_tracing, step_signature
+from model.decoding.aot_step import AotStep, export_step, load_package, quiet_tracing, step_signature
 from runtime.files import write_atomically
 
 # one-token steps after which compiling the step for the first time has paid for itself (docs/benchmarks.md)
@@ -92,7 +92,7 @@ def load_or_compile_step(model, cache, tokens: int = 1, say=print, packed: bool 
     they are now) and caches shaped like `cache`: loaded if compiled before, else compiled and kept (or, where
     nothing can be written, compiled for this run only). say: one line to the user."""
     def load(package) -> AotStep:
-        return AotStep(torch._inductor.aoti_load_package(str(package)), model, cache, tokens, packed)
+        return AotStep(load_package(package), model, cache, tokens, packed)
 
     path = step_path(model, cache, tokens, packed)
     if path.is_file():

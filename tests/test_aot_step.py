@@ -2,7 +2,12 @@
 gives the logits of a full forward over the same context, it reads the weights of the model it is bound to, and
 a step kept on disk is loaded, not compiled again, for that shape only."""
 
+import os
+import subprocess
+import sys
+import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +23,7 @@ from tolerance import assert_forward_close
 from model.caches.factory import new_kv_cache
 from model.caches.ring import Uncached
 
+REPO = Path(__file__).resolve().parents[1]
 ROWS, PROMPT = 2, 5
 PAD = torch.tensor([0, 3])  # the second row starts with 3 tokens of left padding
 
@@ -76,6 +82,33 @@ def test_a_kept_step_is_loaded_and_reads_the_weights_it_is_given(kept, monkeypat
     cache.reset()
     fresh = new_kv_cache(model, ROWS)
     assert_forward_close(step.decode_step(tokens, cache), model.decode_step(tokens, fresh), model)
+
+
+def test_a_kept_step_loads_without_importing_the_compiler(kept, tmp_path):
+    """A new process loads the kept step and decodes with it, and torch's compiler, whose import alone costs about a
+    second of start-up, was never imported."""
+    model, _, _, folder, _ = kept
+    program = textwrap.dedent(f"""
+        import sys, torch
+        sys.path[:0] = [{str(REPO)!r}, {str(REPO / "tests")!r}]
+        from sampling.compiled_step import has_compiled_step, load_or_compile_step
+        from tiny_models import random_model
+        from model.caches.factory import new_kv_cache
+        model = random_model(seed=1, pos_emb="rope")
+        if not has_compiled_step(model, new_kv_cache(model, {ROWS})):
+            sys.exit("no step is kept for this model: model/'s code changed since it was compiled?")
+        step = load_or_compile_step(model, new_kv_cache(model, {ROWS}), say=lambda line: sys.exit(line))
+        torch.save(step.decode_step(torch.ones({ROWS}, 1, dtype=torch.long), new_kv_cache(model, {ROWS})),
+                   "logits.pt")
+        print("torch._inductor" in sys.modules)
+    """)
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "KVGPT_CACHE_DIR": str(folder), "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False", "loading the kept step imported torch's compiler"
+    tokens = torch.ones(ROWS, 1, dtype=torch.long)
+    assert_forward_close(torch.load(tmp_path / "logits.pt", weights_only=True),
+                         model.decode_step(tokens, new_kv_cache(model, ROWS)), model)
 
 
 def test_another_shape_or_cache_has_another_step(kept, monkeypatch):

@@ -13,7 +13,7 @@ fastest, for that model's weights alone.
 
     program = export_step(model, cache)
     package = torch._inductor.aoti_compile_and_package(program)   # sampling/compiled_step.py keeps it on disk
-    step = AotStep(torch._inductor.aoti_load_package(package), model, cache)
+    step = AotStep(load_package(package), model, cache)
     ids = generate(model, prompt, 500, cache=cache, step=step)     # one-token steps through the compiled step
 
 export_step(model, cache, tokens=k + 1) compiles a pass of 1 to k + 1 tokens per row instead, the count an input
@@ -21,7 +21,6 @@ of the compiled code: speculative decoding's verification (model/serving/specula
 shorter than k.
 """
 
-import functools
 import warnings
 from contextlib import contextmanager
 
@@ -108,6 +107,12 @@ def quiet_tracing():
         yield
 
 
+def load_package(package) -> torch._C._aoti.AOTIModelPackageLoader:
+    """A compiled package's code (package: a path), loaded by the loader that torch._inductor.aoti_load_package
+    builds, without importing torch's compiler first: that import alone costs about a second of start-up."""
+    return torch._C._aoti.AOTIModelPackageLoader(str(package), "model", False, 1, -1)
+
+
 def step_signature(cache) -> list[tuple[str, tuple, torch.dtype]]:
     """What a cache must match to go through a compiled step: each tensor's name, shape and dtype."""
     return [(name, tuple(t.shape), t.dtype) for name, t in cache_tensors(cache)]
@@ -120,9 +125,11 @@ class AotStep:
 
     cache = None  # the one cache a step serves; None: any cache shaped like the one it was exported with
 
-    def __init__(self, runner, model, cache, tokens: int = 1, packed: bool = False):
+    def __init__(self, runner: torch._C._aoti.AOTIModelPackageLoader, model, cache, tokens: int = 1,
+                 packed: bool = False):
         self.runner, self.model, self.tokens, self.signature = runner, model, tokens, step_signature(cache)
-        self.read = (None, [])  # (the last cache stepped through, its tensors in the step's order)
+        # the last cache stepped through, its tensors in the step's order, and where its first tensor is held
+        self.read = (None, [], {}, None)
         if packed:  # the weights were frozen into the step when it was compiled: it reads none of the model's
             return
         weights = {f"model.{name}": t for name, t in [*model.named_parameters(remove_duplicate=False),
@@ -132,8 +139,9 @@ class AotStep:
         if missing:
             raise ValueError(f"the compiled step reads {', '.join(missing[:3])}, which this model lacks: it was "
                              f"compiled for another model")
-        # user-managed: the step reads the model's own tensors, never a copy of them
-        runner.load_constants({name: weights[name] for name in names}, check_full_update=True, user_managed=True)
+        # user-managed: the step reads the model's own tensors, never a copy of them. The arguments after the
+        # tensors: use_inductor_constants, check_full_update, user_managed, allow_h2d_copy.
+        runner.load_constants({name: weights[name] for name in names}, False, True, True, False)
 
     def fits(self, cache, tokens: int = 1) -> bool:
         """Whether this step takes passes of `tokens` tokens per row through `cache`."""
@@ -145,16 +153,16 @@ class AotStep:
 
     def __call__(self, idx, cache):
         """idx (B, T), T from 1 to tokens -> logits (B, T, vocab_size)."""
-        # contiguous: the step was built for rows of tokens side by side, not slices of longer sequences. The
-        # loader's own call: the package's __call__ parses its input and output specs again at every step.
-        return self.runner.loader.boxed_run([idx.contiguous(), *self.tensors(cache)])[0]
+        # contiguous: the step was built for rows of tokens side by side, not slices of longer sequences
+        return self.runner.boxed_run([idx.contiguous(), *self.tensors(cache)])[0]
 
     def tensors(self, cache) -> list[torch.Tensor]:
         """The cache's tensors in the order the step takes them, listed once per cache: caches write them in place.
         A cache moved or converted (Module.to) holds new tensors, its first one among them, and is listed again."""
-        last, tensors = self.read
-        if cache is not last or functools.reduce(getattr, self.signature[0][0].split("."), cache) is not tensors[0]:
-            self.read = cache, [t for _, t in cache_tensors(cache)]
+        last, tensors, buffers, first = self.read
+        if cache is not last or buffers.get(first) is not tensors[0]:
+            owner, _, first = self.signature[0][0].rpartition(".")
+            self.read = cache, [t for _, t in cache_tensors(cache)], cache.get_submodule(owner)._buffers, first
         return self.read[1]
 
     def decode_step(self, idx, cache):
