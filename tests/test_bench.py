@@ -68,6 +68,7 @@ def test_a_candidate_may_be_named_with_commas_and_spaces(tmp_path: Path):
     ("kv_budget.py", ["--budgets", "0.5", "2"], ["--budgets", "must be a fraction of block_size in (0, 1], got 2"]),
     ("kv_budget.py", ["--budgets", "0"], ["--budgets", "must be a fraction of block_size in (0, 1], got 0"]),
     ("sample_speed.py", ["--repeats", "0"], ["--repeats", "got 0"]),
+    ("start_up.py", ["--checkpoint", "MISSING"], ["--checkpoint", "no checkpoint at"]),
     ("step_paths.py", ["--shape", "huge"], ["--shape", "'huge'"]),
     ("train_throughput.py", ["--steps", "0"], ["--steps", "got 0"]),
 ])
