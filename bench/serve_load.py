@@ -2,16 +2,20 @@
 
     python bench/serve_load.py                          # the classic shape (block 256), random weights
     python bench/serve_load.py --checkpoint runs/RUN    # a trained model
+    python bench/serve_load.py --client openai          # through OpenAI's client, as most users call a server
 
 --requests requests, each a line of the play's val split continued by --new greedy tokens, are sent to a serve.py
 started on a free loopback port, streamed, by 1, 8 and 64 clients at once (each sends its next request when its
 last one has ended). Reported per concurrency, median (min-max) of --repeats: requests and new tokens per second
 over the wall time, and the time to first token, median and p99 over the requests. The same requests are then
 decoded one at a time through generate in this process, with as many threads, and every text is compared.
-The clients are plain asyncio HTTP, so that the machine's time goes to the server, not to a client library.
+The clients are plain asyncio HTTP, a connection per request, so that the machine's time goes to the server, not to
+a client library. --client openai sends them through OpenAI's client instead (AsyncOpenAI, streaming), which keeps
+its connections open between requests, as most users' code does.
 """
 
 import asyncio
+import importlib.util
 import json
 import statistics
 import subprocess
@@ -19,6 +23,7 @@ import sys
 import tempfile
 import time
 import urllib.parse
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -53,15 +58,38 @@ async def complete(port: int, prompt: str, new: int) -> tuple[float, str]:
     return first, "".join(text)
 
 
-async def load(port: int, prompts: list[str], new: int, clients: int):
-    """Every prompt sent by `clients` clients at once: the wall time, each request's first-token time and text."""
+def openai_completer(port: int):
+    """complete() through OpenAI's client: one AsyncOpenAI, whose connections stay open between requests."""
+    import openai
+
+    url = f"http://127.0.0.1:{port}/v1"
+    with urllib.request.urlopen(f"{url}/models") as answer:
+        model = json.load(answer)["data"][0]["id"]
+    api = openai.AsyncOpenAI(base_url=url, api_key="none")
+
+    async def complete_through_openai(port: int, prompt: str, new: int) -> tuple[float, str]:
+        start = time.perf_counter()
+        stream = await api.completions.create(model=model, prompt=prompt, max_tokens=new, temperature=0, stream=True)
+        first, text = None, []
+        async for chunk in stream:
+            if chunk.choices:
+                first = first or time.perf_counter() - start
+                text.append(chunk.choices[0].text)
+        return first, "".join(text)
+    return complete_through_openai
+
+
+async def load(port: int, prompts: list[str], new: int, clients: int, via: str = "http"):
+    """Every prompt sent by `clients` clients at once, via plain HTTP or OpenAI's client: the wall time, each
+    request's first-token time and text."""
     queue = list(enumerate(prompts))
     results = [None] * len(prompts)
+    send = complete if via == "http" else openai_completer(port)
 
     async def client():
         while queue:
             i, prompt = queue.pop(0)
-            results[i] = await complete(port, prompt, new)
+            results[i] = await send(port, prompt, new)
 
     start = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(clients)))
@@ -123,7 +151,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--threads", type=thread_count, default=1, help="the server's and generate's CPU threads")
     parser.add_argument("--max-batch", type=positive_int, default=64, help="serve.py's --max-batch")
+    parser.add_argument("--client", choices=("http", "openai"), default="http",
+                        help="plain asyncio HTTP, a connection per request, or OpenAI's client (pip install openai)")
     args = parser.parse_args()
+    if args.client == "openai" and importlib.util.find_spec("openai") is None:
+        raise UsageError("--client openai: OpenAI's client is not installed: pip install openai")
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as folder:
         model, vocab, data, checkpoint = served_model(args.checkpoint, Path(folder))
@@ -137,8 +169,8 @@ def main() -> None:
         port = urllib.parse.urlsplit(url).port
         try:
             print(f"# {args.requests} requests, {args.new} new tokens each, serve.py --max-batch {args.max_batch}: "
-                  f"{host()}, torch {torch.__version__}, {args.threads} thread(s); median (min-max) of "
-                  f"{args.repeats}")
+                  f"{host()}, torch {torch.__version__}, {args.threads} thread(s), {args.client} clients; median "
+                  f"(min-max) of {args.repeats}")
             print("| clients | requests/s | tokens/s | first token, median (s) | first token, p99 (s) | vs one at a "
                   "time |")
             print("|---|---|---|---|---|---|")
@@ -147,7 +179,7 @@ def main() -> None:
             texts = {}
             for _ in range(args.repeats):  # the ways alternate, so that a slower spell of the machine hits each
                 for clients in CONCURRENCY:
-                    runs[clients].append(asyncio.run(load(port, lines, args.new, clients)))
+                    runs[clients].append(asyncio.run(load(port, lines, args.new, clients, args.client)))
                 start = time.perf_counter()
                 for line in lines:
                     ids = torch.tensor([vocab.encode(line)])
