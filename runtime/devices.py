@@ -2,10 +2,11 @@
 whether a training fits in its memory."""
 
 import ctypes
+import math
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from decimal import Decimal
 
 import torch
@@ -121,6 +122,29 @@ def time_in_turns(works: dict, rounds: int) -> dict:
             if turn:
                 seconds[key].append(clock() - start)
     return {key: statistics.median(times) for key, times in seconds.items()}
+
+
+def race_threads(steps: Callable[[], Iterable], rounds: int) -> tuple[int, dict[int, float]]:
+    """Set torch's thread count to the one with which iterating steps() runs fastest now; return it and every
+    count's median seconds. The counts take turns, fewest threads first, an untimed turn first (time_in_turns).
+    A count that has taken longer than the fastest of its turn stops there: it has lost the turn. On a busy machine
+    two threads can be many times slower than one, and finishing their work would cost more than the rest."""
+    seconds = {threads: [] for threads in thread_counts()}
+    for turn in range(rounds + 1):
+        fastest = math.inf
+        for threads, times in seconds.items():
+            torch.set_num_threads(threads)
+            start = clock()
+            for _ in steps():
+                if clock() - start > fastest:
+                    break
+            fastest = min(fastest, clock() - start)
+            if turn:
+                times.append(clock() - start)
+    medians = {threads: statistics.median(times) for threads, times in seconds.items()}
+    threads = min(medians, key=medians.get)
+    torch.set_num_threads(threads)
+    return threads, medians
 
 
 def fastest_threads(work: Callable[[], object], rounds: int) -> tuple[int, dict[int, float]]:

@@ -15,7 +15,7 @@ from model.protocol import Step
 from model.serving.ngram_draft import NGramTable
 from model.serving.speculative import PromptLookup
 from runtime.checkpoint import load_model, resolve_checkpoint, training_text
-from runtime.devices import DEFAULT_THREADS, environment_threads, fastest_threads, thread_counts
+from runtime.devices import DEFAULT_THREADS, environment_threads, race_threads, thread_counts
 from runtime.errors import CheckpointError, UsageError, one_line
 from runtime.streams import waiting_on
 from .compiled_step import (COMPILE_PAYS_AFTER, DEVICES as STEP_DEVICES, has_compiled_step, load_or_compile_step,
@@ -57,12 +57,12 @@ def choose_threads(args, model: GPT, prompt_ids: list[int], device: torch.device
     idx = torch.tensor([prompt_ids[-DECODE_TIMED:]] * args.num_samples, device=device)
 
     def decode():  # greedy: the timing draws nothing from the samples' generator
-        list(generate_tokens(model, idx, DECODE_TIMED, sampling=Sampling(temperature=0)))
+        return generate_tokens(model, idx, DECODE_TIMED, sampling=Sampling(temperature=0))
 
     counts = thread_counts()
     with waiting_on(f"timing {', '.join(map(str, counts[:-1]))} and {counts[-1]} threads to decode with the "
                     f"fastest"):
-        return fastest_threads(decode, rounds=3)[0]
+        return race_threads(decode, rounds=3)[0]
 
 
 def new_generator(device: torch.device, seed: int | None) -> torch.Generator:

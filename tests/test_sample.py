@@ -125,6 +125,30 @@ def test_fastest_threads_keeps_the_count_whose_work_took_least_timed_in_turns(mo
         torch.set_num_threads(1)  # the suite's count
 
 
+def test_racing_threads_stops_a_count_once_it_has_lost_its_turn(monkeypatch):
+    """Counts take turns, fewest threads first; a count stops at the first step that takes it past the fastest
+    count of its turn, and the lowest median wins. A count 10x slower runs 2 of its 16 steps, not 16."""
+    monkeypatch.setattr(runtime.devices, "DEFAULT_THREADS", 2)
+    now, ran = [0.0], []
+    monkeypatch.setattr(runtime.devices, "clock", lambda: now[0])
+    try:
+        for cost, fastest, steps_run in (({1: 1.0, 2: 10.0}, 1, {1: 16, 2: 2}), ({1: 1.0, 2: 0.5}, 2, {1: 16, 2: 16})):
+            ran.clear()
+
+            def steps():
+                for _ in range(16):
+                    now[0] += cost[torch.get_num_threads()]
+                    ran.append(torch.get_num_threads())
+                    yield
+
+            threads, seconds = runtime.devices.race_threads(steps, rounds=3)
+            assert (threads, torch.get_num_threads()) == (fastest, fastest)
+            assert {n: ran.count(n) for n in (1, 2)} == {n: 4 * steps_run[n] for n in (1, 2)}  # 4 turns each
+            assert seconds == {n: steps_run[n] * cost[n] for n in (1, 2)}
+    finally:
+        torch.set_num_threads(1)  # the suite's count
+
+
 def test_classic_window_and_long_prompt_identical_without_cache(checkpoint, greedy):
     common = ("--checkpoint", checkpoint, "--prompt", LONG_PROMPT, "--temperature", 0,
               "--max-new-tokens", NEW_TOKENS, "--window", BLOCK_SIZE)
