@@ -44,6 +44,7 @@ class Interrupted(KeyboardInterrupt):
 
     def __init__(self, signal_name: str):
         super().__init__(signal_name)
+        self.signal_name = signal_name
         self.status = 128 + signal.Signals[signal_name]
 
 

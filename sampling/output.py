@@ -13,7 +13,7 @@ from data import CharVocab
 from model import GPT, Sampling
 from model.serving.conversation import Conversation
 from model.serving.engine import Engine
-from runtime.errors import INTERRUPTED, Interrupted, UsageError, exit_status
+from runtime.errors import Interrupted, UsageError
 from runtime.files import Locked, locked
 from runtime.signals import StopSignals, hung_up
 from .options import encode_prompt
@@ -101,6 +101,11 @@ class LinesInOrder:
             self.count += 1
 
 
+def ends_session(signal_name: str | None) -> bool:
+    """--interactive's rule: Ctrl-C ends a reply, or drops the line being typed; SIGTERM or SIGHUP ends the session."""
+    return signal_name not in (None, "SIGINT")
+
+
 class StopFlag:
     """Which stop signal came, if any: a signal that ends the command (SIGTERM, SIGHUP) outranks Ctrl-C."""
 
@@ -116,8 +121,8 @@ class StopFlag:
             self.signal_name = signal.Signals(signum).name
 
     def ends_command(self) -> bool:
-        """Whether a signal came that ends even --interactive's session, where Ctrl-C ends a reply."""
-        return self.is_set() and self.signal_name != "SIGINT"
+        """Whether a signal came that ends even --interactive's session (ends_session)."""
+        return ends_session(self.signal_name)
 
     def interrupted(self) -> Interrupted:
         return Interrupted(self.signal_name)
@@ -160,8 +165,8 @@ def interact(conversation: Conversation, vocab: CharVocab, max_new_tokens: int, 
             if not vocab.decode(conversation.tokens[-1:]).endswith("\n"):
                 out.write("\n")  # leave the shell's prompt a line of its own
             return
-        except KeyboardInterrupt as e:  # Ctrl-C drops the line typed; SIGTERM or SIGHUP ends the session
-            if exit_status(e) != INTERRUPTED:
+        except KeyboardInterrupt as e:  # Python's own for Ctrl-C; Interrupted names the signal
+            if ends_session(e.signal_name if isinstance(e, Interrupted) else "SIGINT"):
                 raise
             print(file=sys.stderr)
             continue
