@@ -207,18 +207,28 @@ def found(name: str):
     return None
 
 
+def private(name: str) -> bool:
+    return any(part.startswith("_") and not part.startswith("__") for part in name.split("."))
+
+
 def test_no_module_reaches_into_hydras_internals():
-    """hydra._internal may change in any release, and requirements.txt takes any hydra-core from 1.3: the project
-    and its tests read flags and configs through Hydra's public API alone, neither importing it nor reaching it as
-    an attribute."""
+    """hydra._internal, and any name of Hydra's that begins with an underscore, may change in any release, and
+    requirements.txt takes any hydra-core from 1.3: the project and its tests read flags and configs, and write the
+    run's record, through Hydra's public API alone, neither importing such a name nor reaching it as an
+    attribute."""
     files = [*project_modules().values(), *(REPO / "tests").glob("*.py")]
     reached = []
     for path in files:
         tree = ast.parse(path.read_text())
         names = imported_names(tree)
-        imports = [name for name in names.values() if name.split(".")[:2] == ["hydra", "_internal"]]
-        attributes = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "_internal"
-                      and names.get(dotted(n.value) or "") == "hydra"]
+        imports = [name for name in names.values() if name.split(".")[0] == "hydra" and private(name)]
+        attributes = []
+        for node in ast.walk(tree):
+            spelled = dotted(node) if isinstance(node, ast.Attribute) else None
+            root, _, rest = (spelled or "").partition(".")
+            full = f"{names.get(root, root)}.{rest}"
+            if spelled and names.get(root, "").split(".")[0] == "hydra" and private(full):
+                attributes.append(f"{node.lineno}: {spelled}")
         reached += [f"{path.relative_to(REPO)}: {how}" for how in [*imports, *attributes]]
     assert not reached, "\n".join(reached)
     assert len(files) > 100

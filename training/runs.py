@@ -9,7 +9,6 @@ import shutil
 import time
 from pathlib import Path
 
-import hydra.core.utils
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
@@ -189,9 +188,10 @@ def take_run_dir(task_config: DictConfig) -> None:
     if job.mode == RunMode.MULTIRUN:
         claim(run_dir, "hydra.sweep.subdir", job=f"job {job.job.num}")
     if not _held.get(run_dir.resolve(), False):
+        (run_dir / RECORD).mkdir(parents=True, exist_ok=True)
         for name, node in (("config.yaml", task_config), ("hydra.yaml", hydra_config),
                            ("overrides.yaml", job.overrides.task)):
-            hydra.core.utils._save_config(node, name, run_dir / RECORD)  # as Hydra writes its record
+            (run_dir / RECORD / name).write_text(OmegaConf.to_yaml(node), encoding="utf-8")  # as Hydra writes it
 
 
 def resumed_checkpoint(resume: str | None) -> Path | None:
