@@ -3,8 +3,6 @@
 import ast
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[1]
 ENTRY_POINTS = ("train.py", "sample.py", "export.py", "serve.py")
 PACKAGES = ("model", "data", "runtime", "exporting", "sampling", "training", "server", "bench")  # every folder of code but tests/
