@@ -1,7 +1,9 @@
-"""Tools the benches run from a Python of their own (a venv outside this one): lm-evaluation-harness, and
-llama.cpp's server from llama-cpp-python. A Python that lacks the tool is refused in one line, before any work."""
+"""Tools the benches run from a Python of their own (a venv outside this one): lm-evaluation-harness, llama.cpp's
+server from llama-cpp-python, and vLLM's server. A Python that lacks the tool is refused in one line, before any
+work."""
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -14,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.configs import REPO, training_failed  # noqa: E402
 from runtime.errors import UsageError  # noqa: E402
 
-STARTUP = 300  # seconds llama.cpp's server may take to load the model and listen
+STARTUP = 300  # seconds another engine's server may take to load the model and listen
 
 
 def check_module(option: str, python: str, tool: str, install: str, *modules: str) -> None:
@@ -57,18 +59,36 @@ def start_llama_server(python: str, gguf: Path, context: int) -> tuple[subproces
     """llama-cpp-python's OpenAI server on gguf, on a free loopback port, once it answers: the process and port.
     The context is the model's block_size; logits_all lets it return logprobs."""
     port = free_port()
-    errors = tempfile.TemporaryFile("w+")  # its log, kept for the error it may end with
-    process = subprocess.Popen([python, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
+    return start_openai_server([python, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
                                 "--port", str(port), "--n_ctx", str(context), "--n_threads", "1",
-                                "--logits_all", "True"], stdout=errors, stderr=subprocess.STDOUT, text=True)
+                                "--logits_all", "True"], port, "llama_cpp.server"), port
+
+
+def start_vllm_server(python: str, folder: Path, context: int, logprobs: int) -> tuple[subprocess.Popen, int]:
+    """vLLM's OpenAI server on the transformers folder, in float32, on a free loopback port, once it answers (its
+    CPU build has no vllm command: docs/serving.md): the process and port."""
+    port = free_port()
+    cache_gib = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")  # its CPU cache: the default takes a large share
+    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--host", "127.0.0.1",
+               "--port", str(port), "--dtype", "float32", "--max-model-len", str(context), "--max-logprobs",
+               str(logprobs)]
+    return start_openai_server(command, port, "vllm.entrypoints.openai.api_server",
+                               env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": cache_gib}), port
+
+
+def start_openai_server(command: list[str], port: int, what: str, env: dict | None = None) -> subprocess.Popen:
+    """Start command, an OpenAI-compatible server on port, and wait until /v1/models answers; where it ends or
+    takes longer than STARTUP, its own last line of output, as the error."""
+    errors = tempfile.TemporaryFile("w+")  # its log, kept for the error it may end with
+    process = subprocess.Popen(command, stdout=errors, stderr=subprocess.STDOUT, text=True, env=env)
     deadline = time.monotonic() + STARTUP
     while time.monotonic() < deadline and process.poll() is None:
         try:
             json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5))
-            return process, port
+            return process
         except OSError:
             time.sleep(0.5)
     process.kill()
     process.wait()
     errors.seek(0)
-    raise training_failed("llama_cpp.server", subprocess.CompletedProcess(process.args, 1, "", errors.read()))
+    raise training_failed(what, subprocess.CompletedProcess(process.args, 1, "", errors.read()))

@@ -1,5 +1,5 @@
 """The API benchmarks run end to end on a tiny run: the determinism protocol's table, and the val loss through
-echo and logprobs beside kvgpt's own. A Python without the other tool (lm-eval, llama.cpp's server) is
+echo and logprobs beside kvgpt's own. A Python without the other tool (lm-eval, llama.cpp's or vLLM's server) is
 refused in one line."""
 
 import re
@@ -33,7 +33,8 @@ def test_the_loss_through_the_api_is_kvgpts_own(runs, tmp_path):
 
 
 @pytest.mark.parametrize("script, option, module", [("lm_eval_api.py", "--lm-eval-python", "lm_eval"),
-                                                     ("determinism.py", "--llama-cpp-python", "llama_cpp.server")])
+                                                     ("determinism.py", "--llama-cpp-python", "llama_cpp.server"),
+                                                     ("determinism.py", "--vllm-python", "vllm")])
 def test_a_python_without_the_other_tool_is_refused_in_one_line(runs, tmp_path, script, option, module):
     bare = tmp_path / "bare-python"
     bare.write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')  # -S: no site-packages, so no other tool
