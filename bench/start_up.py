@@ -16,7 +16,6 @@ first run of each kind is a warm-up, not counted: the page cache then holds torc
 import os
 import pty
 import select
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -24,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.configs import REPO, host, run_tool  # noqa: E402
+from bench.configs import REPO, host, median_spread, run_tool  # noqa: E402
 from runtime.checkpoint import existing_checkpoint  # noqa: E402
 from runtime.errors import OneLineErrorParser, positive_int  # noqa: E402
 
@@ -96,7 +95,7 @@ def main() -> None:
     print("| what a user waits for | seconds |")
     print("|---|---|")
     for kind, values in times.items():
-        print(f"| {kind} | {statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f}) |")
+        print(f"| {kind} | {median_spread(values)} |")
 
 
 if __name__ == "__main__":
