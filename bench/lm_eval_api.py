@@ -26,13 +26,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.configs import check_servable_model, host, run_tool  # noqa: E402
-from bench.eval_api import own_losses  # noqa: E402
+from bench.eval_api import CLIENTS, own_losses  # noqa: E402
 from bench.other_python import check_module, export, run, version  # noqa: E402
 from bench.serve_load import start_server  # noqa: E402
 from runtime.checkpoint import existing_checkpoint, load_model, training_text  # noqa: E402
 from runtime.errors import OneLineErrorParser, UsageError, positive_int  # noqa: E402
 
-CLIENTS = 8  # lm-eval's num_concurrent, and serve.py's --max-batch
 TASK = "kvgpt_val"
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "OMP_NUM_THREADS": "1"}  # the task and tokenizer are local files

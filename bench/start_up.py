@@ -24,10 +24,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.configs import REPO, host, median_spread, run_tool  # noqa: E402
+from bench.sample_speed import PROMPT  # noqa: E402
 from runtime.checkpoint import existing_checkpoint  # noqa: E402
 from runtime.errors import OneLineErrorParser, positive_int  # noqa: E402
 
-PROMPT = "ROMEO:"
 BANNER = b"type a line"  # how --interactive's banner begins (sampling/output.py)
 
 

@@ -7,6 +7,11 @@ import sys
 
 import pytest
 
+import corpus
+from data import CharVocab
+from runtime.checkpoint import build_checkpoint, save_checkpoint
+from tiny_models import random_model, trained_on
+
 from programs import ENV, REPO, assert_one_line_error, checkpoint, sample_command  # noqa: F401 (a fixture)
 
 LIMIT = 1 << 22  # the file-size limit: the output file starts this close to it, every other file stays far below
@@ -79,9 +84,14 @@ def test_a_program_whose_text_is_cut_short_does_not_end_with_success(tmp_path, p
 
 
 @pytest.mark.parametrize("unbuffered", [True, False], ids=["unbuffered", "buffered"])
-def test_an_export_whose_last_line_cannot_be_written_says_it_is_whole(checkpoint, tmp_path, unbuffered):
+def test_an_export_whose_last_line_cannot_be_written_says_it_is_whole(tmp_path, unbuffered):
     """The folder is written before the line that says so: a script told only "failed" would retry, and be refused."""
     pytest.importorskip("transformers", reason="export.py's packages are not installed")
+    vocab = CharVocab.from_text(corpus.TEXT)
+    model = random_model(vocab_size=len(vocab))
+    # with its text's character counts, as train.py records them: the export has nothing to warn of
+    checkpoint = save_checkpoint(build_checkpoint(model, vocab, text=trained_on(vocab, vocab.chars[-1])),
+                                 tmp_path / "best.pt")
     command = [sys.executable, str(REPO / "export.py"), "--checkpoint", str(checkpoint), str(tmp_path / "out")]
     result, written = run_near_limit(command, tmp_path, 10, unbuffered)
     assert_one_line_error(result, "export.py", f"exported {checkpoint} to {tmp_path / 'out'} (hf), but could not say "

@@ -76,13 +76,13 @@ runpy.run_path({str(REPO / "train.py")!r}, run_name="__main__")
 def test_a_failure_while_the_config_is_first_written_leaves_no_directory(tmp_path):
     script = f"""
 import errno, runpy, sys
-import hydra.core.utils
 sys.path.insert(0, {str(REPO)!r})
-def save_on_a_full_disk(cfg, filename, output_dir):
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / filename).write_text("")
-    raise OSError(errno.ENOSPC, "No space left on device", str(output_dir / filename))
-hydra.core.utils._save_config = save_on_a_full_disk
+import training.runs
+def save_on_a_full_disk(node, name, folder):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text("")
+    raise OSError(errno.ENOSPC, "No space left on device", str(folder / name))
+training.runs.write_record = save_on_a_full_disk
 sys.argv = ["train.py", *{TINY!r}]
 runpy.run_path({str(REPO / "train.py")!r}, run_name="__main__")
 """

@@ -188,10 +188,15 @@ def take_run_dir(task_config: DictConfig) -> None:
     if job.mode == RunMode.MULTIRUN:
         claim(run_dir, "hydra.sweep.subdir", job=f"job {job.job.num}")
     if not _held.get(run_dir.resolve(), False):
-        (run_dir / RECORD).mkdir(parents=True, exist_ok=True)
         for name, node in (("config.yaml", task_config), ("hydra.yaml", hydra_config),
                            ("overrides.yaml", job.overrides.task)):
-            (run_dir / RECORD / name).write_text(OmegaConf.to_yaml(node), encoding="utf-8")  # as Hydra writes it
+            write_record(node, name, run_dir / RECORD)
+
+
+def write_record(node, name: str, folder: Path) -> None:
+    """One file of the run's record (config, Hydra's settings, overrides), in YAML as Hydra writes it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text(OmegaConf.to_yaml(node), encoding="utf-8")
 
 
 def resumed_checkpoint(resume: str | None) -> Path | None:
