@@ -15,13 +15,11 @@ bit. The clients are plain asyncio HTTP.
 """
 
 import asyncio
-import json
 import random
 import subprocess
 import sys
 import tempfile
 import urllib.parse
-import urllib.request
 from pathlib import Path
 
 import torch
@@ -29,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.configs import check_room, host, run_tool  # noqa: E402
 from bench.other_python import check_module, export, start_llama_server, start_vllm_server, version  # noqa: E402
-from bench.serve_load import post_completion, served_model, start_server  # noqa: E402
+from bench.serve_load import post_completion, served_model, served_name, start_server  # noqa: E402
 from runtime.checkpoint import existing_checkpoint  # noqa: E402
 from runtime.errors import OneLineErrorParser, UsageError, positive_int  # noqa: E402
 
@@ -73,8 +71,7 @@ def other_phases(started: tuple[subprocess.Popen, int], probe: str, others: list
     """The same two phases, through the same client, against another engine's server, (process, port)."""
     server, port = started
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models") as answer:
-            model = json.load(answer)["data"][0]["id"]
+        model = served_name(port)
         alone = asyncio.run(phase(port, probe, [], args.sends, 1, args.new, model))
         return alone, asyncio.run(phase(port, probe, others, args.sends, args.clients, args.new, model))
     finally:

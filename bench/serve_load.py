@@ -58,14 +58,18 @@ async def complete(port: int, prompt: str, new: int) -> tuple[float, str]:
     return first, "".join(text)
 
 
+def served_name(port: int) -> str:
+    """The model's name that an OpenAI-compatible server on port gives in /v1/models."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models") as answer:
+        return json.load(answer)["data"][0]["id"]
+
+
 def openai_completer(port: int):
     """complete() through OpenAI's client: one AsyncOpenAI, whose connections stay open between requests."""
     import openai
 
-    url = f"http://127.0.0.1:{port}/v1"
-    with urllib.request.urlopen(f"{url}/models") as answer:
-        model = json.load(answer)["data"][0]["id"]
-    api = openai.AsyncOpenAI(base_url=url, api_key="none")
+    model = served_name(port)
+    api = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
 
     async def complete_through_openai(port: int, prompt: str, new: int) -> tuple[float, str]:
         start = time.perf_counter()
