@@ -73,3 +73,25 @@ def test_a_preempted_request_keeps_its_prompt_rows_once_every_draw_and_its_first
     if prompt:
         assert len(torch.cat(kept.prompt_logits)) == 5
         assert_kept_like_a_plain_forward(model, kept, later.tokens, 6)
+
+
+@torch.no_grad()
+def test_a_request_preempted_before_its_first_pass_counts_the_cache_it_read_when_it_ran():
+    """A prompt cached but for its last token joins as a decoding request, in the pass where two running ones each
+    need a block: the pool has none, so it leaves at once, and the second takes a block of its cached prefix. When
+    it runs, it reads none of the cache: that is its count, and the engine's."""
+    model = random_model(block_size=BLOCK)
+    engine = Engine(model, n_blocks=5, block_tokens=4)
+    engine.add("seed", PROMPT[:9], 1)
+    list(engine.run())  # its two full blocks stay cached
+    for name in ("a", "b"):
+        engine.add(name, [name == "a", 7, 7, 7], 8)
+    engine.step()  # both prefill: each needs a second block for its next token
+    kept = Kept()
+    late = engine.add("late", PROMPT[:9], 2, kept=kept)
+    reused = engine.stats.reused_tokens
+    engine.step()
+    assert late.preemptions == 1 and late in engine.waiting
+    assert engine.stats.reused_tokens == reused  # nothing read yet
+    list(engine.run())
+    assert late.cached == 0 and kept.cached_tokens == 0

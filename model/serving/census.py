@@ -10,7 +10,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class EngineStats:
     passes: int = 0
-    prompt_tokens: int = 0  # prompt tokens of every request admitted (again, after a preemption)
+    prompt_tokens: int = 0  # prompt tokens of every request at its first pass (again, after a preemption)
     reused_tokens: int = 0  # of those, read from cached blocks instead of computed
     preemptions: int = 0
     peak_blocks: int = 0  # the most blocks read at once

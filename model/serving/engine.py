@@ -162,10 +162,7 @@ class Engine:
             return False
         request.blocks += [pool.allocate() for _ in range(need)]
         request.fed = request.cached = len(request.names) * bt
-        if request.kept is not None and request.kept.cached_tokens is None:  # its first join: its prompt's count
-            request.kept.cached_tokens = request.cached
-        self.stats = replace(self.stats, prompt_tokens=self.stats.prompt_tokens + len(request.tokens),
-                             reused_tokens=self.stats.reused_tokens + request.cached)
+        request.ran = False  # counted at its first pass: a decode pass may preempt it before that
         return True
 
     def _grow(self, request: Request) -> bool:
@@ -194,6 +191,12 @@ class Engine:
         """One pass: counts[b] tokens of requests[b], each token a row of its own as a decoding step computes it
         (model/serving/rowwise.py); draw for each request fed to its end."""
         requests = list(requests)  # those that finish leave self.running below
+        for request in (r for r in requests if not r.ran):  # the cache each join read, counted once it runs
+            request.ran = True
+            if request.kept is not None and request.kept.cached_tokens is None:  # its first: its prompt's count
+                request.kept.cached_tokens = request.cached
+            self.stats = replace(self.stats, prompt_tokens=self.stats.prompt_tokens + len(request.tokens),
+                                 reused_tokens=self.stats.reused_tokens + request.cached)
         rows = [(r, r.fed + j) for r, n in zip(requests, counts) for j in range(n)]  # (request, position)
         ids, tables, fed = [r.tokens[p] for r, p in rows], [r.blocks for r, _ in rows], [p for _, p in rows]
         if self.buckets is not None and len(rows) <= self.max_batch:  # a fixed-shape pass

@@ -14,7 +14,7 @@ class Kept:
     raw ones, before any sampling setting."""
     draws: bool = False  # the logits each token is drawn from
     prompt: bool = False  # the logits at every prompt position: then no prompt token is read from the cache
-    cached_tokens: int | None = None  # prompt tokens read from cached blocks when it first joined
+    cached_tokens: int | None = None  # prompt tokens read from cached blocks when it first ran
     logits: list[torch.Tensor] = field(default_factory=list)  # (vocab_size,) each: one per drawn token, in order
     prompt_logits: list[torch.Tensor] = field(default_factory=list)  # (rows, vocab_size): row i predicts prompt[i + 1]
 
@@ -36,6 +36,7 @@ class Request:
     names: list[bytes] = field(default_factory=list)  # the chain hash of each full block
     fed: int = 0  # tokens[:fed] are in the pool
     cached: int = 0  # of those, read from cached blocks when it last joined
+    ran: bool = False  # a pass has fed it since it last joined
     logits: list[torch.Tensor] = field(default_factory=list)  # each draw's, when the engine keeps them
     generator: torch.Generator | None = None  # its own draws' (else the engine's): its text as if alone
     sampling: Sampling | None = None  # its own (else the engine's)
