@@ -198,12 +198,13 @@ def test_patience_ends_a_run_whose_val_loss_rises_with_its_best_weights_last(tmp
 # --- a budget too short -------------------------------------------------------------------------------------------
 
 def test_a_budget_refused_after_its_first_steps_leaves_nothing_behind(tmp_path, data_root):
-    """12 s leave no room for a warm-up of 100,000 steps, which the run learns only once it has measured its steps:
-    refused in one line, it leaves no run directory, and the same hydra.run.dir serves the next run."""
+    """A minute leaves no room for a warm-up of ten million steps, which the run learns only once it has measured its
+    steps: refused in one line, it leaves no run directory, and the same hydra.run.dir serves the next run. (A
+    minute: however slowly a busy machine starts the run, its start leaves the budget room for some steps.)"""
     run_dir = tmp_path / "run"
-    refused = train_cli(*TINY_CLI, *data_overrides(data_root), "train.max_iters=null", "train.max_minutes=0.2",
-                        "optim.warmup_iters=100000", f"hydra.run.dir={run_dir}", cwd=tmp_path)
-    assert_one_line_error(refused, "train.py", "train.max_minutes=0.2 leaves time for ")
+    refused = train_cli(*TINY_CLI, *data_overrides(data_root), "train.max_iters=null", "train.max_minutes=1",
+                        "optim.warmup_iters=10000000", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert_one_line_error(refused, "train.py", "train.max_minutes=1 leaves time for ")
     assert not run_dir.exists()
     again = train_cli(*TINY_CLI, *data_overrides(data_root), "train.max_iters=8", "train.eval_interval=4",
                       f"hydra.run.dir={run_dir}", cwd=tmp_path)

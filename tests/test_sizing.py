@@ -19,7 +19,7 @@ import training.threads
 from test_train import AIM_AT_HALF, HOLD, REPO, TINY, config, data_overrides, data_root, scalars  # noqa: F401
 from training.sizing import Shape
 
-BUDGET = ["train.max_iters=null", "train.max_minutes=0.1", *HOLD]  # config() composes TINY first
+BUDGET = ["train.max_iters=null", "train.max_minutes=0.2", *HOLD]  # after TINY; 12 s: room for a busy start
 # Two tiny shapes: the deeper one learns more per step, the shallower one is cheaper
 SHALLOW = Shape(1, 4, ((100, 2.0), (400, 1.8)))
 DEEP = Shape(2, 8, ((100, 1.9), (400, 1.6)))
@@ -148,14 +148,19 @@ def test_a_sized_run_resumes_with_the_shape_it_chose(tmp_path, data_root, timed,
     monkeypatch.setattr(training.budget.Budget, "late", lambda self, *args: None)
     run_dir = tmp_path / "runs/sized"
     train.main(config(tmp_path, data_root, *BUDGET), run_dir, named=set())
-    steps = torch.load(run_dir / "last.pt", weights_only=True)["training"]["config"]["train"]["max_iters"]
+    first = torch.load(run_dir / "last.pt", weights_only=True)
+    steps = first["training"]["config"]["train"]["max_iters"]
+    chosen = first["model_config"]["n_layer"], first["training"]["config"]["train"]["batch_size"]
+    # the time left decides the choice, and a busy machine leaves less: whichever it chose, resume with the other
+    other = next(s for s in (SHALLOW, DEEP) if (s.n_layer, s.batch_size) != chosen)
     # composed with the other shape, which the command line does not name, the run resumes with the one it chose
-    train.main(config(tmp_path, data_root, *HOLD, "model.n_layer=1", "train.batch_size=4",
-                      f"train.resume={run_dir}", f"train.max_iters={steps + 5}"),
+    train.main(config(tmp_path, data_root, *HOLD, f"model.n_layer={other.n_layer}",
+                      f"train.batch_size={other.batch_size}", f"train.resume={run_dir}",
+                      f"train.max_iters={steps + 5}"),
                run_dir, named={"train.resume", "train.max_iters"})
     resumed = torch.load(run_dir / "last.pt", weights_only=True)
     assert resumed["training"]["step"] == steps + 5
-    assert (resumed["model_config"]["n_layer"], resumed["training"]["config"]["train"]["batch_size"]) == (2, 8)
+    assert (resumed["model_config"]["n_layer"], resumed["training"]["config"]["train"]["batch_size"]) == chosen
 
 
 def environment_without_threads() -> dict:
