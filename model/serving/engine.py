@@ -161,8 +161,7 @@ class Engine:
             self._free(request)
             return False
         request.blocks += [pool.allocate() for _ in range(need)]
-        request.fed = request.cached = len(request.names) * bt
-        request.ran = False  # counted at its first pass: a decode pass may preempt it before that
+        request.fed = request.cached = len(request.names) * bt  # counted at its first pass (_forward), if it has one
         return True
 
     def _grow(self, request: Request) -> bool:
@@ -191,8 +190,8 @@ class Engine:
         """One pass: counts[b] tokens of requests[b], each token a row of its own as a decoding step computes it
         (model/serving/rowwise.py); draw for each request fed to its end."""
         requests = list(requests)  # those that finish leave self.running below
-        for request in (r for r in requests if not r.ran):  # the cache each join read, counted once it runs
-            request.ran = True
+        # a join's first pass (fed moves on at each): count the cache it read, now that a decode pass cannot undo it
+        for request in (r for r in requests if r.fed == r.cached):
             if request.kept is not None and request.kept.cached_tokens is None:  # its first: its prompt's count
                 request.kept.cached_tokens = request.cached
             self.stats = replace(self.stats, prompt_tokens=self.stats.prompt_tokens + len(request.tokens),

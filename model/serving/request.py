@@ -36,7 +36,6 @@ class Request:
     names: list[bytes] = field(default_factory=list)  # the chain hash of each full block
     fed: int = 0  # tokens[:fed] are in the pool
     cached: int = 0  # of those, read from cached blocks when it last joined
-    ran: bool = False  # a pass has fed it since it last joined
     logits: list[torch.Tensor] = field(default_factory=list)  # each draw's, when the engine keeps them
     generator: torch.Generator | None = None  # its own draws' (else the engine's): its text as if alone
     sampling: Sampling | None = None  # its own (else the engine's)
