@@ -5,11 +5,12 @@ does (Step).
 Three kinds of step decode. The model's own decode_step runs eagerly through any cache. A step compiled ahead of
 time (decoding/aot_step.py: AotStep) serves any cache shaped like the one it was exported with, and a step captured
 as CUDA graphs (decoding/cuda_graph.py: CapturedStep) serves the one cache it was captured over. generate takes its
-one-token steps through a Step's decode_step; speculative decoding verifies its drafts through a Step, and a
-CachedText feeds its text through one (decoding/cached_text.py).
+one-token steps through a Step's decode_step, or its greedy_step when greedy; speculative decoding verifies its
+drafts through a Step, and a CachedText feeds its text through one (decoding/cached_text.py).
 
     if step.fits(cache):                          # its own cache, or one of its shape, for one token per row
         logits = step.decode_step(idx, cache)     # (B, vocab_size): what model.decode_step(idx, cache) gives
+        # or, greedy: next_ids = step.greedy_step(idx, cache), (B,): that step's logits' argmax
 """
 
 from typing import Callable, NamedTuple, Protocol
@@ -53,5 +54,6 @@ class Step(Protocol):
     tokens: int  # the most tokens per row one pass takes
     def __call__(self, idx: torch.Tensor, cache: Cache) -> torch.Tensor: ...  # (B, t) -> logits (B, t, vocab_size)
     def decode_step(self, idx: torch.Tensor, cache: Cache) -> torch.Tensor: ...  # GPT.decode_step's logits
+    def greedy_step(self, idx: torch.Tensor, cache: Cache) -> torch.Tensor: ...  # decode_step's argmax (B,)
     def fits(self, cache: Cache, tokens: int = 1) -> bool: ...  # whether it takes passes of `tokens` through cache
     def takes(self, tokens: int) -> bool: ...  # whether it takes passes of `tokens` through the caches it fits

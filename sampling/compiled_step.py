@@ -82,22 +82,34 @@ def step_path(model, cache, tokens: int = 1, packed: bool = False) -> Path:
     return cache_dir() / "steps" / f"{key}.pt2"
 
 
+def passes(tokens: int) -> tuple[int, ...]:
+    """The compiled passes a step of up to `tokens` tokens per row holds, by the most tokens each takes: the
+    one-token pass, which decodes, and for more tokens a pass of 1 to `tokens` (model/decoding/aot_step.py)."""
+    return (1,) if tokens == 1 else (1, tokens)
+
+
 def has_compiled_step(model, cache, tokens: int = 1, packed: bool = False) -> bool:
     """Whether such a step is kept; where none has ever been kept, without naming it (which reads model/'s code)."""
-    return (cache_dir() / "steps").is_dir() and step_path(model, cache, tokens, packed).is_file()
+    return (cache_dir() / "steps").is_dir() and all(step_path(model, cache, n, packed).is_file()
+                                                    for n in passes(tokens))
 
 
 def load_or_compile_step(model, cache, tokens: int = 1, say=print, packed: bool = False) -> AotStep:
-    """The compiled pass of `tokens` tokens per row (one: the decoding step) for model (packed: for its weights as
-    they are now) and caches shaped like `cache`: loaded if compiled before, else compiled and kept (or, where
-    nothing can be written, compiled for this run only). say: one line to the user."""
-    def load(package) -> AotStep:
-        return AotStep(load_package(package), model, cache, tokens, packed)
+    """The compiled step of 1 to `tokens` tokens per row (one: the decoding step) for model (packed: for its
+    weights as they are now) and caches shaped like `cache`: each of its passes loaded if compiled before, else
+    compiled and kept (or, where nothing can be written, compiled for this run only). say: one line to the user."""
+    with tempfile.TemporaryDirectory(prefix="kvgpt-step-") as folder:  # where a pass that cannot be kept goes
+        runners = {n: load_or_compile_pass(model, cache, n, say, packed, Path(folder)) for n in passes(tokens)}
+        return AotStep(runners, model, cache, packed)
 
+
+def load_or_compile_pass(model, cache, tokens: int, say, packed: bool, scratch: Path):
+    """One compiled pass of 1 to `tokens` tokens per row, loaded from where it is kept, else compiled and kept
+    there; where nothing can be written, compiled into scratch for this run only."""
     path = step_path(model, cache, tokens, packed)
     if path.is_file():
         try:
-            return load(path)
+            return load_package(path)
         except (RuntimeError, ValueError, OSError) as e:  # damaged, or from an incompatible build
             say(f"the compiled step in {path} could not be loaded ({str(e).splitlines()[0][:120]}); compiling it "
                 f"again")
@@ -107,10 +119,9 @@ def load_or_compile_step(model, cache, tokens: int = 1, say=print, packed: bool 
         write_atomically(path, lambda file: compile_step(program, file, packed))
     except OSError as e:  # a read-only or full disk: this run still gets its step
         say(f"cannot keep the compiled step in {path.parent} ({e.strerror or e}); it serves this run only")
-        with tempfile.TemporaryDirectory(prefix="kvgpt-step-") as folder:
-            compile_step(program, f"{folder}/step.pt2", packed)
-            return load(f"{folder}/step.pt2")
-    return load(path)
+        path = scratch / f"step-{tokens}.pt2"
+        compile_step(program, path, packed)
+    return load_package(path)
 
 
 def compile_step(program, package, packed: bool = False) -> None:

@@ -77,9 +77,9 @@ def new_generator(device: torch.device, seed: int | None) -> torch.Generator:
 
 def kept_or_compiled_step(args, model: GPT, cache, tokens: int = 1) -> Step | None:
     """The compiled pass of up to `tokens` tokens per row (one: the decoding step; more: speculative decoding's
-    verification) that --compile asks for, or by default one kept before, or one worth compiling for a long
-    generation; on CUDA, by default, the passes captured over `cache` itself (captured_step); None: decode
-    eagerly. Says on stderr which, and why."""
+    verification; on the CPU, up to block_size, so that prompts go through it too) that --compile asks for, or by
+    default one kept before, or one worth compiling for a long generation; on CUDA, by default, the passes
+    captured over `cache` itself (captured_step); None: decode eagerly. Says on stderr which, and why."""
     if args.compile is False or cache is None or args.kv_cache in EAGER:
         return None
     what = "decoding step" if tokens == 1 else f"verification pass of up to {tokens} tokens"
@@ -87,13 +87,17 @@ def kept_or_compiled_step(args, model: GPT, cache, tokens: int = 1) -> Step | No
         return captured_step(model, cache, tokens, what)
     if cache.device.type not in STEP_DEVICES:
         return None
+    # a prompt's chunks, up to block_size tokens, go through the compiled step too: compiled code beside the
+    # one-token pass (model/decoding/aot_step.py: AotStep)
+    tokens = max(tokens, model.config.block_size)
+    what = f"{what}, with a pass of up to {tokens} tokens for prompts,"
     packed = packs(model)  # float32 weights: packed into the step; else a step for the shape reads them
     kept = has_compiled_step(model, cache, tokens, packed)
     if not (args.compile or kept or args.max_new_tokens >= COMPILE_PAYS_AFTER):
         return None
     if not kept:
         made_for = "these weights" if packed else "this model's shape"
-        print(f"compiling the {what} for {made_for}, once: a minute or less (--no-compile decodes eagerly)",
+        print(f"compiling the {what} for {made_for}, once: a minute or two (--no-compile decodes eagerly)",
               file=sys.stderr)
     try:
         return load_or_compile_step(model, cache, tokens, say=lambda line: print(line, file=sys.stderr),

@@ -156,9 +156,11 @@ def test_a_prompt_longer_than_the_local_window_is_fed_in_chunks_the_rings_take()
 
 
 class CountingStep:
-    """A stand-in for a compiled one-token step (aot_step.AotStep's decode_step and fits): the eager step, counted."""
+    """A stand-in for a compiled one-token step (aot_step.AotStep's decode_step, greedy_step and fits): the eager
+    step, counted."""
 
     cache = None  # it serves any cache, not one of its own
+    tokens = 1
 
     def __init__(self, model):
         self.decode, self.passes = model.decode_step, 0
@@ -170,6 +172,9 @@ class CountingStep:
         assert idx.size(1) == 1
         self.passes += 1
         return self.decode(idx, cache)
+
+    def greedy_step(self, idx, cache):
+        return self.decode_step(idx, cache).argmax(-1)
 
 
 def test_past_block_size_a_refill_that_local_rings_take_a_token_at_a_time_goes_through_the_step(monkeypatch):
@@ -208,6 +213,22 @@ class CountingPass(CountingStep):
 
     def decode_step(self, idx, cache):
         return self(idx, cache)[:, -1]
+
+
+@pytest.mark.parametrize("prompt_len", [5, 9])
+def test_a_prompt_of_at_most_the_steps_tokens_goes_through_the_step(monkeypatch, prompt_len):
+    """generate feeds a prompt that fits one pass of the step given (the compiled step in sample.py takes up to
+    block_size tokens) through the step, and a longer one eagerly; greedy text is the eager one."""
+    model = random_model(seed=3)
+    prompt, new = random_tokens(1, prompt_len, seed=13), BLOCK_SIZE // 2
+    eager = []
+    decode = model.decode_step
+    monkeypatch.setattr(model, "decode_step", lambda idx, cache: eager.append(idx.size(1)) or decode(idx, cache))
+    step = CountingPass(model, 8)
+    text = generate(model, prompt, new, sampling=GREEDY, cache=new_kv_cache(model, 1), step=step)
+    assert torch.equal(text, generate(model, prompt, new, sampling=GREEDY, use_cache=False))
+    assert eager == ([] if prompt_len <= step.tokens else [prompt_len])
+    assert step.passes == new - 1 + (prompt_len <= step.tokens)
 
 
 def test_speculative_refills_that_local_rings_take_in_short_passes_go_through_the_compiled_pass(monkeypatch):

@@ -43,6 +43,21 @@ def test_each_packed_step_gives_the_logits_of_a_full_forward(packed):
         assert_forward_close(logits, full, model, f"step {t}")
 
 
+def test_a_greedy_step_picks_the_argmax_of_the_steps_own_logits(packed):
+    """greedy_step picks each row's token inside the compiled code: the one argmax picks from decode_step's logits
+    through a twin of the cache, at every step past the ring's wrap, with a left-padded row."""
+    model, cache, step, _ = packed
+    seq = random_tokens(ROWS, PROMPT + 2 * BLOCK_SIZE, seed=5)
+    twin = new_kv_cache(model, ROWS)
+    for each in (cache, twin):
+        each.reset(PAD)
+        model.decode_step(seq[:, :PROMPT], each)
+    for t in range(PROMPT, seq.size(1)):
+        picked = step.greedy_step(seq[:, t:t + 1], cache)
+        assert picked.shape == (ROWS,)
+        assert torch.equal(picked, step.decode_step(seq[:, t:t + 1], twin).argmax(-1)), f"step {t}"
+
+
 def test_generate_through_the_packed_step_gives_the_eager_text(packed):
     model, cache, step, _ = packed
     prompt = random_tokens(ROWS, PROMPT, seed=3)

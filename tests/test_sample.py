@@ -372,7 +372,8 @@ def test_the_compiled_step_gives_the_same_text_and_is_kept(checkpoint, greedy, t
         assert result.stdout == greedy.stdout, flag
         summary = result.stderr.splitlines()[-1]
         assert summary.endswith("(cpu, 1 thread, compiled step)" if flag != "--no-compile" else "(cpu, 1 thread)")
-    assert runs["--compile"].stderr.splitlines()[1].startswith("compiling the decoding step for these weights, once")
+    assert runs["--compile"].stderr.splitlines()[1].startswith(
+        f"compiling the decoding step, with a pass of up to {BLOCK_SIZE} tokens for prompts, for these weights, once")
     assert "compiling" not in runs[None].stderr and len(runs[None].stderr.splitlines()) == 2
 
 

@@ -13,12 +13,12 @@ fastest, for that model's weights alone.
 
     program = export_step(model, cache)
     package = torch._inductor.aoti_compile_and_package(program)   # sampling/compiled_step.py keeps it on disk
-    step = AotStep(load_package(package), model, cache)
+    step = AotStep({1: load_package(package)}, model, cache)
     ids = generate(model, prompt, 500, cache=cache, step=step)     # one-token steps through the compiled step
 
-export_step(model, cache, tokens=k + 1) compiles a pass of 1 to k + 1 tokens per row instead, the count an input
-of the compiled code: speculative decoding's verification (model/serving/speculative.py), whose drafts may be
-shorter than k.
+export_step(model, cache, tokens=k) compiles a pass of 1 to k tokens per row instead, the count an input of the
+compiled code: a prompt's chunks, and speculative decoding's verification (model/serving/speculative.py), whose
+drafts may be fewer. An AotStep of up to k tokens holds that pass beside the one-token pass, which decodes.
 """
 
 import warnings
@@ -44,8 +44,8 @@ def swap_buffers(module: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[st
 
 
 class CacheAsInputs(nn.Module):
-    """model(idx, cache=cache)'s logits with the cache's tensors passed in, so that export traces them as inputs
-    the step updates in place, not as constants it may fold."""
+    """model(idx, cache=cache)'s logits and each row's likeliest next token, with the cache's tensors passed in, so
+    that export traces them as inputs the step updates in place, not as constants it may fold."""
 
     def __init__(self, model, cache):
         super().__init__()
@@ -57,7 +57,8 @@ class CacheAsInputs(nn.Module):
         cache = self.cache[0]
         own = swap_buffers(cache, dict(zip(self.names, tensors)))
         try:
-            return self.model(idx, cache=cache)[0]  # (B, T, vocab_size)
+            logits = self.model(idx, cache=cache)[0]  # (B, T, vocab_size)
+            return logits, logits[:, -1].argmax(-1)  # greedy decoding's next tokens (B,), picked inside the step
         finally:
             swap_buffers(cache, own)
 
@@ -119,29 +120,33 @@ def step_signature(cache) -> list[tuple[str, tuple, torch.dtype]]:
 
 
 class AotStep:
-    """A loaded compiled pass, bound to the model's weights, that keeps the Step protocol (step.py): step(idx, cache)
-    is model(idx, cache=cache)[0] for idx (B, 1 to tokens) and a cache shaped like the one it was exported with;
-    step.decode_step is model.decode_step."""
+    """Loaded compiled passes, bound to the model's weights, that keep the Step protocol (step.py): step(idx, cache)
+    is model(idx, cache=cache)[0] for idx (B, 1 to tokens) and a cache shaped like the one they were exported with;
+    step.decode_step is model.decode_step. runners: the most tokens each pass takes -> its compiled code. Code built
+    for one token alone runs faster than code built for a range of counts (docs/benchmarks.md), so a step of more
+    tokens holds both: the one-token pass decodes, the other takes the longer passes (prefill, verification)."""
 
     cache = None  # the one cache a step serves; None: any cache shaped like the one it was exported with
 
-    def __init__(self, runner: torch._C._aoti.AOTIModelPackageLoader, model, cache, tokens: int = 1,
+    def __init__(self, runners: dict[int, torch._C._aoti.AOTIModelPackageLoader], model, cache,
                  packed: bool = False):
-        self.runner, self.model, self.tokens, self.signature = runner, model, tokens, step_signature(cache)
+        self.runners, self.model, self.signature = runners, model, step_signature(cache)
+        self.tokens = max(runners)
         # the last cache stepped through, its tensors in the step's order, and where its first tensor is held
         self.read = (None, [], {}, None)
         if packed:  # the weights were frozen into the step when it was compiled: it reads none of the model's
             return
         weights = {f"model.{name}": t for name, t in [*model.named_parameters(remove_duplicate=False),
                                                       *model.named_buffers(remove_duplicate=False)]}
-        names = runner.get_constant_fqns()
-        missing = [name for name in names if name not in weights]
-        if missing:
-            raise ValueError(f"the compiled step reads {', '.join(missing[:3])}, which this model lacks: it was "
-                             f"compiled for another model")
-        # user-managed: the step reads the model's own tensors, never a copy of them. The arguments after the
-        # tensors: use_inductor_constants, check_full_update, user_managed, allow_h2d_copy.
-        runner.load_constants({name: weights[name] for name in names}, False, True, True, False)
+        for runner in runners.values():
+            names = runner.get_constant_fqns()
+            missing = [name for name in names if name not in weights]
+            if missing:
+                raise ValueError(f"the compiled step reads {', '.join(missing[:3])}, which this model lacks: it was "
+                                 f"compiled for another model")
+            # user-managed: the step reads the model's own tensors, never a copy of them. The arguments after the
+            # tensors: use_inductor_constants, check_full_update, user_managed, allow_h2d_copy.
+            runner.load_constants({name: weights[name] for name in names}, False, True, True, False)
 
     def fits(self, cache, tokens: int = 1) -> bool:
         """Whether this step takes passes of `tokens` tokens per row through `cache`."""
@@ -153,8 +158,13 @@ class AotStep:
 
     def __call__(self, idx, cache):
         """idx (B, T), T from 1 to tokens -> logits (B, T, vocab_size)."""
+        return self.run(idx, cache)[0]
+
+    def run(self, idx, cache) -> list[torch.Tensor]:
+        """[logits (B, T, vocab_size), the last position's argmax (B,)]."""
+        runner = self.runners.get(idx.size(1), self.runners[self.tokens])
         # contiguous: the step was built for rows of tokens side by side, not slices of longer sequences
-        return self.runner.boxed_run([idx.contiguous(), *self.tensors(cache)])[0]
+        return runner.boxed_run([idx.contiguous(), *self.tensors(cache)])
 
     def tensors(self, cache) -> list[torch.Tensor]:
         """The cache's tensors in the order the step takes them, listed once per cache: caches write them in place.
@@ -168,3 +178,8 @@ class AotStep:
     def decode_step(self, idx, cache):
         """The last position's logits (B, vocab_size), as GPT.decode_step gives them."""
         return self(idx, cache)[:, -1]
+
+    def greedy_step(self, idx, cache):
+        """Each row's likeliest next token (B,): decode_step(idx, cache).argmax(-1), picked inside the compiled code,
+        so that greedy decoding runs no operation of its own between two steps."""
+        return self.run(idx, cache)[1]

@@ -74,3 +74,7 @@ class CapturedStep:
     def decode_step(self, idx, cache):
         """The last position's logits (B, vocab_size), as GPT.decode_step gives them."""
         return self(idx, cache)[:, -1]
+
+    def greedy_step(self, idx, cache):
+        """Each row's likeliest next token (B,)."""
+        return self.decode_step(idx, cache).argmax(-1)

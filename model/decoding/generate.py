@@ -61,8 +61,9 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampl
     tokens kept when the context passes block_size, for learned positions (see the module's docstring). n_pad:
     left padding per row. use_cache=False recomputes the whole context at every step; cache: a cache to reuse
     (model/protocol.py: Cache; new_kv_cache by default), and compile torch.compiles the one-token step; step: a
-    Step to take one-token steps through instead (model/protocol.py: compiled or captured): it says which caches
-    it fits(), and its `cache` is the one it serves (None: any it fits). Each needs the cache.
+    Step to take one-token steps through instead (model/protocol.py: compiled or captured), and the prompt too
+    where its chunks are at most step.tokens: it says which caches it fits(), and its `cache` is the one it serves
+    (None: any it fits). Each needs the cache.
     Arguments that cannot work are a ValueError naming the argument.
     """
     block_size = model.config.block_size
@@ -76,6 +77,9 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampl
             raise ValueError("step was compiled for another cache, or for passes of more than one token: compile "
                              "a one-token step for this cache")
         one_token_step = step.decode_step if step else compiled_step(model) if compile else model.decode_step
+        # a step picks greedy tokens itself: no operation runs in Python between two steps
+        pick = step.greedy_step if step and sampling.greedy else \
+            lambda tokens, cache: sampling.next_token(one_token_step(tokens, cache), generator)
     # the whole sequence, filled as it grows: seq = buffer[:, :length]
     buffer = torch.cat([idx, idx.new_empty(idx.size(0), max_new_tokens)], dim=1)
     length = idx.size(1)
@@ -97,15 +101,17 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampl
                     logits = _prefill_once(model, buffer[:1, first:length], cache)  # every row the same prompt
                     fed = length
             if length - fed == 1:
-                logits = one_token_step(buffer[:, fed:length], cache)
-            elif fed < length:
-                logits = prefill(model, buffer[:, fed:length], cache, one_token_step)
+                next_ids = pick(buffer[:, fed:length], cache)  # (B,)
+            else:
+                if fed < length:
+                    logits = prefill(model, buffer[:, fed:length], cache, one_token_step, step.tokens if step else 1)
+                next_ids = sampling.next_token(logits, generator)
             fed = length
         else:
             ragged = context_pad is not None or length - first > block_size  # the ring's rule, without a cache
             context = Uncached(block_size, context_pad, idx.device) if ragged else None
             logits = model(buffer[:, first:length], cache=context)[0][:, -1]
-        next_ids = sampling.next_token(logits, generator)  # (B,)
+            next_ids = sampling.next_token(logits, generator)
         buffer[:, length] = next_ids
         length += 1
         yield next_ids
