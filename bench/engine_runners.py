@@ -1,12 +1,14 @@
-"""How each other engine decodes kvgpt's export greedily, for bench/engines.py. Each engine runs in a process of its
-own, so that no engine's threads or libraries slow another's:
+"""How each engine decodes kvgpt's model greedily, for bench/engines.py: kvgpt's own generate through its packed
+compiled step, and each other engine from kvgpt's export. Each runs in a process of its own, so that no engine's
+threads or libraries slow another's:
 
     python bench/engine_runners.py ENGINE SPEC
 
-SPEC is JSON: the exported hf folder and the onnx and gguf models, the (prompt, new tokens) jobs, the repeats, the
-vocabulary's characters, block_size and the thread count. The one line printed, `KVGPT {...}`, holds the engine's version, the setting
-docs/export.md names for kvgpt's text, its text for each job and its best seconds on the first job, or its error.
-vLLM's runs from the python of vLLM's own environment; it imports nothing of kvgpt's."""
+SPEC is JSON: the checkpoint and the folder its packed step is kept in, the exported hf folder and the onnx and
+gguf models, the (prompt, new tokens) jobs, the repeats, the vocabulary's characters, block_size and the thread
+count. The one line printed, `KVGPT {...}`, holds the engine's version, its setting (for an export, the one
+docs/export.md names for kvgpt's text), its text for each job and its best seconds on the first job, or its
+error. vLLM's runs from the python of vLLM's own environment; it imports nothing of kvgpt's."""
 
 import json
 import os
@@ -104,9 +106,33 @@ def vllm_engine(spec: dict):
     return vllm.__version__, "ignore_eos=True, skip_special_tokens=False", texts, seconds
 
 
+def kvgpt_engine(spec: dict):
+    """kvgpt's own generate through the packed compiled step (kept in spec's steps folder), timed as the others."""
+    os.environ["KVGPT_CACHE_DIR"] = spec["steps"]
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import torch
+    from model import GREEDY, generate
+    from model.caches.factory import new_kv_cache
+    from runtime.checkpoint import load_model
+    from sampling.compiled_step import load_or_compile_step
+    torch.set_num_threads(spec["threads"])
+    model, vocab, _ = load_model(spec["checkpoint"], torch.device("cpu"), precision="fp32")
+    cache = new_kv_cache(model, 1)
+    # as sample.py's: the one-token pass decodes, a pass of up to block_size tokens takes the prompt
+    step = load_or_compile_step(model, cache, model.config.block_size, packed=True,
+                                say=lambda line: print(line, file=sys.stderr))
+
+    def run(prompt: str, n: int) -> str:
+        ids = generate(model, torch.tensor([vocab.encode(prompt)]), n, sampling=GREEDY, cache=cache, step=step)
+        return vocab.decode(ids[0].tolist())
+    return torch.__version__, "generate(sampling=GREEDY, step=the packed step)", *timed(run, spec["jobs"],
+                                                                                         spec["repeats"])
+
+
 RUNNERS = {"transformers": transformers_engine, "onnxruntime": onnxruntime_engine,
            "ctranslate2": ctranslate2_engine, "llama.cpp": llama_cpp_engine,
-           "llama.cpp-f32": lambda spec: llama_cpp_engine(spec, float32_cache=True), "vllm": vllm_engine}
+           "llama.cpp-f32": lambda spec: llama_cpp_engine(spec, float32_cache=True), "vllm": vllm_engine,
+           "kvgpt": kvgpt_engine}
 
 
 def main() -> None:

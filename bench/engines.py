@@ -12,8 +12,9 @@ past block_size as kvgpt's window does (rotary grouped queries). An engine's tex
 greedy texts. The first prompt is PROMPT; --prompts N adds N - 1 slices of the validation text (the
 checkpoint's own, else tiny_shakespeare), so that one near-tie does not decide the verdict.
 sample.py runs as the real command, at fp32, on the first prompt, eagerly and through its packed compiled step
-(compiled before the first timed run); its tokens/s is its own summary line's. Other engines are timed on the
-first prompt around their own generate call, after loading and one warm-up, the best of --repeats. Each runs with
+(compiled before the first timed run); its tokens/s is its own summary line's, in a new process each time.
+kvgpt's generate through that packed step and the other engines are timed on the first prompt around their own
+generate call, after loading and one warm-up, the best of --repeats. Each runs with
 the setting docs/export.md names for kvgpt's text, shown in the table, at every thread count from 1 to the cores'
 count; its row is its fastest, and says which. MBU is bench/roofline.py's. An engine that is not installed is
 listed as such. vLLM runs from the python that --vllm-python or KVGPT_VLLM_PYTHON
@@ -176,14 +177,20 @@ def main() -> None:
                 f"{rates[threads] * nbytes / bandwidth[threads]:.0%}")
 
     with tempfile.TemporaryDirectory() as tmp:
-        checkpoint = save_checkpoint(build_checkpoint(model, vocab), Path(tmp) / "best.pt")
+        checkpoint, steps = save_checkpoint(build_checkpoint(model, vocab), Path(tmp) / "best.pt"), Path(tmp) / "steps"
         for compile in (False, True):
-            runs = {threads: sample_py(checkpoint, *jobs[0], args.repeats, threads, compile, Path(tmp) / "steps")
+            runs = {threads: sample_py(checkpoint, *jobs[0], args.repeats, threads, compile, steps)
                     for threads in thread_counts}
             version, text, _ = runs[1]
             rows.append(row("sample.py (kvgpt)" + (", packed compiled step" if compile else ""), f"torch {version}",
                             "--temperature 0" + (" --compile" if compile else ""), [text],
                             {threads: rate for threads, (_, _, rate) in runs.items()}))
+        spec = {"checkpoint": str(checkpoint), "steps": str(steps), "jobs": jobs, "repeats": args.repeats,
+                "chars": vocab.chars, "block_size": block_size}
+        runs = {threads: run_engine(sys.executable, "kvgpt", {**spec, "threads": threads}) for threads in thread_counts}
+        version, setting, texts, _ = runs[1]
+        rows.append(row("kvgpt's generate, in process", f"torch {version}", setting, texts,
+                        {threads: jobs[0][1] / seconds for threads, (_, _, _, seconds) in runs.items()}))
         folders = {}
         for fmt in ("hf", "onnx", "gguf"):
             try:
@@ -191,8 +198,7 @@ def main() -> None:
             except RuntimeError as e:
                 folders[fmt] = e
         files = {"hf": "", "onnx": ONNX_FILE, "gguf": GGUF_FILE}  # what each runner opens: a folder or a file in it
-        spec = {**{fmt: str(folder / files[fmt]) for fmt, folder in folders.items() if isinstance(folder, Path)},
-                "jobs": jobs, "repeats": args.repeats, "chars": vocab.chars, "block_size": block_size}
+        spec.update({fmt: str(folder / files[fmt]) for fmt, folder in folders.items() if isinstance(folder, Path)})
         for name, (module, fmt, runner) in engines.items():
             if (module and not installed(module)) or (module is None and not args.vllm_python):
                 absent = "not installed" if module else "not installed: no --vllm-python or KVGPT_VLLM_PYTHON"
