@@ -114,12 +114,12 @@ def kvgpt_engine(spec: dict):
     from model import GREEDY, generate
     from model.caches.factory import new_kv_cache
     from runtime.checkpoint import load_model
-    from sampling.compiled_step import load_or_compile_step
+    from sampling.compiled_step import load_or_compile_step, prompt_tokens
     torch.set_num_threads(spec["threads"])
     model, vocab, _ = load_model(spec["checkpoint"], torch.device("cpu"), precision="fp32")
     cache = new_kv_cache(model, 1)
-    # as sample.py's: the one-token pass decodes, a pass of up to block_size tokens takes the prompt
-    step = load_or_compile_step(model, cache, model.config.block_size, packed=True,
+    # sample.py's step: the one-token pass decodes, the longer one takes the prompt
+    step = load_or_compile_step(model, cache, prompt_tokens(model), packed=True,
                                 say=lambda line: print(line, file=sys.stderr))
 
     def run(prompt: str, n: int) -> str:

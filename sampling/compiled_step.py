@@ -82,6 +82,12 @@ def step_path(model, cache, tokens: int = 1, packed: bool = False) -> Path:
     return cache_dir() / "steps" / f"{key}.pt2"
 
 
+def prompt_tokens(model, tokens: int = 1) -> int:
+    """The most tokens per row of the CPU step sample.py compiles when it asks for passes of `tokens`: at least
+    block_size, so that a prompt's chunks go through compiled code too, beside the one-token pass (passes)."""
+    return max(tokens, model.config.block_size)
+
+
 def passes(tokens: int) -> tuple[int, ...]:
     """The compiled passes a step of up to `tokens` tokens per row holds, by the most tokens each takes: the
     one-token pass, which decodes, and for more tokens a pass of 1 to `tokens` (model/decoding/aot_step.py)."""

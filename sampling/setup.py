@@ -19,7 +19,7 @@ from runtime.devices import DEFAULT_THREADS, environment_threads, race_threads, 
 from runtime.errors import CheckpointError, UsageError, one_line
 from runtime.streams import waiting_on
 from .compiled_step import (COMPILE_PAYS_AFTER, DEVICES as STEP_DEVICES, has_compiled_step, load_or_compile_step,
-                            packs)
+                            packs, prompt_tokens)
 
 DECODE_TIMED = 16  # tokens decoded at each thread count to choose the fastest
 
@@ -87,9 +87,7 @@ def kept_or_compiled_step(args, model: GPT, cache, tokens: int = 1) -> Step | No
         return captured_step(model, cache, tokens, what)
     if cache.device.type not in STEP_DEVICES:
         return None
-    # a prompt's chunks, up to block_size tokens, go through the compiled step too: compiled code beside the
-    # one-token pass (model/decoding/aot_step.py: AotStep)
-    tokens = max(tokens, model.config.block_size)
+    tokens = prompt_tokens(model, tokens)
     what = f"{what}, with a pass of up to {tokens} tokens for prompts,"
     packed = packs(model)  # float32 weights: packed into the step; else a step for the shape reads them
     kept = has_compiled_step(model, cache, tokens, packed)
