@@ -86,6 +86,7 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampl
     # row b's context is seq[b, start[b]:]: it starts after the row's left padding, and each row's context
     # moves on its own schedule, exactly as if the row were generated alone
     fed = None  # seq[:, :fed] has gone through the cache; None: (re)fill it
+    drawn = None  # the last tokens drawn, (B, 1): fed back as they are, where a slice of seq would be copied first
     for _ in range(max_new_tokens):
         if length - min(start) > span:  # some row's context would pass span
             start = [moved_start(s, length, span, keep) for s in start]
@@ -101,7 +102,7 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampl
                     logits = _prefill_once(model, buffer[:1, first:length], cache)  # every row the same prompt
                     fed = length
             if length - fed == 1:
-                next_ids = pick(buffer[:, fed:length], cache)  # (B,)
+                next_ids = pick(buffer[:, fed:length] if drawn is None else drawn, cache)  # (B,)
             else:
                 if fed < length:
                     logits = prefill(model, buffer[:, fed:length], cache, one_token_step, step.tokens if step else 1)
@@ -113,6 +114,7 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampl
             logits = model(buffer[:, first:length], cache=context)[0][:, -1]
             next_ids = sampling.next_token(logits, generator)
         buffer[:, length] = next_ids
+        drawn = next_ids[:, None]
         length += 1
         yield next_ids
 
