@@ -71,8 +71,8 @@ def sample(args) -> None:
         check_each_line(args, model, prompt)
     check_samples_fit_memory(args, len(prompt_ids), model, device)
     draft = load_draft(args, model, vocab, contents, device) if args.draft else None
-    threads = choose_threads(args, model, prompt_ids, device)  # before anything is timed or sampled
-    loaded = Loaded(args, path, contents, model, vocab, prompt, prompt_ids, device, threads, sampling,
+    choose_threads(args, model, prompt_ids, device)  # before anything is timed or sampled
+    loaded = Loaded(args, path, contents, model, vocab, prompt, prompt_ids, device, sampling,
                     new_generator(device, args.seed), draft)
     mode = speculative if args.draft else interactive if args.interactive else each_line if args.each_line else plain
     mode(loaded)

@@ -6,7 +6,8 @@ model of its shape. A packed step holds one model's weights, frozen into it and 
 kernels, which run inside the step's own code: it is the fastest, and it serves that model only.
 
 A step is named by everything that shapes its code: the model's config and precision (and a packed step's
-weights), the cache's tensors, the device, torch's version, the CPU's instruction set and the model code itself.
+weights), the cache's tensors, the device, the thread count it is built for (one thread's code runs serially, and
+code built for more threads splits its loops), torch's version, the CPU's instruction set and the model code.
 It is kept in $KVGPT_CACHE_DIR, else $XDG_CACHE_HOME/kvgpt, else ~/.cache/kvgpt, under steps/.
 """
 
@@ -63,9 +64,9 @@ def weights_digest(model) -> str:
     return digest.hexdigest()
 
 
-def step_path(model, cache, tokens: int = 1, packed: bool = False) -> Path:
+def step_path(model, cache, tokens: int = 1, packed: bool = False, threads: int | None = None) -> Path:
     """Where the compiled pass of `tokens` tokens per row for this model's shape and precision (packed: for these
-    very weights) and this cache's shape is kept."""
+    very weights), this cache's shape and `threads` CPU threads (None: torch's count now) is kept."""
     device = cache.device
     identity = {
         "tokens": tokens,
@@ -74,6 +75,7 @@ def step_path(model, cache, tokens: int = 1, packed: bool = False) -> Path:
         "packed": weights_digest(model) if packed else None,
         "cache": [type(cache).__name__, *[(name, shape, str(dtype)) for name, shape, dtype in step_signature(cache)]],
         "device": device.type,
+        "threads": threads or torch.get_num_threads(),
         "torch": torch.__version__,
         "cpu": torch.backends.cpu.get_cpu_capability(),
         "code": model_code_digest(),
@@ -94,9 +96,10 @@ def passes(tokens: int) -> tuple[int, ...]:
     return (1,) if tokens == 1 else (1, tokens)
 
 
-def has_compiled_step(model, cache, tokens: int = 1, packed: bool = False) -> bool:
-    """Whether such a step is kept; where none has ever been kept, without naming it (which reads model/'s code)."""
-    return (cache_dir() / "steps").is_dir() and all(step_path(model, cache, n, packed).is_file()
+def has_compiled_step(model, cache, tokens: int = 1, packed: bool = False, threads: int | None = None) -> bool:
+    """Whether such a step is kept, for `threads` CPU threads (None: torch's count now); where none has ever been
+    kept, without naming it (which reads model/'s code)."""
+    return (cache_dir() / "steps").is_dir() and all(step_path(model, cache, n, packed, threads).is_file()
                                                     for n in passes(tokens))
 
 

@@ -42,7 +42,6 @@ class Loaded:
     prompt: str
     prompt_ids: list[int]
     device: torch.device
-    threads: int  # torch's CPU threads (sampling/setup.py: choose_threads)
     sampling: Sampling
     generator: torch.Generator
     draft: object = None  # --draft's (sampling/setup.py: load_draft)
@@ -179,7 +178,7 @@ def announce(loaded: Loaded) -> None:
 
 def decoded_on(loaded: Loaded, step: Step | None) -> str:
     """Where the summary line says it decoded: the device, the CPU's threads, a compiled step."""
-    device, threads = loaded.device, loaded.threads
+    device, threads = loaded.device, torch.get_num_threads()
     on = f"{device.type}, {threads} thread{'s' if threads > 1 else ''}" if device.type == "cpu" else device.type
     return on + ("" if step is None else ", captured step" if isinstance(step, CapturedStep) else ", compiled step")
 

@@ -47,13 +47,13 @@ def load_draft(args, model: GPT, vocab: CharVocab, contents: dict,
     return draft
 
 
-def choose_threads(args, model: GPT, prompt_ids: list[int], device: torch.device) -> int:
+def choose_threads(args, model: GPT, prompt_ids: list[int], device: torch.device) -> None:
     """Set torch's CPU threads to --threads, or to the count whose cached decoding is fastest now: on a busy
     machine one thread can be several times faster than two (runtime/devices.py)."""
     fixed = args.threads or environment_threads()
     if fixed or device.type != "cpu" or len(thread_counts()) == 1:
         torch.set_num_threads(fixed or DEFAULT_THREADS)
-        return fixed or DEFAULT_THREADS
+        return
     idx = torch.tensor([prompt_ids[-DECODE_TIMED:]] * args.num_samples, device=device)
 
     def decode():  # greedy: the timing draws nothing from the samples' generator
@@ -62,7 +62,7 @@ def choose_threads(args, model: GPT, prompt_ids: list[int], device: torch.device
     counts = thread_counts()
     with waiting_on(f"timing {', '.join(map(str, counts[:-1]))} and {counts[-1]} threads to decode with the "
                     f"fastest"):
-        return race_threads(decode, rounds=3)[0]
+        race_threads(decode, rounds=3)
 
 
 def new_generator(device: torch.device, seed: int | None) -> torch.Generator:
@@ -79,7 +79,9 @@ def kept_or_compiled_step(args, model: GPT, cache, tokens: int = 1) -> Step | No
     """The compiled pass of up to `tokens` tokens per row (one: the decoding step; more: speculative decoding's
     verification; on the CPU, up to block_size, so that prompts go through it too) that --compile asks for, or by
     default one kept before, or one worth compiling for a long generation; on CUDA, by default, the passes
-    captured over `cache` itself (captured_step); None: decode eagerly. Says on stderr which, and why."""
+    captured over `cache` itself (captured_step); None: decode eagerly. Says on stderr which, and why. A CPU step
+    is built for torch's thread count; where no count was asked for and a step is kept for another count only,
+    torch's count becomes that one."""
     if args.compile is False or cache is None or args.kv_cache in EAGER:
         return None
     what = "decoding step" if tokens == 1 else f"verification pass of up to {tokens} tokens"
@@ -91,6 +93,11 @@ def kept_or_compiled_step(args, model: GPT, cache, tokens: int = 1) -> Step | No
     what = f"{what}, with a pass of up to {tokens} tokens for prompts,"
     packed = packs(model)  # float32 weights: packed into the step; else a step for the shape reads them
     kept = has_compiled_step(model, cache, tokens, packed)
+    if not kept and not (args.threads or environment_threads()):  # no count asked for: a kept step's count serves
+        counts = [n for n in thread_counts() if has_compiled_step(model, cache, tokens, packed, n)]
+        if counts:
+            torch.set_num_threads(counts[-1])
+            kept = True
     if not (args.compile or kept or args.max_new_tokens >= COMPILE_PAYS_AFTER):
         return None
     if not kept:

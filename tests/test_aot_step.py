@@ -2,6 +2,7 @@
 gives the logits of a full forward over the same context, it reads the weights of the model it is bound to, and
 a step kept on disk is loaded, not compiled again, for that shape only."""
 
+import argparse
 import os
 import subprocess
 import sys
@@ -11,6 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
+import runtime.devices
+import sampling.setup
 
 from model import GREEDY, Sampling, generate
 from model.decoding.aot_step import AotStep, export_step
@@ -121,6 +125,43 @@ def test_another_shape_or_cache_has_another_step(kept, monkeypatch):
              step_path(random_model(pos_emb="learned"), cache),
              step_path(random_model(seed=1, pos_emb="rope").to(torch.bfloat16), cache)}
     assert len(paths) == 6
+
+
+def test_a_step_for_another_thread_count_is_another_step(kept, monkeypatch):
+    """Inductor writes a step's loops for the thread count it compiles under (serial for one thread): a step kept
+    for one thread is not the step for two."""
+    model, cache, _, folder, _ = kept
+    monkeypatch.setenv("KVGPT_CACHE_DIR", str(folder))
+    one = step_path(model, cache)
+    torch.set_num_threads(2)
+    try:
+        two, kept_for_two = step_path(model, cache), has_compiled_step(model, cache)
+    finally:
+        torch.set_num_threads(1)
+    assert one != two and step_path(model, cache, threads=2) == two
+    assert has_compiled_step(model, cache) and not kept_for_two
+
+
+@pytest.mark.parametrize("asked", [None, 2])
+def test_sample_takes_the_thread_count_of_a_kept_step_unless_a_count_was_asked_for(monkeypatch, asked):
+    """With no --threads (nor OMP_NUM_THREADS), a step kept for another thread count is loaded at its count;
+    with --threads, the count asked for stays, and a short run without a step kept for it decodes eagerly."""
+    kept_for = {1}  # a step is kept for one thread
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setattr(runtime.devices, "DEFAULT_THREADS", 2)
+    monkeypatch.setattr(sampling.setup, "has_compiled_step",
+                        lambda model, cache, tokens=1, packed=False, threads=None:
+                        (threads or torch.get_num_threads()) in kept_for)
+    monkeypatch.setattr(sampling.setup, "load_or_compile_step", lambda *a, **k: ("step", torch.get_num_threads()))
+    model = random_model(seed=1, pos_emb="rope")
+    args = argparse.Namespace(compile=None, kv_cache="float", max_new_tokens=10, threads=asked)
+    torch.set_num_threads(2)  # the count the thread race chose
+    try:
+        step = sampling.setup.kept_or_compiled_step(args, model, new_kv_cache(model, ROWS))
+        threads = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(1)
+    assert (step, threads) == ((("step", 1), 1) if asked is None else (None, 2))
 
 
 def test_a_step_refuses_a_cache_of_another_shape(kept):
