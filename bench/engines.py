@@ -1,9 +1,10 @@
 """Each engine that runs kvgpt's exports, in one run on the same machine: does it load, is its greedy text
-kvgpt's, and how fast is it at batch 1, beside sample.py.
+kvgpt's, and how fast is it at batch 1, beside sample.py, or at a larger batch.
 
     python bench/engines.py --design gpt2
     python bench/engines.py --design starcoder2 --vllm-python ~/vllm-venv/bin/python
     python bench/engines.py --checkpoint runs/my-run --prompts 200
+    python bench/engines.py --checkpoint runs/my-run --batch 64
 
 By default a random model of the classic shape, its weights drawn wide so that its text depends on its context,
 is saved as a checkpoint; --checkpoint names a trained one instead. export.py exports it to each format. Every
@@ -14,7 +15,9 @@ checkpoint's own, else tiny_shakespeare), so that one near-tie does not decide t
 sample.py runs as the real command, at fp32, on the first prompt, eagerly and through its packed compiled step
 (compiled before the first timed run); its tokens/s is its own summary line's, in a new process each time.
 kvgpt's generate through that packed step and the other engines are timed on the first prompt around their own
-generate call, after loading and one warm-up, the best of --repeats. Each runs with
+generate call, after loading and one warm-up, the best of --repeats. --batch B decodes B slices of the validation
+text, each as long as PROMPT, in one call instead, and times that call; sample.py, which decodes one prompt, sits
+out. Each runs with
 the setting docs/export.md names for kvgpt's text, shown in the table, at every thread count from 1 to the cores'
 count; its row is its fastest, and says which. MBU is bench/roofline.py's. An engine that is not installed is
 listed as such. vLLM runs from the python that --vllm-python or KVGPT_VLLM_PYTHON
@@ -131,12 +134,21 @@ def the_prompts(vocab, val, count: int) -> list[str]:
     return prompts
 
 
+def batch_prompts(vocab, val, count: int) -> list[str]:
+    """count slices of the validation text at seeded places, each as long as PROMPT: a batch with no padding."""
+    ids, rng = val(), random.Random(0)
+    return [vocab.decode(ids[start:start + len(PROMPT)].tolist())
+            for start in (rng.randrange(len(ids) - len(PROMPT)) for _ in range(count))]
+
+
 def main() -> None:
     parser = OneLineErrorParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--design", choices=DESIGNS, help="the random model's design (default gpt2)")
     parser.add_argument("--checkpoint", type=existing_checkpoint,
                         help="a trained checkpoint (file or run folder) in place of a random model")
-    parser.add_argument("--prompts", type=positive_int, default=1, help="prompts each engine decodes")
+    parser.add_argument("--prompts", type=positive_int, help="prompts each engine decodes one at a time (default 1)")
+    parser.add_argument("--batch", type=positive_int, default=1,
+                        help="prompts each engine decodes at once, in one call (default 1)")
     parser.add_argument("--repeats", type=positive_int, default=2)
     parser.add_argument("--vllm-python", default=os.environ.get("KVGPT_VLLM_PYTHON", ""),
                         help="the python of a virtual environment where vLLM is installed")
@@ -147,14 +159,19 @@ def main() -> None:
     if args.checkpoint and args.design:
         raise UsageError("--design chooses the random model's design; a --checkpoint has its own: give one of them")
     args.design = args.design or "gpt2"
+    if args.batch > 1 and args.prompts:
+        raise UsageError("--batch decodes its own prompts at once, and --prompts that many one at a time: give one of "
+                         "them")
 
     model, vocab, val, what = the_model(args)
     block_size = model.config.block_size
     length = 2 * block_size if rolls(model.config) else block_size  # each text's, prompt included
-    prompts = the_prompts(vocab, val, args.prompts)
-    jobs = [(prompt, length - len(prompt)) for prompt in prompts]
+    prompts = the_prompts(vocab, val, args.prompts or 1) if args.batch == 1 else batch_prompts(vocab, val, args.batch)
+    jobs = [([prompt], length - len(prompt)) for prompt in prompts] if args.batch == 1 else \
+        [(prompts, length - len(PROMPT))]
     wants = [vocab.decode(generate(model, torch.tensor([vocab.encode(prompt)]), n, sampling=GREEDY)[0].tolist())
-             for prompt, n in jobs]
+             for batch, n in jobs for prompt in batch]
+    tokens = len(jobs[0][0]) * jobs[0][1]  # the timed job's new tokens
 
     # name -> (the module it needs here, or None for vLLM's own python; the export it reads; its runner)
     engines = {"transformers": ("transformers", "hf", "transformers"),
@@ -166,7 +183,8 @@ def main() -> None:
     rows = []
     thread_counts = range(1, (os.cpu_count() or 1) + 1)
     context = (len(prompts[0]) + length) // 2  # a token's context, on average over the first prompt's text
-    nbytes = model_bytes(model, context)
+    weights = model_bytes(model, 0)
+    nbytes = weights + args.batch * (model_bytes(model, context) - weights)  # a step reads each row's cache
     bandwidth = {threads: read_bandwidth(nbytes, threads) for threads in thread_counts}
 
     def row(name, version, setting, texts, rates: dict) -> tuple:
@@ -174,12 +192,12 @@ def main() -> None:
         threads = max(rates, key=rates.get)
         return (name, version, "yes", f"{setting}, {threads} thread{'s' * (threads > 1)}",
                 compared(texts, wants[:len(texts)], block_size), f"{rates[threads]:,.0f}",
-                f"{rates[threads] * nbytes / bandwidth[threads]:.0%}")
+                f"{rates[threads] / args.batch * nbytes / bandwidth[threads]:.0%}")
 
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint, steps = save_checkpoint(build_checkpoint(model, vocab), Path(tmp) / "best.pt"), Path(tmp) / "steps"
-        for compile in (False, True):
-            runs = {threads: sample_py(checkpoint, *jobs[0], args.repeats, threads, compile, steps)
+        for compile in (False, True) if args.batch == 1 else ():
+            runs = {threads: sample_py(checkpoint, prompts[0], jobs[0][1], args.repeats, threads, compile, steps)
                     for threads in thread_counts}
             version, text, _ = runs[1]
             rows.append(row("sample.py (kvgpt)" + (", packed compiled step" if compile else ""), f"torch {version}",
@@ -190,7 +208,7 @@ def main() -> None:
         runs = {threads: run_engine(sys.executable, "kvgpt", {**spec, "threads": threads}) for threads in thread_counts}
         version, setting, texts, _ = runs[1]
         rows.append(row("kvgpt's generate, in process", f"torch {version}", setting, texts,
-                        {threads: jobs[0][1] / seconds for threads, (_, _, _, seconds) in runs.items()}))
+                        {threads: tokens / seconds for threads, (_, _, _, seconds) in runs.items()}))
         folders = {}
         for fmt in ("hf", "onnx", "gguf"):
             try:
@@ -215,13 +233,14 @@ def main() -> None:
                 continue
             version, setting, texts, _ = runs[1]
             rows.append(row(name, version, setting, texts,
-                            {threads: jobs[0][1] / seconds for threads, (_, _, _, seconds) in runs.items()}))
+                            {threads: tokens / seconds for threads, (_, _, _, seconds) in runs.items()}))
 
+    timed = f"the first prompt ({len(prompts[0])} characters)" if args.batch == 1 else "all of them at once"
     print(f"# engines: {host()}, {date.today()}, {what}, block_size {block_size}, {len(prompts)} prompt(s), each text "
-          f"{length} characters, greedy, batch 1; tok/s on the first prompt ({len(prompts[0])} characters), best of "
-          f"{args.repeats}, at the thread count where each is fastest (of {', '.join(map(str, thread_counts))}; "
-          f"no binding); MBU: tok/s x {nbytes / 2**20:.2f} MiB a token reads (bench/roofline.py) / the read "
-          f"bandwidth at that thread count ({', '.join(f'{b / 1e9:.0f}' for b in bandwidth.values())} GB/s)")
+          f"{length} characters, greedy, batch {args.batch}; tok/s on {timed}, best of {args.repeats}, at the thread "
+          f"count where each is fastest (of {', '.join(map(str, thread_counts))}; no binding); MBU: steps/s x "
+          f"{nbytes / 2**20:.2f} MiB a step reads (bench/roofline.py) / the read bandwidth at that thread count "
+          f"({', '.join(f'{b / 1e9:.0f}' for b in bandwidth.values())} GB/s)")
     print("| engine | version | loads | setting | kvgpt's greedy text | tok/s | MBU |")
     print("|---|---|---|---|---|---|---|")
     for line in rows:

@@ -60,6 +60,8 @@ def runs(tmp_path_factory) -> Path:
      ["--max-tokens 85 leaves no room for the prompt's 42 tokens in block_size=16", "block_size is above 42"]),
     ("engines.py", ["--checkpoint", "RUNS/plain", "--design", "gpt2"], ["--design", "--checkpoint"]),
     ("engines.py", ["--prompts", "0"], ["--prompts", "got 0"]),
+    ("engines.py", ["--batch", "0"], ["--batch", "got 0"]),
+    ("engines.py", ["--batch", "4", "--prompts", "2"], ["--batch", "--prompts", "give one of them"]),
     ("serve_load.py", ["--threads", "0"], ["--threads", "got 0"]),
     ("determinism.py", ["--checkpoint", "RUNS/plain", "--new", "100"], ["--new 100 leaves no room"]),
     ("determinism.py", ["--checkpoint", "RUNS/local"], ["--checkpoint", "local layers"]),
