@@ -85,7 +85,8 @@ def export_step(model, cache, tokens: int = 1) -> torch.export.ExportedProgram:
 
 def attention_in_loops(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """F.scaled_dot_product_attention written as products and sums, which inductor fuses into the step's own loops:
-    for the few queries of a step, SDPA's kernel costs more to set up than its arithmetic does. q (..., T_q, hs),
+    for the few queries of a step, SDPA's kernel costs more to set up than its arithmetic does. As in SDPA's own
+    kernel, the softmax divides once per output, after the sum over keys, not once per key. q (..., T_q, hs),
     k and v (..., T_k, hs) -> (..., T_q, hs)."""
     if dropout_p:
         raise ValueError("a compiled step decodes: it applies no dropout")
@@ -96,8 +97,10 @@ def attention_in_loops(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, 
         attn_mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
     if attn_mask is not None:
         scores = scores.masked_fill(~attn_mask, -torch.inf) if attn_mask.dtype == torch.bool else scores + attn_mask
-    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a query that may attend nothing reads zeros, as in SDPA
-    return (weights.unsqueeze(-1) * v.unsqueeze(-3)).sum(-2)
+    weights = torch.exp(scores - scores.amax(-1, keepdim=True))  # (..., T_q, T_k) unnormalized; NaN in a query
+    total = weights.sum(-1, keepdim=True)                          # that may attend nothing, whose total is NaN
+    out = (weights.unsqueeze(-1) * v.unsqueeze(-3)).sum(-2)
+    return torch.where(total > 0, out / total, 0.0)  # such a query reads zeros, as in SDPA
 
 
 @contextmanager
