@@ -94,9 +94,10 @@ def kept_or_compiled_step(args, model: GPT, cache, tokens: int = 1) -> Step | No
     packed = packs(model)  # float32 weights: packed into the step; else a step for the shape reads them
     kept = has_compiled_step(model, cache, tokens, packed)
     if not kept and not (args.threads or environment_threads()):  # no count asked for: a kept step's count serves
-        counts = [n for n in thread_counts() if has_compiled_step(model, cache, tokens, packed, n)]
-        if counts:
-            torch.set_num_threads(counts[-1])
+        others = [n for n in reversed(thread_counts()) if n != torch.get_num_threads()]  # most threads first
+        count = next((n for n in others if has_compiled_step(model, cache, tokens, packed, n)), None)
+        if count:
+            torch.set_num_threads(count)
             kept = True
     if not (args.compile or kept or args.max_new_tokens >= COMPILE_PAYS_AFTER):
         return None
