@@ -166,9 +166,12 @@ def main() -> None:
     model, vocab, val, what = the_model(args)
     block_size = model.config.block_size
     length = 2 * block_size if rolls(model.config) else block_size  # each text's, prompt included
-    prompts = the_prompts(vocab, val, args.prompts or 1) if args.batch == 1 else batch_prompts(vocab, val, args.batch)
-    jobs = [([prompt], length - len(prompt)) for prompt in prompts] if args.batch == 1 else \
-        [(prompts, length - len(PROMPT))]
+    if args.batch == 1:  # each prompt a job of its own
+        prompts = the_prompts(vocab, val, args.prompts or 1)
+        jobs = [([prompt], length - len(prompt)) for prompt in prompts]
+    else:  # one job of every prompt, all of PROMPT's length
+        prompts = batch_prompts(vocab, val, args.batch)
+        jobs = [(prompts, length - len(PROMPT))]
     wants = [vocab.decode(generate(model, torch.tensor([vocab.encode(prompt)]), n, sampling=GREEDY)[0].tolist())
              for batch, n in jobs for prompt in batch]
     tokens = len(jobs[0][0]) * jobs[0][1]  # the timed job's new tokens

@@ -97,8 +97,9 @@ def attention_in_loops(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, 
         attn_mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
     if attn_mask is not None:
         scores = scores.masked_fill(~attn_mask, -torch.inf) if attn_mask.dtype == torch.bool else scores + attn_mask
-    weights = torch.exp(scores - scores.amax(-1, keepdim=True))  # (..., T_q, T_k) unnormalized; NaN in a query
-    total = weights.sum(-1, keepdim=True)                          # that may attend nothing, whose total is NaN
+    # unnormalized; a query that may attend nothing has every score -inf, so its weights and total are NaN
+    weights = torch.exp(scores - scores.amax(-1, keepdim=True))  # (..., T_q, T_k)
+    total = weights.sum(-1, keepdim=True)
     out = (weights.unsqueeze(-1) * v.unsqueeze(-3)).sum(-2)
     return torch.where(total > 0, out / total, 0.0)  # such a query reads zeros, as in SDPA
 
