@@ -75,11 +75,17 @@ def test_a_preempted_request_keeps_its_prompt_rows_once_every_draw_and_its_first
         assert_kept_like_a_plain_forward(model, kept, later.tokens, 6)
 
 
+def shown_cached(engine: Engine, name) -> int:
+    """The cached tokens that the engine's census shows for a running request."""
+    (count,) = [r.cached_tokens for r in engine.census().requests if r.name == name]
+    return count
+
+
 @torch.no_grad()
-def test_a_request_preempted_before_its_first_pass_counts_the_cache_it_read_when_it_ran():
-    """A prompt cached but for its last token joins as a decoding request, in the pass where two running ones each
-    need a block: the pool has none, so it leaves at once, and the second takes a block of its cached prefix. When
-    it runs, it reads none of the cache: that is its count, and the engine's."""
+def test_a_request_is_fed_before_a_decoding_pass_can_preempt_it_and_counts_the_cache_it_read_then():
+    """A prompt cached but for its last token joins while two running ones each need a block. It is fed first, in
+    a pass that reads its cached prefix; only then does a decoding pass, short of blocks, preempt it. Its count is
+    what it read when it first ran, as the census showed it."""
     model = random_model(block_size=BLOCK)
     engine = Engine(model, n_blocks=5, block_tokens=4)
     engine.add("seed", PROMPT[:9], 1)
@@ -91,7 +97,25 @@ def test_a_request_preempted_before_its_first_pass_counts_the_cache_it_read_when
     late = engine.add("late", PROMPT[:9], 2, kept=kept)
     reused = engine.stats.reused_tokens
     engine.step()
+    assert late.drawn == 1 and kept.cached_tokens == shown_cached(engine, "late") == 8
+    assert engine.stats.reused_tokens == reused + 8
+    engine.step()
     assert late.preemptions == 1 and late in engine.waiting
-    assert engine.stats.reused_tokens == reused  # nothing read yet
     list(engine.run())
-    assert late.cached == 0 and kept.cached_tokens == 0
+    assert kept.cached_tokens == 8 and late.drawn == 2
+
+
+@torch.no_grad()
+def test_a_request_joining_beside_a_prefilling_one_is_fed_in_the_same_pass():
+    """Its prompt is cached but for its last token, the other's not at all. Were it left for a decoding pass, it
+    would hold its cached blocks unread, shown running, and could be preempted before it read them."""
+    model = random_model(block_size=BLOCK)
+    engine = Engine(model, n_blocks=10, block_tokens=4)
+    engine.add("seed", PROMPT[:9], 1)
+    list(engine.run())
+    fresh = engine.add("fresh", [7] * 6, 2)
+    kept = Kept()
+    late = engine.add("late", PROMPT[:9], 2, kept=kept)
+    engine.step()
+    assert fresh.drawn == late.drawn == 1
+    assert kept.cached_tokens == shown_cached(engine, "late") == 8

@@ -161,7 +161,7 @@ class Engine:
             self._free(request)
             return False
         request.blocks += [pool.allocate() for _ in range(need)]
-        request.fed = request.cached = len(request.names) * bt  # counted at its first pass (_forward), if it has one
+        request.fed = request.cached = len(request.names) * bt  # counted at its first pass (_forward)
         return True
 
     def _grow(self, request: Request) -> bool:

@@ -49,8 +49,9 @@ class Request:
 
     @property
     def prefilling(self) -> bool:
-        """A running request with more than its last token still to feed: decoding feeds that one."""
-        return self.fed < len(self.tokens) - 1
+        """A running request not yet fed since it joined, or with more than its last token still to feed: a
+        decoding pass feeds only requests that have run, so none holds cached blocks unread when it preempts."""
+        return self.fed == self.cached or self.fed < len(self.tokens) - 1
 
     @property
     def scores_prompt(self) -> bool:
