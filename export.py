@@ -13,8 +13,11 @@ export, removes what it wrote, and exits with 128 + the signal's number (130 for
 
 import sys
 
+from runtime.installed import DECODING, require_installed
 from runtime.stop_signals import ignoring_stop_signals_after, record_stop_signals
 
+if __name__ == "__main__":
+    require_installed("export.py", DECODING)
 EARLY_SIGNALS = record_stop_signals() if __name__ == "__main__" else []  # while the modules below load
 
 from pathlib import Path  # noqa: E402

@@ -24,10 +24,12 @@ be written (a full disk) is one line with status 1; a reader that stops early (`
 import signal
 import sys
 
+from runtime.installed import DECODING, require_installed
 from runtime.stop_signals import ignoring_stop_signals_after, record_stop_signals
 
 EARLY_SIGNALS = []  # a stop signal that came while the modules below loaded
 if __name__ == "__main__":
+    require_installed("sample.py", DECODING)
     if sys.stderr is not None and sys.stderr.isatty():  # the modules take seconds: say so, cleared in main()
         sys.stderr.write("loading torch…")
         sys.stderr.flush()

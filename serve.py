@@ -13,12 +13,17 @@ one line on stderr with status 2. docs/serving.md says more.
 
 import sys
 
-from runtime.checkpoint import find_latest_checkpoint, load_model, resolve_checkpoint
-from runtime.devices import choose_device
-from runtime.command import run_command
-from runtime.errors import UsageError
-from runtime.signals import interrupt_on_signals
-from runtime.stop_signals import ignoring_stop_signals_after
+from runtime.installed import DECODING, require_installed
+
+if __name__ == "__main__":
+    require_installed("serve.py", DECODING)
+
+from runtime.checkpoint import find_latest_checkpoint, load_model, resolve_checkpoint  # noqa: E402
+from runtime.devices import choose_device  # noqa: E402
+from runtime.command import run_command  # noqa: E402
+from runtime.errors import UsageError  # noqa: E402
+from runtime.signals import interrupt_on_signals  # noqa: E402
+from runtime.stop_signals import ignoring_stop_signals_after  # noqa: E402
 
 try:
     from server.app import StoppingServer, build_app
@@ -26,10 +31,10 @@ except ImportError as missing:  # the optional extra is not installed
     NEEDS = f"serve.py needs fastapi and uvicorn ({missing.name} is missing): pip install -r requirements-serve.txt"
 else:
     NEEDS = ""
-from server.options import (build_parser, check_options, listening_socket, model_name, new_engine, open_warning,
-                            serving_threads)
-from server.protocol import Limits
-from server.runner import EngineRunner
+from server.options import (build_parser, check_options, listening_socket, model_name,  # noqa: E402
+                            new_engine, open_warning, serving_threads)
+from server.protocol import Limits  # noqa: E402
+from server.runner import EngineRunner  # noqa: E402
 
 
 def serve(args) -> None:

@@ -26,32 +26,37 @@ import threading
 import time
 from pathlib import Path
 
-import hydra
-import torch
-import torch.distributed as dist
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from runtime.installed import require_installed
 
-from model import build_model
-from runtime.devices import choose_device, keep_freed_memory, thread_counts
-from runtime.command import fail, run_command
-from runtime.errors import ConfigError, OutputError, exit_status, one_line
-from runtime.stop_signals import ignoring_stop_signals_after
-from runtime.streams import write_line
-from training.applies import named_keys
-from training.budget import process_started
-from training.config import explained, register, validate
-from training.distributed import init_distributed, is_rank_zero
-from training.hydra_gate import CONFIG_DIR, CONFIG_NAME, VERSION_BASE, info_written, read_flags
-from training.loop import Stopped, Trainer
-from training.clock import check_start
-from training.resume import resumed_settings
-from training.runs import take_run_dir
-from runtime.signals import StopSignals, interrupt_on_signals
-from training.sizing import kept_on_resume, size_to_host, threads_fixed
-from training.summaries import Summaries, report_thread_error
-from training.text import check_training_fits_memory, fit_sample_prompt, prepare_data
+if __name__ == "__main__":
+    require_installed("train.py")
+
+import hydra  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from hydra.types import RunMode  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+from model import build_model  # noqa: E402
+from runtime.devices import choose_device, keep_freed_memory, thread_counts  # noqa: E402
+from runtime.command import fail, run_command  # noqa: E402
+from runtime.errors import ConfigError, OutputError, exit_status, one_line  # noqa: E402
+from runtime.stop_signals import ignoring_stop_signals_after  # noqa: E402
+from runtime.streams import write_line  # noqa: E402
+from training.applies import named_keys  # noqa: E402
+from training.budget import process_started  # noqa: E402
+from training.config import explained, register, validate  # noqa: E402
+from training.distributed import init_distributed, is_rank_zero  # noqa: E402
+from training.hydra_gate import CONFIG_DIR, CONFIG_NAME, VERSION_BASE, info_written, read_flags  # noqa: E402
+from training.loop import Stopped, Trainer  # noqa: E402
+from training.clock import check_start  # noqa: E402
+from training.resume import resumed_settings  # noqa: E402
+from training.runs import take_run_dir  # noqa: E402
+from runtime.signals import StopSignals, interrupt_on_signals  # noqa: E402
+from training.sizing import kept_on_resume, size_to_host, threads_fixed  # noqa: E402
+from training.summaries import Summaries, report_thread_error  # noqa: E402
+from training.text import check_training_fits_memory, fit_sample_prompt, prepare_data  # noqa: E402
 
 register()
 failed_jobs = []  # the exit statuses of a sweep's failed jobs
