@@ -179,6 +179,7 @@ def test_a_cache_that_decodes_eagerly_is_refused():
         export_step(model, new_cache(model, "h2o", 1, budget=8))
 
 
+@pytest.mark.slow
 def test_speculative_decoding_verifies_through_a_compiled_pass(kept, monkeypatch):
     """A compiled pass of up to k + 1 tokens takes every pass after the prompt's, shorter drafts' too: greedy text
     is plain greedy text past the ring's wrap, sampled text is the eager verification's for the same seed."""
@@ -206,6 +207,7 @@ def test_speculative_decoding_verifies_through_a_compiled_pass(kept, monkeypatch
         list(speculative_generate(model, prompt, 4, draft=PromptLookup(), k=2, verify_pass=verify_pass))
 
 
+@pytest.mark.slow
 def test_a_conversation_takes_its_steps_through_a_compiled_step(kept, monkeypatch):
     """Each reply equals the eager conversation's, past block_size, and the reply's steps never run eagerly."""
     model, _, _, folder, _ = kept

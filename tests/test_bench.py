@@ -18,6 +18,8 @@ from test_train import TINY, data_overrides
 from training.loop import Trainer
 from model.caches.factory import new_kv_cache
 
+pytestmark = pytest.mark.slow  # through the commands, end to end: python -m pytest -m slow
+
 
 def test_each_constant_is_assigned_in_one_file():
     """A figure two benchmarks share (the tokens decoded, the repository's folder) is defined once, imported

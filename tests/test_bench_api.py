@@ -11,6 +11,8 @@ import pytest
 from programs import REPO
 from test_edges_benches import runs  # noqa: F401  runs: a fixture
 
+pytestmark = pytest.mark.slow  # through the commands, end to end: python -m pytest -m slow
+
 
 def bench(*args, cwd) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=600)

@@ -21,6 +21,8 @@ from programs import ENV, REPO, assert_one_line_error
 from tiny_models import random_model
 from training.summaries import Summaries
 
+pytestmark = pytest.mark.slow  # through the commands, end to end: python -m pytest -m slow
+
 NO_MATPLOTLIB = "raise ModuleNotFoundError(\"No module named 'matplotlib'\", name='matplotlib')\n"
 
 

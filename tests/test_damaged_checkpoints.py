@@ -11,6 +11,8 @@ from runtime.checkpoint import save_checkpoint
 from training.config import ConfigError
 from programs import ENV, SHORT, assert_one_line_error, data_root, sample_command, short_run
 
+pytestmark = pytest.mark.slow  # through the commands, end to end: python -m pytest -m slow
+
 
 def damage(contents: dict, how: str) -> dict:
     model, state = contents["model"], contents["training"]

@@ -13,6 +13,8 @@ from programs import REPO, SHORT, assert_one_line_error
 from runtime.errors import UsageError
 from test_train import config
 
+pytestmark = pytest.mark.slow  # through the commands, end to end: python -m pytest -m slow
+
 LOCAL = ["model.window_pattern=LG", "model.local_window=4"]
 ROPE = ["model.pos_emb=rope"]
 

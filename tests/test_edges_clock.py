@@ -29,6 +29,8 @@ from training.loop import Diverged, Stopped, Trainer
 from training.summaries import Summaries
 from training.text import prepare_data
 
+pytestmark = pytest.mark.slow  # through the commands, end to end: python -m pytest -m slow
+
 FIXED = [o for o in BUDGET if not o.startswith(("train.max_iters", "train.max_minutes"))]  # the budget's settings
 REPEATS = re.compile(r"\); to repeat this run exactly, give (.*) in place of train.max_minutes$")
 

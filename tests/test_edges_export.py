@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # through the commands, end to end: python -m pytest -m slow
+
 pytest.importorskip("transformers")  # requirements-dev.txt installs them; kvgpt runs without them
 pytest.importorskip("onnxruntime")
 

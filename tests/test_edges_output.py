@@ -14,6 +14,8 @@ from tiny_models import random_model, trained_on
 
 from programs import ENV, REPO, assert_one_line_error, checkpoint, sample_command  # noqa: F401 (a fixture)
 
+pytestmark = pytest.mark.slow  # through the commands, end to end: python -m pytest -m slow
+
 LIMIT = 1 << 22  # the file-size limit: the output file starts this close to it, every other file stays far below
 SPARE = 5  # bytes of the whole output that do not fit: the last write is the one cut short
 

@@ -14,6 +14,8 @@ from programs import ENV, checkpoint, child_signal, sample_command  # noqa: F401
 from test_sample import VOCAB
 from test_sample_sessions_and_lines import models  # noqa: F401  models: a fixture
 
+pytestmark = pytest.mark.slow  # through the commands, end to end: python -m pytest -m slow
+
 STOPS = [signal.SIGTERM, *([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])]
 LINUX = Path("/proc/self/status").exists()
 

@@ -14,6 +14,8 @@ from test_sample import ENV, SAMPLE, VOCAB, assert_usage_error
 from test_sample_sessions_and_lines import chat, models  # noqa: F401  models: a fixture
 from tiny_models import random_model, random_tokens
 
+pytestmark = pytest.mark.slow  # through the commands, end to end: python -m pytest -m slow
+
 
 def rewritten(saved: dict, path, *, keep_checksum: bool = False, **changes):
     """The session saved, changed, written to path: with its old checksum (damaged on disk) or a new one (a

@@ -21,6 +21,8 @@ from test_sample import ENV, SAMPLE, assert_usage_error
 from test_sample_sessions_and_lines import models, taken_up_after_two_turns  # noqa: F401  (models: a fixture)
 from tiny_models import random_model, random_tokens
 
+pytestmark = pytest.mark.slow  # through the commands, end to end: python -m pytest -m slow
+
 TIMEOUT = 120  # seconds: a session that waits on its file fails the test, never hangs the suite
 
 

@@ -13,6 +13,8 @@ from programs import (ENV, REPO, SHORT, assert_one_line_error, checkpoint, data_
 from runtime.devices import threads_refused, usable_cores
 from test_train import TINY, data_overrides
 
+pytestmark = pytest.mark.slow  # through the commands, end to end: python -m pytest -m slow
+
 CORES = usable_cores()
 TOO_MANY = [CORES + 1, 100_000]
 BOUND = f"must be from 1 to {CORES} (the cores this process may run on)"

@@ -7,6 +7,8 @@ import corpus
 from programs import SHORT, assert_one_line_error, data_root, short_run, train_cli
 from test_train import TINY, data_overrides
 
+pytestmark = pytest.mark.slow  # through the commands, end to end: python -m pytest -m slow
+
 
 @pytest.mark.parametrize("runs_dir, fragment", [("", "runs_dir='' names no folder"),
                                                 (" ", "names no folder")])  # Hydra strips the blank

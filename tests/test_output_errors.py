@@ -21,6 +21,8 @@ from runtime.errors import one_line
 from training.runs import new_run_dir
 from programs import ENV, REPO, SHORT, assert_one_line_error, checkpoint, data_root, sample_command, train_cli
 
+pytestmark = pytest.mark.slow  # through the commands, end to end: python -m pytest -m slow
+
 
 @pytest.mark.parametrize("where, fragments", [
     ("runs_dir=a-file", ["runs_dir=a-file is a file, not a folder"]),

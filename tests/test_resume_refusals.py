@@ -13,6 +13,8 @@ from runtime.checkpoint import save_checkpoint
 from training.config import ConfigError
 from programs import REPO, SHORT, assert_one_line_error, data_root, short_run, train_cli, tree
 
+pytestmark = pytest.mark.slow  # through the commands, end to end: python -m pytest -m slow
+
 
 @pytest.fixture(scope="module")
 def stopped_runs(tmp_path_factory, data_root) -> list[Path]:

@@ -16,6 +16,8 @@ from runtime.checkpoint import CheckpointError
 from training.runs import new_run_dir
 from programs import ENV, REPO, SHORT, assert_one_line_error, data_root, train_cli, tree
 
+pytestmark = pytest.mark.slow  # through the commands, end to end: python -m pytest -m slow
+
 
 def test_runs_claimed_in_the_same_second_get_their_own_directories(tmp_path, monkeypatch):
     monkeypatch.setattr(training.runs.time, "strftime", lambda pattern: "2030-01-01_00-00-00")

@@ -359,6 +359,7 @@ def test_a_file_that_is_no_pickle_is_not_called_unsafe(tmp_path, make_file):
     assert "unsafe" not in line and "run code" not in line
 
 
+@pytest.mark.slow
 def test_the_compiled_step_gives_the_same_text_and_is_kept(checkpoint, greedy, tmp_path):
     """--compile compiles the step once and says so; later runs take the kept step by default, and --no-compile
     decodes eagerly. The text is the eager text each time (sampling/compiled_step.py)."""

@@ -22,6 +22,8 @@ from runtime.checkpoint import build_checkpoint, save_checkpoint
 from server.options import open_warning
 from serving import ENV, START_SECONDS, VOCAB, Served, checkpoint, server  # noqa: F401  fixtures
 
+pytestmark = pytest.mark.slow  # through the commands, end to end: python -m pytest -m slow
+
 openai = pytest.importorskip("openai", reason="the tests drive serve.py with OpenAI's client: pip install openai")
 
 

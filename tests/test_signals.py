@@ -19,6 +19,8 @@ import corpus
 from test_train import TINY, data_overrides
 from programs import ENV, REPO, SHORT, checkpoint, child_signal, data_root, sample_command
 
+pytestmark = pytest.mark.slow  # through the commands, end to end: python -m pytest -m slow
+
 
 @pytest.mark.parametrize("output", ["pipes", "a closed terminal", "nohup"])
 def test_a_hangup_saves_the_run_unless_nohup_asks_it_to_go_on(tmp_path, data_root, output):

@@ -849,7 +849,8 @@ def ddp_worker(rank: int, world_size: int, port: int, cfg, run_dir: Path, out: P
                out / f"rank{rank}.pt")
 
 
-@pytest.mark.parametrize("ema", [[], ["train.ema_decay=0.5"]], ids=["weights", "moving-average"])
+@pytest.mark.parametrize("ema", [[], pytest.param(["train.ema_decay=0.5"], marks=pytest.mark.slow)],
+                         ids=["weights", "moving-average"])
 def test_ddp_two_cpu_processes_end_with_identical_weights(tmp_path, data_root, ema):
     """Every process trains, and averages, the same weights: rank 0's initial ones (each process's own seed draws
     others), which is what evaluations see and last.pt holds."""
@@ -901,6 +902,7 @@ def ddp_worker_stopped_by_a_signal_to_rank_1(rank: int, world_size: int, port: i
         (out / f"rank{rank}.txt").write_text(str(e))
 
 
+@pytest.mark.slow
 def test_under_ddp_a_signal_to_one_process_stops_every_process_at_the_next_step(tmp_path, data_root):
     """Though the steps between two logs (log_interval) outnumber the steps left."""
     with socket.socket() as s:

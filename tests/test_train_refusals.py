@@ -10,6 +10,8 @@ import pytest
 from test_train import TINY, data_overrides
 from programs import ENV, REPO, assert_one_line_error, checkpoint, data_root, sample_command, train_cli
 
+pytestmark = pytest.mark.slow  # through the commands, end to end: python -m pytest -m slow
+
 
 @pytest.mark.parametrize("argv, fragment", [
     (["--bogus"], "unrecognized arguments: --bogus"),
