@@ -129,7 +129,7 @@ def load_or_compile_pass(model, cache, tokens: int, say, packed: bool, scratch: 
     except OSError as e:  # a read-only or full disk: this run still gets its step
         say(f"cannot keep the compiled step in {path.parent} ({e.strerror or e}); it serves this run only")
         path = scratch / f"step-{tokens}.pt2"
-        compile_step(program, path, packed)
+        compile_step(program, str(path), packed)  # inductor checks the package's path against its own string
     return load_package(path)
 
 

@@ -20,6 +20,11 @@ from test_sample import (ENV, NEW_TOKENS, PROMPT, SAMPLE, TEXT, VOCAB, assert_us
 REPLY = 40
 
 
+def block_size(checkpoints) -> int:
+    """The model's context, the longest prompt that a compiled pass takes."""
+    return load_model(checkpoints["model"])[0].config.block_size
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """The model, the model recording the text it was trained on (prepared under folder/datasets), a draft trained
@@ -69,8 +74,8 @@ def test_compile_verifies_full_drafts_through_a_compiled_pass(checkpoints, plain
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout == plain_greedy
-    assert result.stderr.splitlines()[1].startswith("compiling the verification pass of up to 4 tokens for these "
-                                                    "weights, once")
+    assert result.stderr.splitlines()[1].startswith("compiling the verification pass of up to 4 tokens, with a pass "
+                                                    f"of up to {block_size(checkpoints)} tokens for prompts, for these weights, once")
     assert ", compiled step), draft acceptance " in result.stderr.splitlines()[-1]
 
 
@@ -137,7 +142,9 @@ def test_interactive_replies_are_fresh_greedy_generations_and_unknown_characters
     assert result.returncode == 0, result.stderr
     assert result.stdout == expected_conversation(checkpoints["model"], "All:\n", lines)
     assert "the line has characters not in the checkpoint's vocabulary: '\u00e9'" in result.stderr
-    assert ("compiling the decoding step for these weights" in result.stderr) == bool(compile)
+    compiling = (f"compiling the decoding step, with a pass of up to {block_size(checkpoints)} tokens for prompts, for "
+                 "these weights")
+    assert (compiling in result.stderr) == bool(compile)
 
 
 def test_interactive_with_standard_input_closed_is_one_line_with_status_2(checkpoints):
