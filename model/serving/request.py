@@ -49,8 +49,8 @@ class Request:
 
     @property
     def prefilling(self) -> bool:
-        """A running request not yet fed since it joined, or with more than its last token still to feed: a
-        decoding pass feeds only requests that have run, so none holds cached blocks unread when it preempts."""
+        """A running request not yet fed since it joined, or with more than its last token still to feed. Decoding
+        passes take only requests that have run: none is preempted holding cached blocks it has not read."""
         return self.fed == self.cached or self.fed < len(self.tokens) - 1
 
     @property
