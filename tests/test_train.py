@@ -504,10 +504,10 @@ def stopped_at(tmp_path: Path, data_root: Path, step: int, overrides: list[str],
 def test_a_resumed_budget_run_keeps_its_steps(tmp_path, data_root, monkeypatch):
     """Aimed at half its budget, the plan leaves the resumed life's start-up room: it is not planned again. The
     budget is 18 s, so that a busy machine's start-up, a few seconds, still fits in the half left spare. Each step
-    sleeps 10 ms more: a core that the other tests' worker slows then slows a step by a third, not twice over."""
+    sleeps 50 ms more: a core that the other tests' worker slows twice over then slows a step by half, not twice."""
     monkeypatch.setattr(training.budget, "MARGIN", AIM_AT_HALF)
     step = Trainer.train_step
-    monkeypatch.setattr(Trainer, "train_step", lambda trainer: time.sleep(0.01) or step(trainer))
+    monkeypatch.setattr(Trainer, "train_step", lambda trainer: time.sleep(0.05) or step(trainer))
     run_dir = tmp_path / "runs/stopped"
     roomy = ["train.max_iters=null", "train.max_minutes=0.3", "optim.decay_frac=1"]
     stopped_at(tmp_path, data_root, 14, roomy, run_dir)  # fixed at the warm-up's end
