@@ -14,15 +14,10 @@ from model import GPTConfig, GREEDY, build_model, generate
 from model.serving.conversation import Conversation
 from runtime.checkpoint import build_checkpoint, load_model, save_checkpoint
 from sampling.output import interact
-from test_sample import (ENV, NEW_TOKENS, PROMPT, SAMPLE, TEXT, VOCAB, assert_usage_error, run_sample, sample_ok,
-                         tiny_model)
+from test_sample import (BLOCK_SIZE, ENV, NEW_TOKENS, PROMPT, SAMPLE, TEXT, VOCAB, assert_usage_error, run_sample,
+                         sample_ok, tiny_model)
 
 REPLY = 40
-
-
-def block_size(checkpoints) -> int:
-    """The model's context, the longest prompt that a compiled pass takes."""
-    return load_model(checkpoints["model"])[0].config.block_size
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +69,9 @@ def test_compile_verifies_full_drafts_through_a_compiled_pass(checkpoints, plain
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout == plain_greedy
-    assert result.stderr.splitlines()[1].startswith("compiling the verification pass of up to 4 tokens, with a pass "
-                                                    f"of up to {block_size(checkpoints)} tokens for prompts, for these weights, once")
+    compiling = (f"compiling the verification pass of up to 4 tokens, with a pass of up to {BLOCK_SIZE} tokens for "
+                 "prompts, for these weights, once")
+    assert result.stderr.splitlines()[1].startswith(compiling)
     assert ", compiled step), draft acceptance " in result.stderr.splitlines()[-1]
 
 
@@ -142,8 +138,7 @@ def test_interactive_replies_are_fresh_greedy_generations_and_unknown_characters
     assert result.returncode == 0, result.stderr
     assert result.stdout == expected_conversation(checkpoints["model"], "All:\n", lines)
     assert "the line has characters not in the checkpoint's vocabulary: '\u00e9'" in result.stderr
-    compiling = (f"compiling the decoding step, with a pass of up to {block_size(checkpoints)} tokens for prompts, for "
-                 "these weights")
+    compiling = f"compiling the decoding step, with a pass of up to {BLOCK_SIZE} tokens for prompts, for these weights"
     assert (compiling in result.stderr) == bool(compile)
 
 
