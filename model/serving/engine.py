@@ -190,8 +190,8 @@ class Engine:
         """One pass: counts[b] tokens of requests[b], each token a row of its own as a decoding step computes it
         (model/serving/rowwise.py); draw for each request fed to its end."""
         requests = list(requests)  # those that finish leave self.running below
-        # a join's first pass (fed moves on at each): count the cache it read, now that a decode pass cannot undo it
-        for request in (r for r in requests if r.fed == r.cached):
+        # a join's first pass: count the cache it read, now that a decode pass cannot undo it
+        for request in (r for r in requests if r.unfed):
             if request.kept is not None and request.kept.cached_tokens is None:  # its first: its prompt's count
                 request.kept.cached_tokens = request.cached
             self.stats = replace(self.stats, prompt_tokens=self.stats.prompt_tokens + len(request.tokens),

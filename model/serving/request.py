@@ -48,10 +48,15 @@ class Request:
         return len(self.tokens) - self.prompt_len
 
     @property
+    def unfed(self) -> bool:
+        """A running request not yet fed since it joined: each pass moves fed on past what it read from the cache."""
+        return self.fed == self.cached
+
+    @property
     def prefilling(self) -> bool:
         """A running request not yet fed since it joined, or with more than its last token still to feed. Decoding
         passes take only requests that have run: none is preempted holding cached blocks it has not read."""
-        return self.fed == self.cached or self.fed < len(self.tokens) - 1
+        return self.unfed or self.fed < len(self.tokens) - 1
 
     @property
     def scores_prompt(self) -> bool:
