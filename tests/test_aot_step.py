@@ -59,6 +59,22 @@ def test_each_step_gives_the_logits_of_a_full_forward(kept):
         assert_forward_close(logits, full, model, f"step {t}")
 
 
+def test_a_step_reads_only_the_slots_filled_so_far(kept):
+    """Until the ring is full, a step reads the slots that hold a token and no further, as the eager pass does: with
+    NaN in every slot not yet written, each step's logits still equal a full forward's (reading a NaN value, even
+    at weight 0, would make them NaN)."""
+    model, cache, step, _, _ = kept
+    seq = random_tokens(ROWS, BLOCK_SIZE, seed=5)
+    cache.reset(PAD)
+    for buffer in [*cache.k, *cache.v]:
+        buffer.fill_(torch.nan)
+    model.decode_step(seq[:, :PROMPT], cache)  # the prompt, eagerly, into the first slots
+    for t in range(PROMPT, seq.size(1)):
+        logits = step.decode_step(seq[:, t:t + 1], cache)
+        full = model(seq[:, :t + 1], cache=Uncached(model.config.block_size, PAD))[0][:, -1]
+        assert_forward_close(logits, full, model, f"step {t}")
+
+
 def test_generate_through_the_step_gives_the_eager_text(kept):
     model, cache, step, _, _ = kept
     prompt = random_tokens(ROWS, PROMPT, seed=3)

@@ -62,6 +62,10 @@ class WindowedKVCache(nn.Module):
         self.local.rollback(n)  # refuses whatever the global ring would refuse, and more: it wraps sooner
         self.ring.rollback(n)
 
+    def read_filled(self, on: bool) -> None:
+        self.ring.read_filled(on)
+        self.local.read_filled(on)
+
     def longest_chunk(self) -> int:
         return min(self.ring.longest_chunk(), self.local.longest_chunk())
 

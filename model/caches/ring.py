@@ -22,7 +22,8 @@ forgets the last n tokens exactly: the slots they overwrote held tokens that no 
 Eagerly on the CPU, while no row is padded and no token has left the window, the ring is the plain cache, and its
 rule runs (KVCache.begin). Past that point one new token still sees every filled slot when the ring is as
 long as the window (their order does not matter to attention), so it needs no mask either. Compiled steps and
-GPUs read all max_len slots through the mask (static shapes); read_all_slots=True asks for that everywhere.
+GPUs read all max_len slots through the mask (static shapes); read_all_slots=True asks for that everywhere. A
+step compiled ahead of time reads the filled slots only (read_filled): its code counts them itself.
 """
 
 from typing import NamedTuple
@@ -71,6 +72,7 @@ class RingKVCache(KVCache):
                              f"at least {self.reach} slots")
         self.read_all_slots = read_all_slots
         self.padded = False  # whether reset() was given left padding
+        self.reads_filled = False  # whether a traced pass reads only the filled slots (see read_filled)
         self.compute_dtype = dtype  # what attention computes in: the keys' own dtype (an int8 ring's is not)
 
     @property
@@ -96,9 +98,10 @@ class RingKVCache(KVCache):
                              f"slots, {len(self)} fed), or the cache needs reach + {t - 1} = {self.reach + t - 1} "
                              f"slots; feed one token at a time past that")
         if self.static_shapes:
+            n_read = self.filled_after(t) if self.reads_filled else None
             new = self.pos + self.slot_ids[:t]  # (t,) the new tokens' numbers since reset
             self.pos += t
-            return CachePass(self.positions(new), self.attn_mask(new), self.views(new % self.max_len, None))
+            return CachePass(self.positions(new), self.attn_mask(new, n_read), self.views(new % self.max_len, n_read))
         fed = len(self) + t
         if not self.padded and fed <= self.reach:
             return super().begin(t)  # nothing has left the window: the plain cache's rule
@@ -107,7 +110,19 @@ class RingKVCache(KVCache):
         views = self.views(new % self.max_len, min(fed, self.max_len))
         if not self.padded and t == 1 and self.max_len == self.reach:
             return CachePass(new, None, views)  # one token sees every filled slot
-        return CachePass(self.positions(new), self.attn_mask(new)[..., :min(fed, self.max_len)], views)
+        return CachePass(self.positions(new), self.attn_mask(new, min(fed, self.max_len)), views)
+
+    def read_filled(self, on: bool) -> None:
+        """Whether a traced pass reads only the slots filled after it, as the eager one does: an ahead-of-time step,
+        whose code may read the count back. A CUDA graph may not, nor torch.compile without a graph break."""
+        self.reads_filled = on
+
+    def filled_after(self, t: int):
+        """The slots that hold a token once t more are fed, read back inside the traced pass."""
+        n = (self.pos + t).clamp(max=self.max_len).item()
+        torch._check(1 <= n)
+        torch._check(n <= self.max_len)
+        return n
 
     def views(self, slots: torch.Tensor, n_read: int | None):
         """Each layer's view for a pass that writes `slots` and reads slots [:n_read] (None: all)."""
@@ -122,14 +137,15 @@ class RingKVCache(KVCache):
         """(B, t) position of each new token in its row, counted from the row's first real token."""
         return (new[None, :] - self.n_pad[:, None]).clamp(min=0)
 
-    def attn_mask(self, new):
-        """(B, 1, t, max_len) bool, True where new token i may attend a slot, once the t tokens are written."""
+    def attn_mask(self, new, n_read: int | None = None):
+        """(B, 1, t, n_read) bool, True where new token i may attend slot j < n_read (None: max_len), once the t
+        tokens are written."""
         last = new[-1]
-        held = last - (last - self.slot_ids) % self.max_len  # (max_len,) the token in each slot; < 0: none yet
-        age = new[:, None] - held[None, :]  # (t, max_len) how far back each slot's token is
-        seen = (held >= 0) & (age >= 0) & (age < self.reach)  # (t, max_len): itself and reach - 1 before it
-        not_pad = held[None, :] >= self.n_pad[:, None]  # (B, max_len)
-        own = held[None, :] == new[:, None]  # (t, max_len)
+        held = last - (last - self.slot_ids[:n_read]) % self.max_len  # (n_read,) each slot's token; < 0: none yet
+        age = new[:, None] - held[None, :]  # (t, n_read) how far back each slot's token is
+        seen = (held >= 0) & (age >= 0) & (age < self.reach)  # (t, n_read): itself and reach - 1 before it
+        not_pad = held[None, :] >= self.n_pad[:, None]  # (B, n_read)
+        own = held[None, :] == new[:, None]  # (t, n_read)
         return seen[None, None] & (not_pad[:, None, None, :] | own[None, None])
 
     def rollback(self, n: int) -> None:

@@ -4,7 +4,8 @@ and built into C++ by AOTInductor, so that a step runs with no Python between it
 torch.compile (generate's compile=True) checks its guards and runs a Python wrapper at every call. For a model
 this small that costs about what its arithmetic does (docs/benchmarks.md). Here the step is exported with the
 cache's tensors as inputs, which the compiled step updates in place, as the eager step does. Attention is
-written as products and sums (attention_in_loops), which inductor fuses into the step's own loops.
+written as products and sums (attention_in_loops), which inductor fuses into the step's own loops. It reads the
+cache's filled slots only, counted inside the step, so a cache not yet full costs what it holds, not max_len.
 
 A shared step reads the model's weights where they are (user-managed constants): it serves every model of its
 shape and precision, and it sees a later load_state_dict. A packed step (AotStep's packed=True) was compiled
@@ -45,7 +46,8 @@ def swap_buffers(module: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[st
 
 class CacheAsInputs(nn.Module):
     """model(idx, cache=cache)'s logits and each row's likeliest next token, with the cache's tensors passed in, so
-    that export traces them as inputs the step updates in place, not as constants it may fold."""
+    that export traces them as inputs the step updates in place, not as constants it may fold. The pass reads
+    the cache's filled slots only (RingKVCache.read_filled)."""
 
     def __init__(self, model, cache):
         super().__init__()
@@ -56,10 +58,12 @@ class CacheAsInputs(nn.Module):
     def forward(self, idx, *tensors):
         cache = self.cache[0]
         own = swap_buffers(cache, dict(zip(self.names, tensors)))
+        cache.read_filled(True)
         try:
             logits = self.model(idx, cache=cache)[0]  # (B, T, vocab_size)
             return logits, logits[:, -1].argmax(-1)  # greedy decoding's next tokens (B,), picked inside the step
         finally:
+            cache.read_filled(False)
             swap_buffers(cache, own)
 
 
