@@ -14,7 +14,7 @@ from model import GREEDY, Sampling
 from model.decoding.quantize import to_precision
 from model.serving.engine import Engine
 from model.serving.request import Kept
-from model.serving.rowwise import RowsAlone, UnroutedProduct
+from model.serving.rowwise import RowsAlone, RowsRoute, UnroutedProduct
 from torch.utils._python_dispatch import TorchDispatchMode
 from tiny_models import VOCAB, random_model
 
@@ -152,3 +152,47 @@ def test_rows_alone_refuses_a_product_it_cannot_split_into_rows():
                 product()
         routed, batched = torch.einsum("ij,jk->ik", x, w), x[:, None] @ w[None]
     assert torch.equal(routed, rows) and torch.equal(batched[:, 0], rows)
+
+
+@pytest.mark.parametrize("design, precision, int8, mode_free", [
+    ("plain", "fp32", False, True), ("rope-mqa", "bf16", False, True), ("latent", "fp32", False, True),  # nn.Linear
+    ("plain", "fp32", True, False),  # an int8 pool attends by matmuls
+    ("latent-absorbed", "fp32", False, False), ("sink", "fp32", False, False),  # einsums; a sink's own attention
+    ("plain", "int8", False, False)])  # the int8 weights' packed kernel
+@torch.no_grad()
+def test_later_passes_run_with_no_mode_only_when_the_first_routed_nothing_but_the_linears(design, precision, int8,
+                                                                                          mode_free):
+    """After its first pass the engine drops RowsAlone's mode when that pass's products were all its nn.Linear
+    modules', and keeps it otherwise. The texts and logits are the same either way (the tests above)."""
+    engine = Engine(served_model(design, precision), n_blocks=BLOCK, block_tokens=4, int8=int8)
+    engine.add(0, [1, 2, 3], 3)
+    list(engine.run())
+    assert engine.route.mode_free is mode_free
+
+
+@torch.no_grad()
+def test_a_linear_called_outside_its_module_keeps_the_mode():
+    """F.linear on a module's weight, called without the module, is no swap's to catch: the route keeps the mode,
+    and the rows stay apart."""
+    class Direct(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.lin(x) + F.linear(x, self.lin.weight)
+
+    model, x = Direct(), torch.randn(5, 8)
+    route = RowsRoute(model)
+    for _ in range(2):
+        with route.alone(), Products() as products:
+            model(x)
+        assert not route.mode_free and all(rows == 1 for _, rows in products.seen)
+    with RowsAlone():
+        under_mode = model.lin(x)
+    through_module = RowsRoute(model.lin)
+    for _ in range(2):  # the first pass under the mode, the second with no mode
+        with through_module.alone(), Products() as products:
+            y = model.lin(x)
+        assert all(rows == 1 for _, rows in products.seen) and torch.equal(y, under_mode)
+    assert through_module.mode_free

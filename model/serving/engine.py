@@ -38,7 +38,7 @@ from .buckets import DecodeBuckets
 from .census import BlockCensus, Census, EngineStats, RequestCensus
 from .paged import BlockPool, PagedPass
 from .request import Kept, Request, check_servable
-from .rowwise import RowsAlone
+from .rowwise import RowsRoute
 from ..decoding.sampling import GREEDY, Sampling
 
 CHUNK = 64  # prompt tokens a joining request feeds per step at most
@@ -69,6 +69,7 @@ class Engine:
         on_cuda = self.device.type == "cuda"
         padded = buckets if buckets is not None else on_cuda
         self.buckets = DecodeBuckets(model, self.pool, max_batch, capture=on_cuda) if padded else None
+        self.route = RowsRoute(model)  # how an eager pass computes each row alone (model/serving/rowwise.py)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in the order they joined
         self.stats = EngineStats()
@@ -202,7 +203,7 @@ class Engine:
             hidden = self.buckets.decode(ids, tables, fed)
         else:
             batch = PagedPass.of(self.pool, tables, fed)
-            with RowsAlone():
+            with self.route.alone():
                 hidden = self.model(torch.tensor(ids, device=self.device)[:, None], cache=batch)[0][:, 0]
         ends = list(itertools.accumulate(counts))  # each request's rows end here: (rows, vocab_size)
         logits = hidden[[end - 1 for end in ends]]  # each request's last token's

@@ -12,9 +12,19 @@ computed one row at a time: F.linear and the int8 weights' packed kernel as 1-ro
 its first operand, a batched matmul (both operands 3-d or more) as one bmm of matrices laid out alike whatever the
 batch holds. Attention's own kernel takes each row's queries and keys apart already. Any other product raises
 UnroutedProduct, so that none escapes unnoticed.
+
+A mode puts Python between every operation of a pass: about a third of a one-row pass of a small model. So an
+engine's passes go through RowsRoute: the first under RowsAlone, which counts what it routes; when that was only
+the model's nn.Linear modules, the later passes swap those modules' forward for linear_by_rows instead, with no
+mode. The same bits either way: both compute each linear as linear_by_rows does.
 """
 
+import collections
+import contextlib
+import functools
+
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
@@ -77,19 +87,72 @@ def batched(args) -> bool:
 
 class RowsAlone(TorchFunctionMode):
     """While inside, every product computes each row of a pass as it would alone; UnroutedProduct for those that
-    cannot."""
+    cannot. routed: how many products of each kind it computed by rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.routed = collections.Counter()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear:
+            self.routed["linear"] += 1
             return linear_by_rows(*args, **kwargs)
         if getattr(func, "_overloadpacket", func) is INT8_PACKED:
+            self.routed["int8"] += 1
             return int8_packed_by_rows(*args, **kwargs)
         name = getattr(func, "__name__", "")
         if name == "einsum":
+            self.routed["einsum"] += 1
             return einsum_by_rows(*args, **kwargs)
         if name in BATCHED and batched(args):
+            self.routed["matmul"] += 1
             return matmul_by_rows(*(args[::-1] if name == "__rmatmul__" else args[:2]))
         if name in BATCHED or name in UNROUTED:
             raise UnroutedProduct(f"{name} inside RowsAlone: compute it one row at a time (model/serving/rowwise.py)")
         return func(*args, **kwargs)
+
+
+class RowsRoute:
+    """A model's passes, each row computed as it would be alone, by the cheapest rule that holds. The first pass
+    runs under RowsAlone. If every product it routed was the F.linear of one of the model's nn.Linear modules, the
+    later passes swap those modules' forward for linear_by_rows and run with no mode. Which products a pass computes
+    follows from the model and its cache's kind, so one route serves one model over one pool. The swap is made on
+    the model itself: one pass at a time."""
+
+    def __init__(self, model):
+        self.linears = [m for m in model.modules() if type(m) is nn.Linear]  # a subclass may compute otherwise
+        self.mode_free = False  # whether passes need no mode: learned from the first
+
+    @contextlib.contextmanager
+    def alone(self):
+        """While inside, a pass computes each row as it would alone."""
+        if self.mode_free:
+            with linears_by_rows(self.linears):
+                yield
+            return
+        mode, called = RowsAlone(), collections.Counter()
+        hooks = [m.register_forward_pre_hook(lambda *_: called.update(["linear"])) for m in self.linears]
+        try:
+            with mode:
+                yield
+        finally:
+            for hook in hooks:
+                hook.remove()
+        self.mode_free = mode.routed == called  # the modules' F.linear calls, and nothing else
+
+
+@contextlib.contextmanager
+def linears_by_rows(linears: list[nn.Linear]):
+    """While inside, each of these modules computes F.linear as linear_by_rows does."""
+    for module in linears:
+        module.forward = functools.partial(linear_module_by_rows, module)
+    try:
+        yield
+    finally:
+        for module in linears:
+            del module.forward
+
+
+def linear_module_by_rows(module: nn.Linear, input):
+    return linear_by_rows(input, module.weight, module.bias)
