@@ -65,7 +65,8 @@ def served_name(port: int) -> str:
 
 
 def openai_completer(port: int):
-    """complete() through OpenAI's client: one AsyncOpenAI, whose connections stay open between requests."""
+    """complete() through OpenAI's client, and the client: one AsyncOpenAI, whose connections stay open between
+    requests; close it before the event loop ends."""
     import openai
 
     model = served_name(port)
@@ -80,7 +81,7 @@ def openai_completer(port: int):
                 first = first or time.perf_counter() - start
                 text.append(chunk.choices[0].text)
         return first, "".join(text)
-    return complete_through_openai
+    return complete_through_openai, api
 
 
 async def load(port: int, prompts: list[str], new: int, clients: int, via: str = "http"):
@@ -88,7 +89,7 @@ async def load(port: int, prompts: list[str], new: int, clients: int, via: str =
     request's first-token time and text."""
     queue = list(enumerate(prompts))
     results = [None] * len(prompts)
-    send = complete if via == "http" else openai_completer(port)
+    send, api = (complete, None) if via == "http" else openai_completer(port)
 
     async def client():
         while queue:
@@ -96,8 +97,13 @@ async def load(port: int, prompts: list[str], new: int, clients: int, via: str =
             results[i] = await send(port, prompt, new)
 
     start = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(clients)))
-    return time.perf_counter() - start, [first for first, _ in results], [text for _, text in results]
+    try:
+        await asyncio.gather(*(client() for _ in range(clients)))
+        seconds = time.perf_counter() - start
+    finally:
+        if api is not None:  # its connections, closed while their event loop runs
+            await api.close()
+    return seconds, [first for first, _ in results], [text for _, text in results]
 
 
 def served_model(checkpoint: Path | None, folder: Path):
