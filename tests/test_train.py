@@ -401,12 +401,15 @@ def chosen_steps(printed: str) -> int:
 
 @pytest.fixture(scope="module")
 def budget_run(tmp_path_factory, data_root) -> tuple[Path, int]:
-    """A run sized by a budget: its directory and the steps it chose."""
+    """A run sized by a budget: its directory and the steps it chose. Each step sleeps 50 ms more, so that a core
+    that the other tests' worker slows twice over slows a step by half, within the half budget the plan keeps."""
     tmp_path = tmp_path_factory.mktemp("budget")
     with pytest.MonkeyPatch.context() as patch:
         printed = []
         patch.setattr(training.loop, "write_line", printed.append)
         patch.setattr(training.budget, "MARGIN", AIM_AT_HALF)
+        step = Trainer.train_step
+        patch.setattr(Trainer, "train_step", lambda trainer: time.sleep(0.05) or step(trainer))
         train.main(config(tmp_path, data_root, *BUDGET, *HOLD), tmp_path / "runs/budget")
     return tmp_path / "runs/budget", chosen_steps("\n".join(printed))
 

@@ -13,10 +13,10 @@ its first operand, a batched matmul (both operands 3-d or more) as one bmm of ma
 batch holds. Attention's own kernel takes each row's queries and keys apart already. Any other product raises
 UnroutedProduct, so that none escapes unnoticed.
 
-A mode puts Python between every operation of a pass: about a third of a one-row pass of a small model. So an
-engine's passes go through RowsRoute: the first under RowsAlone, which counts what it routes; when that was only
-the model's nn.Linear modules, the later passes swap those modules' forward for linear_by_rows instead, with no
-mode. The same bits either way: both compute each linear as linear_by_rows does.
+A mode puts Python between every operation of a pass, which for a small model costs a large share of its time
+(docs/benchmarks.md). So an engine's passes go through RowsRoute: the first under RowsAlone, which counts what it
+routes; when that was only the model's nn.Linear modules, the later passes swap those modules' forward for
+linear_by_rows instead, with no mode. The same bits either way: both compute each linear as linear_by_rows does.
 """
 
 import collections
