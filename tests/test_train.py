@@ -385,14 +385,16 @@ def test_a_resume_keeps_the_moving_average_of_the_run_it_continues(tmp_path, dat
 # --- a time budget, and extending a run ---------------------------------------------------------------------------
 
 BUDGET = ["train.max_iters=null", "train.max_minutes=0.1"]  # 6 seconds, start-up included
+ROOMY_MINUTES = 0.3
+ROOMY_BUDGET = ["train.max_iters=null", f"train.max_minutes={ROOMY_MINUTES}"]  # for steps that sleep
 HOLD = ["optim.decay_frac=0.5"]  # the rate holds at its peak for half the run: the length is fixed halfway
 # Tests that check a budget's plan aim at half of it, so that a noisy machine never ends the run at its budget
 # before the plan's last step (see the test of a run whose steps slow down)
 AIM_AT_HALF = 0.5
 
 
-def chosen_steps(printed: str) -> int:
-    (steps, _), = re.findall(r"^train.max_minutes=0.1 fits (\d+) steps \(.*\); to repeat this run exactly, give "
+def chosen_steps(printed: str, minutes: float = 0.1) -> int:
+    (steps, _), = re.findall(rf"^train.max_minutes={minutes:g} fits (\d+) steps \(.*\); to repeat this run exactly, give "
                              r"train.max_iters=\1 (model.n_layer=2 train.batch_size=8 )?train.threads=1 in place of "
                              r"train.max_minutes$",
                              printed, flags=re.MULTILINE)
@@ -401,8 +403,9 @@ def chosen_steps(printed: str) -> int:
 
 @pytest.fixture(scope="module")
 def budget_run(tmp_path_factory, data_root) -> tuple[Path, int]:
-    """A run sized by a budget: its directory and the steps it chose. Each step sleeps 50 ms more, so that a core
-    that the other tests' worker slows twice over slows a step by half, within the half budget the plan keeps."""
+    """A run sized by an 18 s budget: its directory and the steps it chose. Each step sleeps 50 ms more, so that a
+    core that the other tests' worker slows twice over slows a step by half, within the half budget the plan keeps;
+    the budget leaves a busy start-up room for more than the warm-up's steps."""
     tmp_path = tmp_path_factory.mktemp("budget")
     with pytest.MonkeyPatch.context() as patch:
         printed = []
@@ -410,15 +413,15 @@ def budget_run(tmp_path_factory, data_root) -> tuple[Path, int]:
         patch.setattr(training.budget, "MARGIN", AIM_AT_HALF)
         step = Trainer.train_step
         patch.setattr(Trainer, "train_step", lambda trainer: time.sleep(0.05) or step(trainer))
-        train.main(config(tmp_path, data_root, *BUDGET, *HOLD), tmp_path / "runs/budget")
-    return tmp_path / "runs/budget", chosen_steps("\n".join(printed))
+        train.main(config(tmp_path, data_root, *ROOMY_BUDGET, *HOLD), tmp_path / "runs/budget")
+    return tmp_path / "runs/budget", chosen_steps("\n".join(printed), ROOMY_MINUTES)
 
 
 def test_a_budget_records_the_steps_it_chose(budget_run):
     run_dir, steps = budget_run
     last = torch.load(run_dir / "last.pt", weights_only=True)["training"]
     assert last["step"] == steps > 5  # past the warm-up
-    assert (last["config"]["train"]["max_iters"], last["config"]["train"]["max_minutes"]) == (steps, 0.1)
+    assert (last["config"]["train"]["max_iters"], last["config"]["train"]["max_minutes"]) == (steps, ROOMY_MINUTES)
     assert sorted(scalars(run_dir, "loss/train")) == list(range(steps))
     lrs = scalars(run_dir, "optim/lr")  # the warm-up, the peak held until the decay's half of the run, the decay
     begins = decay_begins(OptimConfig(warmup_iters=5, decay_frac=0.5), steps)
