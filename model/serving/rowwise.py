@@ -14,9 +14,10 @@ batch holds. Attention's own kernel takes each row's queries and keys apart alre
 UnroutedProduct, so that none escapes unnoticed.
 
 A mode puts Python between every operation of a pass, which for a small model costs a large share of its time
-(docs/benchmarks.md). So an engine's passes go through RowsRoute: the first under RowsAlone, which counts what it
-routes; when that was only the model's nn.Linear modules, the later passes swap those modules' forward for
+(docs/benchmarks.md). So an engine's eager passes go through RowsRoute: the first under RowsAlone, which counts what
+it routes; when that was only the model's nn.Linear modules, the later passes swap those modules' forward for
 linear_by_rows instead, with no mode. The same bits either way: both compute each linear as linear_by_rows does.
+A captured bucket pass (buckets.py) keeps the mode, whose cost it pays once, at capture.
 """
 
 import collections
