@@ -5,12 +5,13 @@ does (Step).
 Three kinds of step decode. The model's own decode_step runs eagerly through any cache. A step compiled ahead of
 time (decoding/aot_step.py: AotStep) serves any cache shaped like the one it was exported with, and a step captured
 as CUDA graphs (decoding/cuda_graph.py: CapturedStep) serves the one cache it was captured over. generate takes its
-one-token steps through a Step's decode_step, or its greedy_step when greedy; speculative decoding verifies its
+one-token steps through a Step's decode_step, or, greedy, runs of them through its greedy_steps; speculative
+decoding verifies its
 drafts through a Step, and a CachedText feeds its text through one (decoding/cached_text.py).
 
     if step.fits(cache):                          # its own cache, or one of its shape, for one token per row
         logits = step.decode_step(idx, cache)     # (B, vocab_size): what model.decode_step(idx, cache) gives
-        # or, greedy: next_ids = step.greedy_step(idx, cache), (B,): that step's logits' argmax
+        # or, greedy: ids = step.greedy_steps(idx, cache, n), (B, n): n steps, each fed the last one's argmax
 """
 
 from typing import Callable, NamedTuple, Protocol
@@ -52,8 +53,10 @@ class Step(Protocol):
 
     cache: Cache | None  # the one cache it serves; None: any cache it fits
     tokens: int  # the most tokens per row one pass takes
-    def __call__(self, idx: torch.Tensor, cache: Cache) -> torch.Tensor: ...  # (B, t) -> logits (B, t, vocab_size)
+    # (B, t) -> logits (B, t, vocab_size), which the step's next pass may overwrite: read them first
+    def __call__(self, idx: torch.Tensor, cache: Cache) -> torch.Tensor: ...
     def decode_step(self, idx: torch.Tensor, cache: Cache) -> torch.Tensor: ...  # GPT.decode_step's logits
-    def greedy_step(self, idx: torch.Tensor, cache: Cache) -> torch.Tensor: ...  # decode_step's argmax (B,)
+    # n one-token steps from idx (B, 1), each fed the argmax of the one before: the argmaxes (B, n)
+    def greedy_steps(self, idx: torch.Tensor, cache: Cache, n: int) -> torch.Tensor: ...
     def fits(self, cache: Cache, tokens: int = 1) -> bool: ...  # whether it takes passes of `tokens` through cache
     def takes(self, tokens: int) -> bool: ...  # whether it takes passes of `tokens` through the caches it fits

@@ -11,6 +11,7 @@ code built for more threads splits its loops), torch's version, the CPU's instru
 It is kept in $KVGPT_CACHE_DIR, else $XDG_CACHE_HOME/kvgpt, else ~/.cache/kvgpt, under steps/.
 """
 
+import copy
 import dataclasses
 import functools
 import hashlib
@@ -28,9 +29,11 @@ from runtime.files import write_atomically
 # one-token steps after which compiling the step for the first time has paid for itself (docs/benchmarks.md)
 COMPILE_PAYS_AFTER = 10_000
 DEVICES = ("cpu",)  # where AOTInductor builds steps; on CUDA a step is captured (model/decoding/cuda_graph.py)
-# AOTInductor's settings for a shared step (packed=False) and a packed one (packed=True)
-BUILDS = {False: {"aot_inductor.package_constants_in_so": False},
-          True: {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP"}}
+# AOTInductor's settings for a shared step (packed=False) and a packed one (packed=True). Both keep a pass's
+# buffers of fixed size on the stack: a one-token pass otherwise spends much of its time allocating them.
+ON_THE_STACK = {"aot_inductor.allow_stack_allocation": True}
+BUILDS = {False: {**ON_THE_STACK, "aot_inductor.package_constants_in_so": False},
+          True: {**ON_THE_STACK, "freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP"}}
 
 
 def cache_dir() -> Path:
@@ -109,7 +112,18 @@ def load_or_compile_step(model, cache, tokens: int = 1, say=print, packed: bool 
     compiled and kept (or, where nothing can be written, compiled for this run only). say: one line to the user."""
     with tempfile.TemporaryDirectory(prefix="kvgpt-step-") as folder:  # where a pass that cannot be kept goes
         runners = {n: load_or_compile_pass(model, cache, n, say, packed, Path(folder)) for n in passes(tokens)}
-        return AotStep(runners, model, cache, packed)
+        step = AotStep(runners, model, cache, packed)
+    warm(step, cache)
+    return step
+
+
+@torch.no_grad()
+def warm(step: AotStep, cache) -> None:
+    """Run each of the step's passes once, over a copy of cache: a pass's first run maps its code and weights into
+    memory, which would otherwise slow the first tokens it decodes."""
+    twin = copy.deepcopy(cache)
+    for most in step.runners:
+        step(torch.zeros(twin.batch_size, min(most, 2), dtype=torch.long, device=twin.device), twin)
 
 
 def load_or_compile_pass(model, cache, tokens: int, say, packed: bool, scratch: Path):

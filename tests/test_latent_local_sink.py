@@ -156,7 +156,7 @@ def test_a_prompt_longer_than_the_local_window_is_fed_in_chunks_the_rings_take()
 
 
 class CountingStep:
-    """A stand-in for a compiled one-token step (aot_step.AotStep's decode_step, greedy_step and fits): the eager
+    """A stand-in for a compiled one-token step (aot_step.AotStep's decode_step, greedy_steps and fits): the eager
     step, counted."""
 
     cache = None  # it serves any cache, not one of its own
@@ -173,8 +173,11 @@ class CountingStep:
         self.passes += 1
         return self.decode(idx, cache)
 
-    def greedy_step(self, idx, cache):
-        return self.decode_step(idx, cache).argmax(-1)
+    def greedy_steps(self, idx, cache, n):
+        drawn = [idx]
+        for _ in range(n):
+            drawn.append(self.decode_step(drawn[-1], cache).argmax(-1, keepdim=True))
+        return torch.cat(drawn[1:], dim=1)
 
 
 def test_past_block_size_a_refill_that_local_rings_take_a_token_at_a_time_goes_through_the_step(monkeypatch):

@@ -43,19 +43,26 @@ def test_each_packed_step_gives_the_logits_of_a_full_forward(packed):
         assert_forward_close(logits, full, model, f"step {t}")
 
 
-def test_a_greedy_step_picks_the_argmax_of_the_steps_own_logits(packed):
-    """greedy_step picks each row's token inside the compiled code: the one argmax picks from decode_step's logits
-    through a twin of the cache, at every step past the ring's wrap, with a left-padded row."""
+def test_greedy_steps_feed_back_the_argmax_of_the_steps_own_logits(packed):
+    """greedy_steps picks each row's token inside the compiled code and feeds it back: in runs of 1, 7 and
+    2 x block_size steps, past the ring's wrap, with a left-padded row, the tokens are those that decode_step's
+    logits pick through a twin of the cache, each fed back in turn."""
     model, cache, step, _ = packed
-    seq = random_tokens(ROWS, PROMPT + 2 * BLOCK_SIZE, seed=5)
+    prompt = random_tokens(ROWS, PROMPT + 1, seed=5)
     twin = new_kv_cache(model, ROWS)
     for each in (cache, twin):
         each.reset(PAD)
-        model.decode_step(seq[:, :PROMPT], each)
-    for t in range(PROMPT, seq.size(1)):
-        picked = step.greedy_step(seq[:, t:t + 1], cache)
-        assert picked.shape == (ROWS,)
-        assert torch.equal(picked, step.decode_step(seq[:, t:t + 1], twin).argmax(-1)), f"step {t}"
+        model.decode_step(prompt[:, :PROMPT], each)
+    runs, last = [], prompt[:, PROMPT:]
+    for n in (1, 7, 2 * BLOCK_SIZE):
+        runs.append(step.greedy_steps(last, cache, n))
+        assert runs[-1].shape == (ROWS, n)
+        last = runs[-1][:, -1:]
+    picked, last = [], prompt[:, PROMPT:]
+    for _ in range(1 + 7 + 2 * BLOCK_SIZE):
+        last = step.decode_step(last, twin).argmax(-1, keepdim=True)
+        picked.append(last)
+    assert torch.equal(torch.cat(runs, dim=1), torch.cat(picked, dim=1))
 
 
 def test_generate_through_the_packed_step_gives_the_eager_text(packed):

@@ -19,7 +19,7 @@ from model.serving.speculative import ModelDraft, speculative_generate
 from sampling.modes import decoded_on
 from sampling.setup import kept_or_compiled_step
 
-METHODS = ("__call__", "decode_step", "greedy_step", "fits", "takes")
+METHODS = ("__call__", "decode_step", "greedy_steps", "fits", "takes")
 
 
 def parameters(function) -> list[str]:

@@ -45,9 +45,9 @@ def swap_buffers(module: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[st
 
 
 class CacheAsInputs(nn.Module):
-    """model(idx, cache=cache)'s logits and each row's likeliest next token, with the cache's tensors passed in, so
-    that export traces them as inputs the step updates in place, not as constants it may fold. The pass reads
-    the cache's filled slots only (RingKVCache.read_filled)."""
+    """model(idx, cache=cache)'s logits, with each row's likeliest next token written into picked (B, 1) and the
+    cache's tensors passed in, so that export traces them as inputs the step updates in place, not as constants
+    it may fold. The pass reads the cache's filled slots only (RingKVCache.read_filled)."""
 
     def __init__(self, model, cache):
         super().__init__()
@@ -55,13 +55,14 @@ class CacheAsInputs(nn.Module):
         self.cache = [cache]  # in a list: not a submodule, so that its buffers are no constants of the step
         self.names = [name for name, _ in cache_tensors(cache)]
 
-    def forward(self, idx, *tensors):
+    def forward(self, idx, picked, *tensors):
         cache = self.cache[0]
         own = swap_buffers(cache, dict(zip(self.names, tensors)))
         cache.read_filled(True)
         try:
             logits = self.model(idx, cache=cache)[0]  # (B, T, vocab_size)
-            return logits, logits[:, -1].argmax(-1)  # greedy decoding's next tokens (B,), picked inside the step
+            picked.copy_(logits[:, -1].argmax(-1, keepdim=True))  # greedy decoding's next tokens, picked in the step
+            return logits
         finally:
             cache.read_filled(False)
             swap_buffers(cache, own)
@@ -79,11 +80,12 @@ def export_step(model, cache, tokens: int = 1) -> torch.export.ExportedProgram:
         raise ValueError("model is in training mode: call model.eval() before exporting its decoding step")
     check_step_cache(cache)
     idx = torch.zeros(cache.batch_size, tokens, dtype=torch.long, device=cache.device)
+    picked = torch.zeros(cache.batch_size, 1, dtype=torch.long, device=cache.device)
     tensors = tuple(t for _, t in cache_tensors(cache))
     count = {1: torch.export.Dim("tokens", min=1, max=tokens)} if tokens > 1 else None  # an input, not a constant
     with quiet_tracing():
-        program = torch.export.export(CacheAsInputs(model, cache), (idx, *tensors),
-                                      dynamic_shapes=(count, (None,) * len(tensors)))
+        program = torch.export.export(CacheAsInputs(model, cache), (idx, picked, *tensors),
+                                      dynamic_shapes=(count, None, (None,) * len(tensors)))
         return program.run_decompositions({torch.ops.aten.scaled_dot_product_attention.default: attention_in_loops})
 
 
@@ -165,14 +167,11 @@ class AotStep:
         return 1 <= tokens <= self.tokens
 
     def __call__(self, idx, cache):
-        """idx (B, T), T from 1 to tokens -> logits (B, T, vocab_size)."""
-        return self.run(idx, cache)[0]
-
-    def run(self, idx, cache) -> list[torch.Tensor]:
-        """[logits (B, T, vocab_size), the last position's argmax (B,)]."""
+        """idx (B, T), T from 1 to tokens -> logits (B, T, vocab_size): the step's own tensor, which its next pass
+        overwrites (its buffers are kept between passes): read it first."""
         runner = self.runners.get(idx.size(1), self.runners[self.tokens])
         # contiguous: the step was built for rows of tokens side by side, not slices of longer sequences
-        return runner.boxed_run([idx.contiguous(), *self.tensors(cache)])
+        return runner.boxed_run([idx.contiguous(), idx.new_empty(idx.size(0), 1), *self.tensors(cache)])[0]
 
     def tensors(self, cache) -> list[torch.Tensor]:
         """The cache's tensors in the order the step takes them, listed once per cache: caches write them in place.
@@ -187,7 +186,12 @@ class AotStep:
         """The last position's logits (B, vocab_size), as GPT.decode_step gives them."""
         return self(idx, cache)[:, -1]
 
-    def greedy_step(self, idx, cache):
-        """Each row's likeliest next token (B,): decode_step(idx, cache).argmax(-1), picked inside the compiled code,
-        so that greedy decoding runs no operation of its own between two steps."""
-        return self.run(idx, cache)[1]
+    def greedy_steps(self, idx, cache, n: int):
+        """n greedy one-token steps from idx (B, 1) -> the tokens drawn (B, n). Each step writes each row's likeliest
+        token into drawn's next row, which the step after it reads: between two steps runs only this loop."""
+        drawn = idx.new_empty(n + 1, idx.size(0), 1)
+        drawn[0] = idx
+        run, tensors, rows = self.runners[1].boxed_run, self.tensors(cache), drawn.unbind(0)
+        for i in range(n):
+            run([rows[i], rows[i + 1], *tensors])
+        return drawn[1:, :, 0].t()

@@ -75,6 +75,9 @@ class CapturedStep:
         """The last position's logits (B, vocab_size), as GPT.decode_step gives them."""
         return self(idx, cache)[:, -1]
 
-    def greedy_step(self, idx, cache):
-        """Each row's likeliest next token (B,)."""
-        return self.decode_step(idx, cache).argmax(-1)
+    def greedy_steps(self, idx, cache, n: int):
+        """n greedy one-token steps from idx (B, 1) -> the tokens drawn (B, n), each fed back as the next input."""
+        drawn = [idx]
+        for _ in range(n):
+            drawn.append(self.decode_step(drawn[-1], cache).argmax(-1, keepdim=True))
+        return torch.cat(drawn[1:], dim=1)

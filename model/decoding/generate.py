@@ -36,6 +36,8 @@ from ..gpt import GPT, GPTConfig
 from ..protocol import Cache, DecodeStep, Step
 from .sampling import Sampling
 
+GREEDY_RUN = 32  # the most greedy steps a step takes in one run: the tokens come out in runs of up to this many
+
 
 @torch.no_grad()
 def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampling: Sampling = Sampling(),
@@ -49,7 +51,6 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampling: Sa
     return torch.cat([idx, torch.stack(new, dim=1)], dim=1) if new else idx
 
 
-@torch.no_grad()
 def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampling: Sampling = Sampling(),
                     generator: torch.Generator | None = None, keep: int | None = None,
                     n_pad: Sequence[int] | torch.Tensor | None = None, use_cache: bool = True,
@@ -63,7 +64,9 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampl
     (model/protocol.py: Cache; new_kv_cache by default), and compile torch.compiles the one-token step; step: a
     Step to take one-token steps through instead (model/protocol.py: compiled or captured), and the prompt too
     where its chunks are at most step.tokens: it says which caches it fits(), and its `cache` is the one it serves
-    (None: any it fits). Each needs the cache.
+    (None: any it fits). Each needs the cache. Greedy through a step, the steps run GREEDY_RUN at a time and
+    their tokens are yielded after each run: a loop that stops early leaves the cache up to GREEDY_RUN - 1 tokens
+    past the last token it took.
     Arguments that cannot work are a ValueError naming the argument.
     """
     block_size = model.config.block_size
@@ -77,23 +80,26 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampl
             raise ValueError("step was compiled for another cache, or for passes of more than one token: compile "
                              "a one-token step for this cache")
         one_token_step = step.decode_step if step else compiled_step(model) if compile else model.decode_step
-        # a step picks greedy tokens itself: no operation runs in Python between two steps
-        pick = step.greedy_step if step and sampling.greedy else \
-            lambda tokens, cache: sampling.next_token(one_token_step(tokens, cache), generator)
+        # greedy through a step: runs of steps, each row's token picked inside the step and fed back, with no
+        # operation in Python between two steps, not even the no_grad context that the model's own passes run in
+        runs = step is not None and sampling.greedy
+        pick = torch.no_grad()(lambda tokens, cache: sampling.next_token(one_token_step(tokens, cache), generator))
     # the whole sequence, filled as it grows: seq = buffer[:, :length]
     buffer = torch.cat([idx, idx.new_empty(idx.size(0), max_new_tokens)], dim=1)
     length = idx.size(1)
     # row b's context is seq[b, start[b]:]: it starts after the row's left padding, and each row's context
-    # moves on its own schedule, exactly as if the row were generated alone
+    # moves on its own schedule, exactly as if the row were generated alone. The batch's context is
+    # seq[:, first:], each row left-padded to it by context_pad.
+    first, context_pad = min(start), padding(start, idx.device)
     fed = None  # seq[:, :fed] has gone through the cache; None: (re)fill it
     drawn = None  # the last tokens drawn, (B, 1): fed back as they are, where a slice of seq would be copied first
-    for _ in range(max_new_tokens):
-        if length - min(start) > span:  # some row's context would pass span
+    made = 0
+    while made < max_new_tokens:
+        if length - first > span:  # some row's context would pass span
             start = [moved_start(s, length, span, keep) for s in start]
+            first, context_pad = min(start), padding(start, idx.device)
             if not rolling:
                 fed = None
-        first = min(start)  # the batch's context is seq[:, first:], each row left-padded to it
-        context_pad = None if max(start) == first else torch.tensor([s - first for s in start], device=idx.device)
         if use_cache:
             if fed is None:
                 cache.reset(context_pad)
@@ -102,21 +108,35 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampl
                     logits = _prefill_once(model, buffer[:1, first:length], cache)  # every row the same prompt
                     fed = length
             if length - fed == 1:
-                next_ids = pick(buffer[:, fed:length] if drawn is None else drawn, cache)  # (B,)
+                fresh = buffer[:, fed:length] if drawn is None else drawn
+                if runs:  # as many steps as keep the context within span, at most GREEDY_RUN
+                    new = step.greedy_steps(fresh, cache, min(max_new_tokens - made, first + span - length + 1,
+                                                              GREEDY_RUN))
+                else:
+                    new = pick(fresh, cache)[:, None]
             else:
                 if fed < length:
                     logits = prefill(model, buffer[:, fed:length], cache, one_token_step, step.tokens if step else 1)
-                next_ids = sampling.next_token(logits, generator)
-            fed = length
+                new = sampling.next_token(logits, generator)[:, None]
+            fed = length + new.size(1) - 1  # the last token drawn is not fed yet
         else:
             ragged = context_pad is not None or length - first > block_size  # the ring's rule, without a cache
             context = Uncached(block_size, context_pad, idx.device) if ragged else None
-            logits = model(buffer[:, first:length], cache=context)[0][:, -1]
-            next_ids = sampling.next_token(logits, generator)
-        buffer[:, length] = next_ids
-        drawn = next_ids[:, None]
-        length += 1
-        yield next_ids
+            with torch.no_grad():
+                logits = model(buffer[:, first:length], cache=context)[0][:, -1]
+            new = sampling.next_token(logits, generator)[:, None]
+        # new: the tokens drawn, (B, n), n = 1 but for a step's greedy run
+        buffer[:, length:length + new.size(1)] = new
+        drawn = new[:, -1:]
+        length += new.size(1)
+        made += new.size(1)
+        yield from new.unbind(1)
+
+
+def padding(start: list[int], device: torch.device) -> torch.Tensor | None:
+    """Each row's left padding (B,) to the batch's context, seq[:, min(start):]; None where no row is padded."""
+    first = min(start)
+    return None if max(start) == first else torch.tensor([s - first for s in start], device=device)
 
 
 def compiled_step(model: GPT) -> DecodeStep:
@@ -150,6 +170,7 @@ def _same_rows(idx: torch.Tensor) -> bool:
     return idx.size(0) > 1 and bool((idx == idx[:1]).all())
 
 
+@torch.no_grad()
 def prefill(model: GPT, tokens: torch.Tensor, cache: Cache, step: DecodeStep | None = None,
             step_tokens: int = 1) -> torch.Tensor:
     """Feed tokens (B, T) through cache in the longest chunks it takes (local layers' rings take shorter ones);
@@ -164,6 +185,7 @@ def prefill(model: GPT, tokens: torch.Tensor, cache: Cache, step: DecodeStep | N
     return logits
 
 
+@torch.no_grad()
 def _prefill_once(model: GPT, prompt: torch.Tensor, cache: Cache) -> torch.Tensor:
     """Prefill prompt (1, T) into a one-row cache like `cache`, copy it to all of cache's rows; the last logits,
     (B, vocab_size)."""
