@@ -150,7 +150,7 @@ class EngineRunner:
     def deliver(self, drawn: list[tuple[str, int | None]]) -> None:
         """Hand each job its new text, and its scores; a job ends at a stop string or with all its tokens (a job
         of no new tokens, once its prompt is computed: token None)."""
-        now, tokens = time.monotonic(), {}
+        now, tokens, told = time.monotonic(), {}, []
         for name, token in drawn:
             tokens.setdefault(name, []).extend([] if token is None else [token])
         for name, new in tokens.items():
@@ -173,10 +173,14 @@ class EngineRunner:
                 text = job.prompt + text
                 scored = job.scores.prompt(job.prompt_ids, prompt_rows) + scored if job.scores else None
             if text or ended:
-                job.tell((text, ended, scored))
+                told.append((job, (text, ended, scored)))
             if ended:
                 self.engine.cancel(job.request)  # a stopped job's blocks go back now (a finished one holds none)
                 self.end(self.live.pop(name), ended)
+        if any(ended for _, (_, ended, _) in told):
+            self.draw()  # /metrics counts a job that ended before its client can read that it did
+        for job, message in told:
+            job.tell(message)
 
     def end(self, job: Job, outcome: str) -> None:
         job.finished, job.outcome = time.monotonic(), outcome
