@@ -6,8 +6,7 @@ Three kinds of step decode. The model's own decode_step runs eagerly through any
 time (decoding/aot_step.py: AotStep) serves any cache shaped like the one it was exported with, and a step captured
 as CUDA graphs (decoding/cuda_graph.py: CapturedStep) serves the one cache it was captured over. generate takes its
 one-token steps through a Step's decode_step, or, greedy, runs of them through its greedy_steps; speculative
-decoding verifies its
-drafts through a Step, and a CachedText feeds its text through one (decoding/cached_text.py).
+decoding verifies its drafts through a Step, and a CachedText feeds its text through one (decoding/cached_text.py).
 
     if step.fits(cache):                          # its own cache, or one of its shape, for one token per row
         logits = step.decode_step(idx, cache)     # (B, vocab_size): what model.decode_step(idx, cache) gives
