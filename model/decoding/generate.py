@@ -93,8 +93,7 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampl
     first, context_pad = min(start), padding(start, idx.device)
     fed = None  # seq[:, :fed] has gone through the cache; None: (re)fill it
     drawn = None  # the last tokens drawn, (B, 1): fed back as they are, where a slice of seq would be copied first
-    made = 0
-    while made < max_new_tokens:
+    while length < buffer.size(1):
         if length - first > span:  # some row's context would pass span
             start = [moved_start(s, length, span, keep) for s in start]
             first, context_pad = min(start), padding(start, idx.device)
@@ -108,12 +107,12 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampl
                     logits = _prefill_once(model, buffer[:1, first:length], cache)  # every row the same prompt
                     fed = length
             if length - fed == 1:
-                fresh = buffer[:, fed:length] if drawn is None else drawn
+                unfed = buffer[:, fed:length] if drawn is None else drawn  # (B, 1)
                 if runs:  # as many steps as keep the context within span, at most GREEDY_RUN
-                    new = step.greedy_steps(fresh, cache, min(max_new_tokens - made, first + span - length + 1,
+                    new = step.greedy_steps(unfed, cache, min(buffer.size(1) - length, first + span - length + 1,
                                                               GREEDY_RUN))
                 else:
-                    new = pick(fresh, cache)[:, None]
+                    new = pick(unfed, cache)[:, None]
             else:
                 if fed < length:
                     logits = prefill(model, buffer[:, fed:length], cache, one_token_step, step.tokens if step else 1)
@@ -129,7 +128,6 @@ def generate_tokens(model: GPT, idx: torch.Tensor, max_new_tokens: int, *, sampl
         buffer[:, length:length + new.size(1)] = new
         drawn = new[:, -1:]
         length += new.size(1)
-        made += new.size(1)
         yield from new.unbind(1)
 
 
