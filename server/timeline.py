@@ -9,7 +9,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, replace
 
-from model.serving.census import Census, RequestCensus
+from model.serving.census import BlockCensus, Census, RequestCensus
 
 MOMENTS = 600  # passes kept: enough to replay the last few requests, small enough to send often
 RUNNING = ("prefilling", "decoding")
@@ -19,8 +19,7 @@ RUNNING = ("prefilling", "decoding")
 class Moment:
     seq: int  # the pass's number since the server started
     seconds: float  # since the first moment
-    blocks: tuple[tuple[object, int, bool], ...]  # (owner, refs, cached) by block; the last moment's if unchanged
-    shared: int  # blocks read by more than one request
+    blocks: tuple[BlockCensus, ...]  # (owner, refs, cached) by block: the engine's tuple, kept while unchanged
     requests: tuple[RequestCensus, ...]
     hits: tuple[tuple[object, int], ...]  # (name, cached tokens) of each request that joined on cached blocks
     left: tuple[object, ...]  # names no longer in the engine: done, stopped or cancelled
@@ -33,21 +32,18 @@ class Timeline:
         self.lock = threading.Lock()  # the event loop copies while the engine's thread appends
         self.seq, self.start = 0, None
         self.states: dict = {}  # each request's state at the last moment
-        self.blocks: tuple = ()  # the last moment's, shared by the next while unchanged: most passes fill no block
 
     def record(self, census: Census) -> None:
         """Keep the census of the pass just run; called by the engine's thread alone."""
         now = time.monotonic()
         self.start = now if self.start is None else self.start
-        blocks = tuple((b.owner, b.refs, b.cached) for b in census.blocks)
-        self.blocks = self.blocks if blocks == self.blocks else blocks
         states = {r.name: r.state for r in census.requests}
         hits = tuple((r.name, r.cached_tokens) for r in census.requests
                      if r.state in RUNNING and r.cached_tokens and self.states.get(r.name) not in RUNNING)
         left = tuple(name for name in self.states if name not in states)
         self.seq, self.states = self.seq + 1, states
-        moment = Moment(self.seq, now - self.start, self.blocks, sum(1 for b in blocks if b[1] > 1),
-                        census.requests, hits, left, replace(census, blocks=()))
+        moment = Moment(self.seq, now - self.start, census.blocks, census.requests, hits, left,
+                        replace(census, blocks=()))
         with self.lock:
             self.moments.append(moment)
 
@@ -61,7 +57,7 @@ class Timeline:
 def moment_view(moment: Moment) -> dict:
     """A moment as JSON: the counts the timeline plots, every block, and every request."""
     census = moment.census
-    return {"seq": moment.seq, "seconds": round(moment.seconds, 4), "used": census.used, "shared": moment.shared,
+    return {"seq": moment.seq, "seconds": round(moment.seconds, 4), "used": census.used, "shared": census.shared,
             "cached": census.idle, "free": census.free, "blocks": [list(b) for b in moment.blocks],
             "requests": [{"id": r.name, "state": r.state, "prompt_tokens": r.prompt_tokens,
                           "cached_tokens": r.cached_tokens, "tokens": r.generated_tokens, "blocks": r.blocks_held,

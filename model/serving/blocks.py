@@ -35,6 +35,7 @@ class BlockBooks:
         self.idle: OrderedDict[int, None] = OrderedDict()  # named blocks nobody reads, least recently used first
         self.by_hash: dict[bytes, int] = {}
         self.hash_of: dict[int, bytes] = {}
+        self.touched: set[int] = set()  # blocks whose books changed since BlockPictures last took them (census.py)
 
     def available(self) -> int:
         """Blocks that allocate() can hand out now."""
@@ -50,6 +51,7 @@ class BlockBooks:
         else:
             return None
         self.refs[block] = 1
+        self.touched.add(block)
         return block
 
     def lookup(self, name: bytes) -> int | None:
@@ -58,15 +60,18 @@ class BlockBooks:
         if block is not None:
             self.idle.pop(block, None)
             self.refs[block] += 1
+            self.touched.add(block)
         return block
 
     def name(self, block: int, name: bytes) -> None:
         """Register a block that has just become full under its chain hash (unless a block already holds it)."""
         if name not in self.by_hash and block not in self.hash_of:
             self.by_hash[name], self.hash_of[block] = block, name
+            self.touched.add(block)
 
     def release(self, block: int) -> None:
         self.refs[block] -= 1
+        self.touched.add(block)
         if self.refs[block] == 0:
             if block in self.hash_of:
                 self.idle[block] = None  # the most recently used end

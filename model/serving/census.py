@@ -5,6 +5,7 @@ reader in another thread (serve.py's page) holds a picture that the next pass do
 """
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 @dataclass(frozen=True)
@@ -20,8 +21,7 @@ class EngineStats:
         return self.reused_tokens / max(self.prompt_tokens, 1)
 
 
-@dataclass(frozen=True)
-class BlockCensus:
+class BlockCensus(NamedTuple):  # a tuple: a pool's every block is one, and tuples are the cheapest to make
     owner: object  # the name of the first running request that reads it, or None
     refs: int  # how many requests read it
     cached: bool  # it holds a named prefix, read or idle
@@ -46,5 +46,30 @@ class Census:
     n_blocks: int
     free: int  # blocks the pool can hand out now: never named, or idle
     used: int  # blocks some request reads
+    shared: int  # blocks more than one request reads
     idle: int  # cached blocks nobody reads, kept until the pool needs them
     stats: EngineStats
+
+
+class BlockPictures:
+    """Every block's census, each drawn again only when its books changed (BlockBooks.touched): a pass changes few
+    blocks, and drawing a large pool's every block at every pass would cost more than the pass."""
+
+    def __init__(self, n_blocks: int):
+        self.blocks = [BlockCensus(None, 0, False)] * n_blocks
+        self.picture = tuple(self.blocks)
+
+    def of(self, books, running) -> tuple[BlockCensus, ...]:
+        """Each block's census; books: the pool's (blocks.py), running: the running requests in the order they
+        joined, the first to read a block its owner. A block changes owner only as readers come and go, which
+        touches it."""
+        touched, books.touched = books.touched, set()
+        if touched:
+            owners = {}
+            for request in running:
+                for block in touched.intersection(request.blocks):
+                    owners.setdefault(block, request.name)
+            for block in touched:
+                self.blocks[block] = BlockCensus(owners.get(block), books.refs[block], block in books.hash_of)
+            self.picture = tuple(self.blocks)
+        return self.picture

@@ -35,7 +35,7 @@ import torch
 from ..checks import is_integer
 from .blocks import full_block_names
 from .buckets import DecodeBuckets
-from .census import BlockCensus, Census, EngineStats, RequestCensus
+from .census import BlockPictures, Census, EngineStats, RequestCensus
 from .paged import BlockPool, PagedPass
 from .request import Kept, Request, check_servable
 from .rowwise import RowsRoute
@@ -73,6 +73,7 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in the order they joined
         self.stats = EngineStats()
+        self.pictures = BlockPictures(n_blocks)  # census()'s blocks, each drawn again when it changes
 
     @property
     def device(self) -> torch.device:
@@ -81,18 +82,15 @@ class Engine:
 
     def census(self) -> Census:
         """A frozen picture of the engine now: each block, each request, the pool's counts and the stats."""
-        pool, owners = self.pool, {}
-        for request in self.running:  # the first to read a block owns it
-            for block in request.blocks:
-                owners.setdefault(block, request.name)
+        pool = self.pool
         states = [(r, "prefilling" if r.prefilling else "decoding") for r in self.running]
         states += [(r, "preempted" if r.preemptions else "waiting") for r in self.waiting]
-        return Census(
-            blocks=tuple(BlockCensus(owners.get(b), pool.refs[b], b in pool.hash_of) for b in range(pool.n_blocks)),
-            requests=tuple(RequestCensus(r.name, state, r.prompt_len, r.cached, r.drawn, len(r.blocks),
-                                         r.preemptions) for r, state in states),
-            block_tokens=pool.block_tokens, n_blocks=pool.n_blocks, free=pool.available(),
-            used=sum(1 for refs in pool.refs if refs), idle=len(pool.idle), stats=self.stats)
+        requests = tuple(RequestCensus(r.name, state, r.prompt_len, r.cached, r.drawn, len(r.blocks), r.preemptions)
+                         for r, state in states)
+        unread = pool.refs.count(0)
+        return Census(blocks=self.pictures.of(pool, self.running), requests=requests, block_tokens=pool.block_tokens,
+                      n_blocks=pool.n_blocks, free=pool.available(), used=pool.n_blocks - unread,
+                      shared=pool.n_blocks - unread - pool.refs.count(1), idle=len(pool.idle), stats=self.stats)
 
     def add(self, name, prompt: list[int], max_new_tokens: int, generator: torch.Generator | None = None,
             sampling: Sampling | None = None, kept: Kept | None = None) -> Request:
