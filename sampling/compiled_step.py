@@ -1,55 +1,23 @@
-"""Compiled decoding steps kept on disk: compiling costs tens of seconds once, and loading a step compiled before
-takes hundredths of a second: its native code is loaded without importing torch's compiler (model/decoding/aot_step.py).
+"""Compiled decoding steps, kept on disk as runtime/compiled.py keeps compiled code, named by the model, the cache's
+tensors and the device besides.
 
 A step is built one of two ways. A shared step reads the weights of the model it is given, so one serves every
 model of its shape. A packed step holds one model's weights, frozen into it and laid out for the CPU's matrix
 kernels, which run inside the step's own code: it is the fastest, and it serves that model only.
-
-A step is named by everything that shapes its code: the model's config and precision (and a packed step's
-weights), the cache's tensors, the device, the thread count it is built for (one thread's code runs serially, and
-code built for more threads splits its loops), torch's version, the CPU's instruction set and the model code.
-It is kept in $KVGPT_CACHE_DIR, else $XDG_CACHE_HOME/kvgpt, else ~/.cache/kvgpt, under steps/.
 """
 
 import copy
-import dataclasses
-import functools
-import hashlib
-import json
-import os
 import tempfile
 from pathlib import Path
 
 import torch
 
-import model as model_package
-from model.decoding.aot_step import AotStep, export_step, load_package, quiet_tracing, step_signature
-from runtime.files import write_atomically
+from model.decoding.aot_step import AotStep, export_step, step_signature
+from runtime.compiled import BUILDS, cache_dir, kept_path, load_or_compile
 
 # one-token steps after which compiling the step for the first time has paid for itself (docs/benchmarks.md)
 COMPILE_PAYS_AFTER = 10_000
 DEVICES = ("cpu",)  # where AOTInductor builds steps; on CUDA a step is captured (model/decoding/cuda_graph.py)
-# AOTInductor's settings for a shared step (packed=False) and a packed one (packed=True). Both keep a pass's
-# buffers of fixed size on the stack: a one-token pass otherwise spends much of its time allocating them.
-ON_THE_STACK = {"aot_inductor.allow_stack_allocation": True}
-BUILDS = {False: {**ON_THE_STACK, "aot_inductor.package_constants_in_so": False},
-          True: {**ON_THE_STACK, "freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP"}}
-
-
-def cache_dir() -> Path:
-    if os.environ.get("KVGPT_CACHE_DIR"):
-        return Path(os.environ["KVGPT_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvgpt"
-
-
-@functools.cache
-def model_code_digest() -> str:
-    """sha256 of model/'s source, read once per process: a step compiled from other code is another step."""
-    digest = hashlib.sha256()
-    root = Path(model_package.__file__).parent
-    for path in sorted(root.rglob("*.py")):
-        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()
 
 
 def packs(model) -> bool:
@@ -58,33 +26,12 @@ def packs(model) -> bool:
     return all(t.dtype == torch.float32 for t in [*model.parameters(), *model.buffers()])
 
 
-def weights_digest(model) -> str:
-    """sha256 of the model's weights and buffers, names and bytes: a packed step holds exactly these."""
-    digest = hashlib.sha256()
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        digest.update(name.encode() + b"\0" + str(t.dtype).encode() + str(tuple(t.shape)).encode())
-        digest.update(t.detach().cpu().contiguous().view(torch.uint8).numpy())
-    return digest.hexdigest()
-
-
 def step_path(model, cache, tokens: int = 1, packed: bool = False, threads: int | None = None) -> Path:
     """Where the compiled pass of `tokens` tokens per row for this model's shape and precision (packed: for these
     very weights), this cache's shape and `threads` CPU threads (None: torch's count now) is kept."""
-    device = cache.device
-    identity = {
-        "tokens": tokens,
-        "config": dataclasses.asdict(model.config),
-        "weights": sorted({str(t.dtype) for t in [*model.parameters(), *model.buffers()]}),
-        "packed": weights_digest(model) if packed else None,
-        "cache": [type(cache).__name__, *[(name, shape, str(dtype)) for name, shape, dtype in step_signature(cache)]],
-        "device": device.type,
-        "threads": threads or torch.get_num_threads(),
-        "torch": torch.__version__,
-        "cpu": torch.backends.cpu.get_cpu_capability(),
-        "code": model_code_digest(),
-    }
-    key = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:32]
-    return cache_dir() / "steps" / f"{key}.pt2"
+    return kept_path(model, packed, threads, tokens=tokens, device=cache.device.type,
+                     cache=[type(cache).__name__, *[(name, shape, str(dtype))
+                                                    for name, shape, dtype in step_signature(cache)]])
 
 
 def prompt_tokens(model, tokens: int = 1) -> int:
@@ -129,26 +76,7 @@ def warm(step: AotStep, cache) -> None:
 def load_or_compile_pass(model, cache, tokens: int, say, packed: bool, scratch: Path):
     """One compiled pass of 1 to `tokens` tokens per row, loaded from where it is kept, else compiled and kept
     there; where nothing can be written, compiled into scratch for this run only."""
-    path = step_path(model, cache, tokens, packed)
-    if path.is_file():
-        try:
-            return load_package(path)
-        except (RuntimeError, ValueError, OSError) as e:  # damaged, or from an incompatible build
-            say(f"the compiled step in {path} could not be loaded ({str(e).splitlines()[0][:120]}); compiling it "
-                f"again")
-    program = export_step(model, cache, tokens)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(path, lambda file: compile_step(program, file, packed))
-    except OSError as e:  # a read-only or full disk: this run still gets its step
-        say(f"cannot keep the compiled step in {path.parent} ({e.strerror or e}); it serves this run only")
-        path = scratch / f"step-{tokens}.pt2"
-        compile_step(program, str(path), packed)  # inductor checks the package's path against its own string
-    return load_package(path)
+    return load_or_compile(step_path(model, cache, tokens, packed), lambda: export_step(model, cache, tokens), say,
+                           BUILDS[packed], scratch / f"step-{tokens}.pt2")
 
 
-def compile_step(program, package, packed: bool = False) -> None:
-    """AOTInductor's build of the exported step into package (a path or a file): without a copy of the weights,
-    so that the step reads the model's own (AotStep), or packed, with them frozen in."""
-    with quiet_tracing():
-        torch._inductor.aoti_compile_and_package(program, package_path=package, inductor_configs=BUILDS[packed])

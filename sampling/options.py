@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--compile", action=argparse.BooleanOptionalAction,
                        help="decode through a one-token step compiled ahead of time with the checkpoint's "
                             "weights packed in (model/decoding/aot_step.py), kept under ~/.cache/kvgpt "
-                            "(sampling/compiled_step.py); "
+                            "(runtime/compiled.py); "
                             "compiling takes a minute or less (default: when one is kept, or for "
                             f"--max-new-tokens of {COMPILE_PAYS_AFTER} or more)")
     parser.add_argument("--kv-cache", choices=CACHES, help="how keys and values are stored: in the dtype "

@@ -4,7 +4,10 @@ import argparse
 import ipaddress
 import os
 import socket
+import sys
 from pathlib import Path
+
+import torch
 
 from model.caches.factory import CACHES
 from model.decoding.quantize import DECODING_PRECISIONS
@@ -12,7 +15,8 @@ from model.serving.engine import Engine, check_servable, pass_rows
 from model.serving.paged import POOLED, BlockPool
 from runtime.devices import (DEFAULT_THREADS, MEMORY_SHARE, environment_threads, gib, memory_of, threads_refused,
                              usable_cores)
-from runtime.errors import OneLineErrorParser, UsageError
+from runtime.errors import OneLineErrorParser, UsageError, one_line
+from runtime.compiled import has_engine_pass, load_or_compile_engine_pass
 
 BLOCK_TOKENS = 16  # --block-tokens's default, as vLLM's
 MAX_BATCH = 16
@@ -50,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="tokens per block (default: %(default)s)")
     parser.add_argument("--threads", metavar="N", type=int,
                         help="CPU threads that decode (default: one core fewer than torch's count, at least 1)")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction,
+                        help="serve through the engine's pass built into C++, compiled once for these weights and "
+                             "kept (about half a minute): on the CPU, with fp32 weights and a float pool "
+                             "(default: there); --no-compile serves eagerly")
     return parser
 
 
@@ -73,6 +81,9 @@ def check_options(args) -> None:
     if args.kv_cache not in POOLED:
         raise UsageError(f"--kv-cache {args.kv_cache} keeps one text's cache, not a pool of blocks: serve with "
                          f"{' or '.join(POOLED)}; sample.py --kv-cache {args.kv_cache} decodes with it")
+    if args.compile and (args.precision != "fp32" or args.kv_cache != "float"):
+        raise UsageError(f"--compile builds the engine's pass for fp32 weights and a float pool, not "
+                         f"--precision {args.precision} --kv-cache {args.kv_cache}: leave out --compile, or those")
     source = "--api-key"
     if args.api_key is None and os.environ.get(KEY_VARIABLE):  # an empty variable is taken as unset
         args.api_key, source = os.environ[KEY_VARIABLE], KEY_VARIABLE
@@ -108,6 +119,27 @@ def new_engine(args, model) -> Engine:
                          f"tokens take {per_context} blocks of {bt}")
     check_pool_fits(args, model, blocks)
     return Engine(model, n_blocks=blocks, block_tokens=bt, max_batch=args.max_batch, int8=args.kv_cache == "int8")
+
+
+def compile_passes(args, engine: Engine, threads: int) -> None:
+    """Give the engine its compiled pass (model/serving/compiled_rows.py) unless --no-compile: the one kept before
+    for these weights and this pool, else compiled now and kept. Says on stderr when it compiles; where compiling
+    fails, or its code is not batch-invariant on this host, the engine serves eagerly."""
+    if engine.device.type != "cpu":
+        if args.compile:
+            raise UsageError(f"--compile builds the engine's pass for the CPU; on {engine.device.type} the engine "
+                             f"captures its own: leave out --compile")
+        return
+    if args.compile is False or args.precision != "fp32" or args.kv_cache != "float":
+        return
+    torch.set_num_threads(threads)  # the code is built for the count the engine's thread decodes with
+    if not has_engine_pass(engine):
+        print("compiling the engine's pass for these weights, once: about half a minute (--no-compile serves "
+              "eagerly)", file=sys.stderr)
+    try:
+        engine.passes = load_or_compile_engine_pass(engine, say=lambda line: print(line, file=sys.stderr))
+    except Exception as e:  # noqa: BLE001  no C++ compiler, or code that is not batch-invariant: eager passes serve
+        print(f"the engine's compiled pass cannot serve ({one_line(e)[:200]}); serving eagerly", file=sys.stderr)
 
 
 def check_pool_fits(args, model, blocks: int) -> None:

@@ -6,7 +6,7 @@ import tempfile
 # The runs the tests start, in this process and in subprocesses, train with one thread rather than timing
 # thread counts first (training/sizing.py); the tests of that choice unset it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# Compiled decoding steps (sampling/compiled_step.py) are kept in a folder of the suite's own, removed at its end.
+# Compiled code (runtime/compiled.py) is kept in a folder of the suite's own, removed at its end.
 os.environ["KVGPT_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvgpt-tests-")
 atexit.register(shutil.rmtree, os.environ["KVGPT_CACHE_DIR"], ignore_errors=True)
 

@@ -43,8 +43,9 @@ class Served:
     """A serve.py process and its URL, stopped with SIGTERM when the test is done with it."""
 
     def __init__(self, checkpoint: Path, *args, env: dict | None = None):
+        # eager passes: compiling the engine's pass for each test's weights would take most of the suite's time
         self.process = subprocess.Popen([sys.executable, str(REPO / "serve.py"), "--checkpoint", str(checkpoint),
-                                         "--port", "0", *map(str, args)], cwd=checkpoint.parent, env=env or ENV,
+                                         "--port", "0", "--no-compile", *map(str, args)], cwd=checkpoint.parent, env=env or ENV,
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         ready, _, _ = select.select([self.process.stdout], [], [], START_SECONDS)
         line = self.process.stdout.readline() if ready else ""  # serve.py prints its URL once it listens

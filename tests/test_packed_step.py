@@ -12,7 +12,8 @@ from model.caches.factory import new_kv_cache
 from model.caches.ring import Uncached
 from model.decoding.aot_step import attention_in_loops
 from model.decoding.quantize import to_precision
-from sampling.compiled_step import has_compiled_step, load_or_compile_step, packs, step_path, weights_digest
+from runtime.compiled import weights_digest
+from sampling.compiled_step import has_compiled_step, load_or_compile_step, packs, step_path
 from tiny_models import BLOCK_SIZE, random_model, random_tokens
 from tolerance import assert_forward_close, assert_within, attention_bound, attention_reference
 

@@ -187,7 +187,8 @@ def test_listening_beyond_loopback_without_a_key_is_warned_once_bound(checkpoint
     assert open_warning("0.0.0.0", "s3cret") is None
     beyond = ("import runpy, sys, server.options; server.options.is_loopback = lambda host: False; "
               "sys.argv[0] = 'serve.py'; runpy.run_path('serve.py', run_name='__main__')")
-    process = subprocess.Popen([sys.executable, "-c", beyond, "--checkpoint", str(checkpoint), "--port", "0"],
+    process = subprocess.Popen([sys.executable, "-c", beyond, "--checkpoint", str(checkpoint), "--port", "0",
+                                "--no-compile"],
                                cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         ready, _, _ = select.select([process.stdout], [], [], START_SECONDS)
@@ -199,7 +200,7 @@ def test_listening_beyond_loopback_without_a_key_is_warned_once_bound(checkpoint
     assert lines[1].startswith("warning: listening on 127.0.0.1 without an API key"), lines
     # 192.0.2.1, for documentation, is on no machine: it cannot be bound, and the error comes alone
     result = subprocess.run([sys.executable, str(REPO / "serve.py"), "--checkpoint", str(checkpoint), "--host",
-                             "192.0.2.1", "--port", "0"], env=ENV, capture_output=True, text=True, timeout=120)
+                             "192.0.2.1", "--port", "0", "--no-compile"], env=ENV, capture_output=True, text=True, timeout=120)
     assert_one_line_error(result, "serve.py", "cannot listen on 192.0.2.1:0")
 
 
@@ -213,7 +214,7 @@ def local_window_checkpoint(tmp_path_factory):
 def test_mistakes_at_start_are_one_line_with_status_2(checkpoint, local_window_checkpoint):
     def serve(*args, env=ENV, code=None):
         command = [sys.executable, "-c", code, *map(str, args)] if code else \
-            [sys.executable, str(REPO / "serve.py"), *map(str, args)]
+            [sys.executable, str(REPO / "serve.py"), "--no-compile", *map(str, args)]
         return subprocess.run(command, env=env, capture_output=True, text=True, timeout=120, cwd=REPO)
 
     assert_one_line_error(serve("--checkpoint", local_window_checkpoint), "serve.py", "local layers",

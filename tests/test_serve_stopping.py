@@ -69,7 +69,8 @@ def test_a_stop_answers_requests_still_arriving_and_leaves_stderr_empty(checkpoi
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=lambda s: s.name)
 def test_a_stop_signal_as_the_url_appears_exits_0(checkpoint, sig):
     """Whoever reads the URL may stop the server at once: the signal is handled by then."""
-    process = subprocess.Popen([sys.executable, str(REPO / "serve.py"), "--checkpoint", str(checkpoint), "--port", "0"],
+    process = subprocess.Popen([sys.executable, str(REPO / "serve.py"), "--checkpoint", str(checkpoint), "--port", "0",
+                                "--no-compile"],
                                env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                preexec_fn=child_signal(sig))
     try:

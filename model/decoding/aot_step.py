@@ -9,7 +9,7 @@ cache's filled slots only, counted inside the step, so a cache not yet full cost
 
 A shared step reads the model's weights where they are (user-managed constants): it serves every model of its
 shape and precision, and it sees a later load_state_dict. A packed step (AotStep's packed=True) was compiled
-with the weights frozen in and laid out for the CPU's matrix kernels (sampling/compiled_step.py: BUILDS): the
+with the weights frozen in and laid out for the CPU's matrix kernels (runtime/compiled.py: BUILDS): the
 fastest, for that model's weights alone.
 
     program = export_step(model, cache)

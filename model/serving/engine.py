@@ -19,6 +19,8 @@ Every pass is batch-invariant, to the last bit: a prompt's tokens are computed a
 them, each a row of its own (model/serving/rowwise.py says why). A request's logits are the same whatever else
 runs beside it, whether its prefix was read from the cache or computed, in one chunk or many, or again after a
 preemption.
+On the CPU a pass may run as compiled code instead (engine.passes, model/serving/compiled_rows.py): the same rows,
+with no Python between its operations, given only where a check on the host finds its rows batch-invariant.
 
 engine.census() is a frozen picture of it between steps (model/serving/census.py): each block's readers, each
 request's state and counts, the stats. A reader such as serve.py's page needs nothing else of the engine.
@@ -70,6 +72,7 @@ class Engine:
         padded = buckets if buckets is not None else on_cuda
         self.buckets = DecodeBuckets(model, self.pool, max_batch, capture=on_cuda) if padded else None
         self.route = RowsRoute(model)  # how an eager pass computes each row alone (model/serving/rowwise.py)
+        self.passes = None  # compiled passes over self.pool (compiled_rows.py), which a caller may give; None: eager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in the order they joined
         self.stats = EngineStats()
@@ -199,6 +202,8 @@ class Engine:
         ids, tables, fed = [r.tokens[p] for r, p in rows], [r.blocks for r, _ in rows], [p for _, p in rows]
         if self.buckets is not None and len(rows) <= self.max_batch:  # a fixed-shape pass
             hidden = self.buckets.decode(ids, tables, fed)
+        elif self.passes is not None:
+            hidden = self.passes(ids, tables, fed)
         else:
             batch = PagedPass.of(self.pool, tables, fed)
             with self.route.alone():

@@ -129,8 +129,9 @@ class PagedLayer:
         B, n = b.table.shape
         bt = b.pool.block_tokens  # whole blocks at once: each a contiguous run of slots
         blocks = b.table.flatten()
+        gathered = b.pool.gathered  # None: fresh tensors, as compiled code makes its own (compiled_rows.py)
         rows = {name: torch.index_select(store.view(-1, bt, *store.shape[1:]), 0, blocks,
-                                         out=b.pool.gathered[name][:B * n])
+                                         out=None if gathered is None else gathered[name][:B * n])
                 .view(B, n * bt, *store.shape[1:]).transpose(1, 2) for name, store in self.stores.items()}
         if not b.pool.int8:
             return rows["k"], rows["v"]
