@@ -225,14 +225,17 @@ class Engine:
             self.running.remove(request)
             self._free(request)
         ready = [b for b, r in enumerate(requests) if r.fed == len(r.tokens) and r.max_new_tokens]  # others prefill
-        if any(requests[b].generator or requests[b].sampling for b in ready):  # each draws its own way
-            next_ids = [int((requests[b].sampling or self.sampling).next_token(
-                logits[b, None], requests[b].generator or self.generator)) for b in ready]
-        else:
-            next_ids = self.sampling.next_token(logits[ready], self.generator).tolist() if ready else []
+        greedy = [b for b in ready if (requests[b].sampling or self.sampling).greedy]  # one argmax for them all
+        next_ids = dict(zip(greedy, logits[greedy].argmax(-1).tolist())) if greedy else {}
+        sampled = [b for b in ready if b not in next_ids]
+        if any(requests[b].generator or requests[b].sampling for b in sampled):  # each draws its own way
+            next_ids.update((b, int((requests[b].sampling or self.sampling).next_token(
+                logits[b, None], requests[b].generator or self.generator))) for b in sampled)
+        elif sampled:
+            next_ids.update(zip(sampled, self.sampling.next_token(logits[sampled], self.generator).tolist()))
         drawn = [(request.name, None) for request in scored]
-        for b, token in zip(ready, next_ids):
-            request = requests[b]
+        for b in ready:
+            request, token = requests[b], next_ids[b]
             request.tokens.append(token)
             if self.keep_logits:
                 request.logits.append(logits[b])

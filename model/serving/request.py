@@ -26,7 +26,7 @@ class Kept:
         return rows, logits
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: the engine's queues find it by identity, not by comparing fields
 class Request:
     name: object
     tokens: list[int]  # the prompt, then what it has drawn
