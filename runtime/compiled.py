@@ -106,8 +106,9 @@ def engine_pass_path(engine, threads: int | None = None) -> Path:
     threads (None: torch's count now), is kept."""
     pool = engine.pool
     return kept_path(engine.model, True, threads, rows=engine.rows, device=engine.device.type,
-                     table_width=pool.table_width, pool=[(name, tuple(stores[0].shape), str(stores[0].dtype),
-                                                          len(stores)) for name, stores in pool.buffers.items()])
+                     block_tokens=pool.block_tokens, table_width=pool.table_width,
+                     pool=[(name, tuple(stores[0].shape), str(stores[0].dtype), len(stores))
+                           for name, stores in pool.buffers.items()])
 
 
 def has_engine_pass(engine) -> bool:
