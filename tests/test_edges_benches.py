@@ -65,6 +65,7 @@ def runs(tmp_path_factory) -> Path:
     ("engines.py", ["--batch", "0"], ["--batch", "got 0"]),
     ("engines.py", ["--batch", "4", "--prompts", "2"], ["--batch", "--prompts", "give one of them"]),
     ("serve_load.py", ["--threads", "0"], ["--threads", "got 0"]),
+    ("serve_load.py", ["--vllm-python", "/nonexistent"], ["--vllm-python races both servers", "--client openai"]),
     ("determinism.py", ["--checkpoint", "RUNS/plain", "--new", "100"], ["--new 100 leaves no room"]),
     ("determinism.py", ["--checkpoint", "RUNS/local"], ["--checkpoint", "local layers"]),
     ("determinism.py", ["--sends", "0"], ["--sends", "got 0"]),
