@@ -7,9 +7,9 @@ Each moment also says which requests joined reading cached blocks (prefix hits) 
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from model.serving.census import BlockCensus, Census, RequestCensus
+from model.serving.census import Census
 
 MOMENTS = 600  # passes kept: enough to replay the last few requests, small enough to send often
 RUNNING = ("prefilling", "decoding")
@@ -19,11 +19,9 @@ RUNNING = ("prefilling", "decoding")
 class Moment:
     seq: int  # the pass's number since the server started
     seconds: float  # since the first moment
-    blocks: tuple[BlockCensus, ...]  # (owner, refs, cached) by block: the engine's tuple, kept while unchanged
-    requests: tuple[RequestCensus, ...]
     hits: tuple[tuple[object, int], ...]  # (name, cached tokens) of each request that joined on cached blocks
     left: tuple[object, ...]  # names no longer in the engine: done, stopped or cancelled
-    census: Census  # its counts and stats; its blocks are dropped, as the moment keeps its own
+    census: Census  # the engine after the pass: its blocks (one tuple while unchanged), requests and counts
 
 
 class Timeline:
@@ -42,8 +40,7 @@ class Timeline:
                      if r.state in RUNNING and r.cached_tokens and self.states.get(r.name) not in RUNNING)
         left = tuple(name for name in self.states if name not in states)
         self.seq, self.states = self.seq + 1, states
-        moment = Moment(self.seq, now - self.start, census.blocks, census.requests, hits, left,
-                        replace(census, blocks=()))
+        moment = Moment(self.seq, now - self.start, hits, left, census)
         with self.lock:
             self.moments.append(moment)
 
@@ -58,10 +55,10 @@ def moment_view(moment: Moment) -> dict:
     """A moment as JSON: the counts the timeline plots, every block, and every request."""
     census = moment.census
     return {"seq": moment.seq, "seconds": round(moment.seconds, 4), "used": census.used, "shared": census.shared,
-            "cached": census.idle, "free": census.free, "blocks": [list(b) for b in moment.blocks],
+            "cached": census.idle, "free": census.free, "blocks": [list(b) for b in census.blocks],
             "requests": [{"id": r.name, "state": r.state, "prompt_tokens": r.prompt_tokens,
                           "cached_tokens": r.cached_tokens, "tokens": r.generated_tokens, "blocks": r.blocks_held,
-                          "preemptions": r.preemptions} for r in moment.requests],
+                          "preemptions": r.preemptions} for r in census.requests],
             "hits": [{"id": name, "cached_tokens": tokens} for name, tokens in moment.hits],
             "left": list(moment.left), "hit_rate": census.stats.hit_rate, "preemptions": census.stats.preemptions,
             "passes": census.stats.passes}

@@ -65,9 +65,9 @@ def test_moments_whose_blocks_did_not_change_share_one_copy_of_them():
     for _ in range(6):
         engine.step()
         timeline.record(engine.census())
-        assert [list(b) for b in timeline.moments[-1].blocks] == [[b.owner, b.refs, b.cached]
+        assert [list(b) for b in timeline.moments[-1].census.blocks] == [[b.owner, b.refs, b.cached]
                                                                   for b in engine.census().blocks]
-    assert len({id(m.blocks) for m in timeline.moments}) == 1
+    assert len({id(m.census.blocks) for m in timeline.moments}) == 1
 
 
 def get(url: str) -> dict:
