@@ -101,11 +101,11 @@ def compile_package(program, package, options: dict) -> None:
         torch._inductor.aoti_compile_and_package(program, package_path=package, inductor_configs=options)
 
 
-def engine_pass_path(engine, threads: int | None = None) -> Path:
-    """Where the engine's compiled pass for its model's very weights and its pool's shape, built for `threads` CPU
-    threads (None: torch's count now), is kept."""
+def engine_pass_path(engine) -> Path:
+    """Where the engine's compiled pass for its model's very weights and its pool's shape, built for torch's thread
+    count now, is kept."""
     pool = engine.pool
-    return kept_path(engine.model, True, threads, rows=engine.rows, device=engine.device.type,
+    return kept_path(engine.model, True, None, rows=engine.rows, device=engine.device.type,
                      block_tokens=pool.block_tokens, table_width=pool.table_width,
                      pool=[(name, tuple(stores[0].shape), str(stores[0].dtype), len(stores))
                            for name, stores in pool.buffers.items()])

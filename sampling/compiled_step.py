@@ -78,5 +78,3 @@ def load_or_compile_pass(model, cache, tokens: int, say, packed: bool, scratch: 
     there; where nothing can be written, compiled into scratch for this run only."""
     return load_or_compile(step_path(model, cache, tokens, packed), lambda: export_step(model, cache, tokens), say,
                            BUILDS[packed], scratch / f"step-{tokens}.pt2")
-
-

@@ -81,7 +81,7 @@ def check_options(args) -> None:
     if args.kv_cache not in POOLED:
         raise UsageError(f"--kv-cache {args.kv_cache} keeps one text's cache, not a pool of blocks: serve with "
                          f"{' or '.join(POOLED)}; sample.py --kv-cache {args.kv_cache} decodes with it")
-    if args.compile and (args.precision != "fp32" or args.kv_cache != "float"):
+    if args.compile and not pass_compiles(args):
         raise UsageError(f"--compile builds the engine's pass for fp32 weights and a float pool, not "
                          f"--precision {args.precision} --kv-cache {args.kv_cache}: leave out --compile, or those")
     source = "--api-key"
@@ -121,6 +121,12 @@ def new_engine(args, model) -> Engine:
     return Engine(model, n_blocks=blocks, block_tokens=bt, max_batch=args.max_batch, int8=args.kv_cache == "int8")
 
 
+def pass_compiles(args) -> bool:
+    """Whether the engine's pass can be compiled for these weights and this pool: fp32 and float (the device is
+    known once the model is loaded)."""
+    return args.precision == "fp32" and args.kv_cache == "float"
+
+
 def compile_passes(args, engine: Engine, threads: int) -> None:
     """Give the engine its compiled pass (model/serving/compiled_rows.py) unless --no-compile: the one kept before
     for these weights and this pool, else compiled now and kept. Says on stderr when it compiles; where compiling
@@ -130,7 +136,7 @@ def compile_passes(args, engine: Engine, threads: int) -> None:
             raise UsageError(f"--compile builds the engine's pass for the CPU; on {engine.device.type} the engine "
                              f"captures its own: leave out --compile")
         return
-    if args.compile is False or args.precision != "fp32" or args.kv_cache != "float":
+    if args.compile is False or not pass_compiles(args):
         return
     torch.set_num_threads(threads)  # the code is built for the count the engine's thread decodes with
     if not has_engine_pass(engine):

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from ..decoding.aot_step import attention_in_loops, quiet_tracing
-from .paged import BlockPool, PagedPass
+from .paged import BlockPool, PagedPass, block_tables
 
 
 def pool_tensors(pool: BlockPool) -> list[torch.Tensor]:
@@ -72,9 +72,7 @@ class CompiledRows:
         self.runner, self.pool, self.tensors = runner, pool, pool_tensors(pool)
 
     def __call__(self, ids: list[int], tables: list[list[int]], fed: list[int]) -> torch.Tensor:
-        n = self.pool.table_width  # every row reads as many blocks, masked past its length (PagedPass.of)
-        table = torch.tensor([row[:n] + [0] * (n - len(row[:n])) for row in tables])
-        return self.run(torch.tensor(ids)[:, None], table, torch.tensor(fed))
+        return self.run(torch.tensor(ids)[:, None], block_tables(self.pool, tables), torch.tensor(fed))
 
     def run(self, ids, table, fed) -> torch.Tensor:
         """ids (R, 1), table (R, table_width), fed (R,) -> logits (R, vocab_size)."""

@@ -104,6 +104,13 @@ class BlockPool(BlockBooks):
         return added
 
 
+def block_tables(pool: BlockPool, tables: list[list[int]]) -> torch.Tensor:
+    """The engine's block tables as a pass reads them, (B, table_width): every row as wide, padded with block 0,
+    which its mask hides past the row's length."""
+    n = pool.table_width
+    return torch.tensor([row[:n] + [0] * (n - len(row[:n])) for row in tables], device=pool.k[0].device)
+
+
 class PagedLayer:
     """One layer's view of a PagedPass: LayerKV's update, through the block tables."""
 
@@ -166,10 +173,8 @@ class PagedPass:
         """A pass of one token per row over the engine's block tables, after fed[b] tokens of its row's sequence.
         Every row reads the pool's table_width blocks, so that its attention sums over as many keys whatever the
         others need (masked past its length)."""
-        n, device = pool.table_width, pool.k[0].device
-        table = torch.tensor([row[:n] + [0] * (n - len(row[:n])) for row in tables], device=device)
-        fed = torch.tensor(fed, device=device)
-        return cls(pool, table, fed, torch.ones_like(fed), 1)
+        fed = torch.tensor(fed, device=pool.k[0].device)
+        return cls(pool, block_tables(pool, tables), fed, torch.ones_like(fed), 1)
 
     def begin(self, t: int) -> CachePass:
         """The pass itself: the engine counts what each sequence has fed."""
